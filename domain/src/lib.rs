@@ -1,0 +1,25 @@
+//! The domain of the idempotent inventory consumer: what an `OrderPlaced` or `OrderCancelled`
+//! message is, what makes two copies "the same message", and how stock is reserved. No I/O,
+//! no database, no broker: every rule here is a plain function with its tests beside it.
+//!
+//! # Layout
+//! - [`ids`]: newtypes that can only be built valid (`MessageId`, `Quantity`, `OrderId`,
+//!   `BookId`, `ConsumerName`) and the `DedupKey` derived from a message.
+//! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`, the payload hash.
+//! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
+//! - [`outcome`]: what handling a message came to, and the contract's dead-letter reasons.
+//! - [`ports`]: the email provider trait and the crash points a handler passes through.
+
+pub mod ids;
+pub mod message;
+pub mod outcome;
+pub mod ports;
+pub mod stock;
+
+pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
+pub use message::{
+    DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,
+};
+pub use outcome::{DeadLetterReason, Effect, Outcome, Refusal};
+pub use ports::{CrashPoint, EmailProvider, ProviderError, StockReservedEmail};
+pub use stock::{ReservationDecision, ReservationStatus, StockItem};

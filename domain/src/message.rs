@@ -1,0 +1,434 @@
+//! The messages the service consumes, decoded from plain JSON or CloudEvents 1.0 structured mode.
+
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+use sha2::{Digest, Sha256};
+
+use crate::ids::{BookId, DedupKey, FieldError, MessageId, OrderId, Quantity};
+use crate::outcome::DeadLetterReason;
+
+/// Which event a subject carries: plain JSON bodies say it only through their subject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    Placed,
+    Cancelled,
+}
+
+impl EventKind {
+    /// The kind from a subject's last token (`orders.placed`, `test-42.orders.cancelled`).
+    pub fn from_subject(subject: &str) -> Option<Self> {
+        match subject.rsplit('.').next()? {
+            "placed" => Some(Self::Placed),
+            "cancelled" => Some(Self::Cancelled),
+            _ => None,
+        }
+    }
+
+    pub fn subject_token(self) -> &'static str {
+        match self {
+            Self::Placed => "placed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn cloud_event_type(self) -> &'static str {
+        match self {
+            Self::Placed => "bookstore.order.placed",
+            Self::Cancelled => "bookstore.order.cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderPlaced {
+    pub order_id: OrderId,
+    pub book_id: BookId,
+    pub quantity: Quantity,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderCancelled {
+    pub order_id: OrderId,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Placed(OrderPlaced),
+    Cancelled(OrderCancelled),
+}
+
+impl Event {
+    pub fn kind(&self) -> EventKind {
+        match self {
+            Self::Placed(_) => EventKind::Placed,
+            Self::Cancelled(_) => EventKind::Cancelled,
+        }
+    }
+
+    pub fn order_id(&self) -> OrderId {
+        match self {
+            Self::Placed(placed) => placed.order_id,
+            Self::Cancelled(cancelled) => cancelled.order_id,
+        }
+    }
+}
+
+/// A hex SHA-256 of a message's business content, stored with its inbox row so that the same
+/// message id arriving with other content is caught instead of being skipped as a duplicate.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PayloadHash(String);
+
+impl PayloadHash {
+    pub fn from_stored(value: String) -> Self {
+        Self(value)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// One decoded message: the event plus what identifies this copy of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub key: DedupKey,
+    pub correlation_id: Option<String>,
+    pub occurred_at: Option<String>,
+    pub event: Event,
+}
+
+/// Why a body could not become a [`Message`]; each is a dead letter, never a retry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Not UTF-8 JSON of the expected shape: syntax, types, missing or repeated fields.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// Well-formed, but a value breaks a rule (length, range, UUID, event type).
+    #[error("invalid message: {0}")]
+    Invalid(String),
+}
+
+impl DecodeError {
+    pub fn reason(&self) -> DeadLetterReason {
+        match self {
+            Self::Malformed(_) => DeadLetterReason::Malformed,
+            Self::Invalid(_) => DeadLetterReason::Invalid,
+        }
+    }
+}
+
+impl From<FieldError> for DecodeError {
+    fn from(error: FieldError) -> Self {
+        Self::Invalid(error.to_string())
+    }
+}
+
+fn malformed(error: serde_json::Error) -> DecodeError {
+    DecodeError::Malformed(error.to_string())
+}
+
+#[derive(Deserialize)]
+struct EnvelopeProbe {
+    specversion: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct EventFields {
+    order_id: String,
+    book_id: Option<String>,
+    quantity: Option<i64>,
+    correlation_id: Option<String>,
+    occurred_at: Option<String>,
+}
+
+/// The plain body: the event's fields beside `message_id`. Not `#[serde(flatten)]`, which would
+/// let a repeated field through.
+#[derive(Deserialize)]
+struct PlainBody {
+    message_id: String,
+    order_id: String,
+    book_id: Option<String>,
+    quantity: Option<i64>,
+    correlation_id: Option<String>,
+    occurred_at: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct CloudEventBody {
+    specversion: String,
+    id: String,
+    source: String,
+    #[serde(rename = "type")]
+    event_type: String,
+    data: EventFields,
+}
+
+/// The CloudEvents `source` is a URI reference; the bound keeps hostile bodies from bloating logs.
+const MAX_SOURCE_CHARS: usize = 1_000;
+
+impl EventFields {
+    fn into_event(self, kind: EventKind) -> Result<Event, DecodeError> {
+        let order_id = OrderId::parse(&self.order_id)?;
+        Ok(match kind {
+            EventKind::Placed => {
+                let book_id = self
+                    .book_id
+                    .ok_or_else(|| DecodeError::Malformed("missing field `book_id`".into()))?;
+                let quantity = self
+                    .quantity
+                    .ok_or_else(|| DecodeError::Malformed("missing field `quantity`".into()))?;
+                Event::Placed(OrderPlaced {
+                    order_id,
+                    book_id: BookId::parse(&book_id)?,
+                    quantity: Quantity::new(quantity)?,
+                })
+            }
+            EventKind::Cancelled => Event::Cancelled(OrderCancelled { order_id }),
+        })
+    }
+}
+
+impl Message {
+    /// Decodes a body that arrived on a subject of `kind`. Unknown fields are ignored; a field
+    /// given twice is malformed, since which copy a reader honours would be a guess.
+    pub fn decode(kind: EventKind, body: &[u8]) -> Result<Self, DecodeError> {
+        let probe: EnvelopeProbe = serde_json::from_slice(body).map_err(malformed)?;
+        if probe.specversion.is_some() {
+            return Self::decode_cloud_event(kind, body);
+        }
+        let plain: PlainBody = serde_json::from_slice(body).map_err(malformed)?;
+        let key = DedupKey::MessageId(MessageId::parse(plain.message_id)?);
+        let fields = EventFields {
+            order_id: plain.order_id,
+            book_id: plain.book_id,
+            quantity: plain.quantity,
+            correlation_id: plain.correlation_id,
+            occurred_at: plain.occurred_at,
+        };
+        Ok(Self {
+            key,
+            correlation_id: fields.correlation_id.clone(),
+            occurred_at: fields.occurred_at.clone(),
+            event: fields.into_event(kind)?,
+        })
+    }
+
+    fn decode_cloud_event(kind: EventKind, body: &[u8]) -> Result<Self, DecodeError> {
+        let event: CloudEventBody = serde_json::from_slice(body).map_err(malformed)?;
+        if event.specversion != "1.0" {
+            return Err(DecodeError::Invalid(format!(
+                "unsupported CloudEvents specversion {:?}",
+                truncate(&event.specversion)
+            )));
+        }
+        if event.event_type != kind.cloud_event_type() {
+            return Err(DecodeError::Invalid(format!(
+                "CloudEvents type {:?} does not match the subject's {}",
+                truncate(&event.event_type),
+                kind.cloud_event_type()
+            )));
+        }
+        // The id obeys the message id's rules; the pair (source, id) is the key.
+        let id = MessageId::parse(event.id)?.as_str().to_owned();
+        let source_chars = event.source.chars().count();
+        if source_chars == 0 || source_chars > MAX_SOURCE_CHARS {
+            return Err(DecodeError::Invalid(format!(
+                "CloudEvents source must be 1 to {MAX_SOURCE_CHARS} characters, got {source_chars}"
+            )));
+        }
+        Ok(Self {
+            key: DedupKey::CloudEvent {
+                source: event.source,
+                id,
+            },
+            correlation_id: event.data.correlation_id.clone(),
+            occurred_at: event.data.occurred_at.clone(),
+            event: event.data.into_event(kind)?,
+        })
+    }
+
+    /// The hash of what the message asks for, independent of field order and envelope.
+    pub fn payload_hash(&self) -> PayloadHash {
+        let canonical = match &self.event {
+            Event::Placed(placed) => format!(
+                "placed|{}|{}|{}",
+                placed.order_id, placed.book_id, placed.quantity
+            ),
+            Event::Cancelled(cancelled) => format!("cancelled|{}", cancelled.order_id),
+        };
+        PayloadHash(hex::encode(Sha256::digest(canonical.as_bytes())))
+    }
+
+    /// The plain JSON body a producer publishes for this message, or `None` for a CloudEvent
+    /// key, which has no `message_id` field to carry it.
+    pub fn to_plain_json(&self) -> Option<Vec<u8>> {
+        let DedupKey::MessageId(message_id) = &self.key else {
+            return None;
+        };
+        let mut body = serde_json::Map::new();
+        body.insert("message_id".into(), message_id.as_str().into());
+        body.insert("order_id".into(), self.event.order_id().to_string().into());
+        if let Event::Placed(placed) = &self.event {
+            body.insert("book_id".into(), placed.book_id.to_string().into());
+            body.insert("quantity".into(), placed.quantity.get().into());
+        }
+        if let Some(correlation_id) = &self.correlation_id {
+            body.insert("correlation_id".into(), correlation_id.as_str().into());
+        }
+        if let Some(occurred_at) = &self.occurred_at {
+            body.insert("occurred_at".into(), occurred_at.as_str().into());
+        }
+        serde_json::to_vec(&body).ok()
+    }
+}
+
+fn truncate(value: &str) -> String {
+    value.chars().take(64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ORDER: &str = "0190f5c4-3c2e-7b4a-9d3e-1f2a3b4c5d6e";
+    const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
+
+    fn placed_body(extra: &str) -> Vec<u8> {
+        format!(
+            r#"{{"message_id":"m-1","order_id":"{ORDER}","book_id":"{BOOK}","quantity":2{extra}}}"#
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn plain_order_placed_is_decoded_and_unknown_fields_ignored() {
+        let message = Message::decode(
+            EventKind::Placed,
+            &placed_body(r#","correlation_id":"c-9","colour":"blue""#),
+        )
+        .expect("valid body");
+        assert_eq!(
+            message.key,
+            DedupKey::MessageId(MessageId::parse("m-1").expect("valid id"))
+        );
+        assert_eq!(message.correlation_id.as_deref(), Some("c-9"));
+        let Event::Placed(placed) = message.event else {
+            panic!("expected OrderPlaced")
+        };
+        assert_eq!(placed.quantity.get(), 2);
+    }
+
+    #[test]
+    fn the_correlation_id_never_becomes_the_key() {
+        let message = Message::decode(
+            EventKind::Placed,
+            &placed_body(r#","correlation_id":"shared""#),
+        )
+        .expect("valid body");
+        assert_eq!(message.key.storage_key(), "m-1");
+    }
+
+    #[test]
+    fn cloud_event_is_keyed_by_source_and_id() {
+        let body = format!(
+            r#"{{"specversion":"1.0","id":"e-1","source":"/shop","type":"bookstore.order.cancelled","data":{{"order_id":"{ORDER}"}}}}"#
+        );
+        let message = Message::decode(EventKind::Cancelled, body.as_bytes()).expect("valid");
+        assert_eq!(
+            message.key,
+            DedupKey::CloudEvent {
+                source: "/shop".into(),
+                id: "e-1".into()
+            }
+        );
+        assert!(matches!(message.event, Event::Cancelled(_)));
+    }
+
+    #[test]
+    fn cloud_event_of_the_other_type_is_invalid() {
+        let body = format!(
+            r#"{{"specversion":"1.0","id":"e-1","source":"/shop","type":"bookstore.order.cancelled","data":{{"order_id":"{ORDER}"}}}}"#
+        );
+        let error = Message::decode(EventKind::Placed, body.as_bytes()).expect_err("mismatch");
+        assert_eq!(error.reason(), DeadLetterReason::Invalid);
+    }
+
+    #[test]
+    fn cloud_event_without_source_is_malformed() {
+        let body = format!(
+            r#"{{"specversion":"1.0","id":"e-1","type":"bookstore.order.cancelled","data":{{"order_id":"{ORDER}"}}}}"#
+        );
+        let error = Message::decode(EventKind::Cancelled, body.as_bytes()).expect_err("no source");
+        assert_eq!(error.reason(), DeadLetterReason::Malformed);
+    }
+
+    #[test]
+    fn broken_shapes_are_malformed() {
+        for body in [
+            &b"{"[..],
+            b"[]",
+            b"\xff\xfe",
+            br#"{"message_id":"m","order_id":"x","book_id":"y","quantity":"2"}"#,
+            br#"{"message_id":"m","message_id":"n","order_id":"x","book_id":"y","quantity":2}"#,
+            br#"{"order_id":"x","book_id":"y","quantity":2}"#,
+            br#"{"message_id":"m","order_id":"x","book_id":"y","quantity":2,"quantity":3}"#,
+        ] {
+            let error = Message::decode(EventKind::Placed, body).expect_err("malformed");
+            assert_eq!(error.reason(), DeadLetterReason::Malformed, "{body:?}");
+        }
+    }
+
+    #[test]
+    fn rule_breaking_values_are_invalid() {
+        for body in [
+            format!(r#"{{"message_id":"","order_id":"{ORDER}","book_id":"{BOOK}","quantity":2}}"#),
+            format!(r#"{{"message_id":"m","order_id":"nope","book_id":"{BOOK}","quantity":2}}"#),
+            format!(r#"{{"message_id":"m","order_id":"{ORDER}","book_id":"{BOOK}","quantity":0}}"#),
+            format!(
+                r#"{{"message_id":"m","order_id":"{ORDER}","book_id":"{BOOK}","quantity":10001}}"#
+            ),
+        ] {
+            let error = Message::decode(EventKind::Placed, body.as_bytes()).expect_err("invalid");
+            assert_eq!(error.reason(), DeadLetterReason::Invalid, "{body}");
+        }
+    }
+
+    #[test]
+    fn payload_hash_follows_content_not_field_order() {
+        let a = Message::decode(EventKind::Placed, &placed_body("")).expect("valid");
+        let reordered = format!(
+            r#"{{"quantity":2,"book_id":"{BOOK}","order_id":"{ORDER}","message_id":"m-1"}}"#
+        );
+        let b = Message::decode(EventKind::Placed, reordered.as_bytes()).expect("valid");
+        let other = format!(
+            r#"{{"quantity":3,"book_id":"{BOOK}","order_id":"{ORDER}","message_id":"m-1"}}"#
+        );
+        let c = Message::decode(EventKind::Placed, other.as_bytes()).expect("valid");
+        assert_eq!(a.payload_hash(), b.payload_hash());
+        assert_ne!(a.payload_hash(), c.payload_hash());
+    }
+
+    #[test]
+    fn plain_json_round_trips() {
+        let message = Message::decode(
+            EventKind::Placed,
+            &placed_body(r#","correlation_id":"c","occurred_at":"2026-11-30T10:00:00Z""#),
+        )
+        .expect("valid");
+        let body = message.to_plain_json().expect("message id key");
+        assert_eq!(Message::decode(EventKind::Placed, &body), Ok(message));
+    }
+
+    #[test]
+    fn subject_names_the_kind() {
+        assert_eq!(
+            EventKind::from_subject("orders.placed"),
+            Some(EventKind::Placed)
+        );
+        assert_eq!(
+            EventKind::from_subject("t1.orders.cancelled"),
+            Some(EventKind::Cancelled)
+        );
+        assert_eq!(EventKind::from_subject("orders.shipped"), None);
+    }
+}

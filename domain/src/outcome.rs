@@ -1,0 +1,105 @@
+//! What handling a message came to, and the dead-letter reasons of the contract.
+
+use std::fmt;
+
+use crate::ids::Quantity;
+
+/// The contract's `Dlq-Reason` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeadLetterReason {
+    Malformed,
+    Invalid,
+    UnknownBook,
+    PayloadMismatch,
+    ConflictingReservation,
+    MaxDeliveries,
+    NeedsReconciliation,
+}
+
+impl DeadLetterReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Malformed => "malformed",
+            Self::Invalid => "invalid",
+            Self::UnknownBook => "unknown-book",
+            Self::PayloadMismatch => "payload-mismatch",
+            Self::ConflictingReservation => "conflicting-reservation",
+            Self::MaxDeliveries => "max-deliveries",
+            Self::NeedsReconciliation => "needs-reconciliation",
+        }
+    }
+}
+
+impl fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a message that was applied did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    Reserved {
+        quantity: Quantity,
+    },
+    /// Not enough stock: the refusal is recorded, so a redelivery gets the same answer.
+    Rejected {
+        requested: Quantity,
+        available: i64,
+    },
+    Released {
+        copies: i64,
+    },
+    /// The order was cancelled before this placement arrived: nothing is reserved.
+    ArrivedAfterCancellation,
+    EmailSent,
+}
+
+/// A message that must not be applied and must not be retried: it becomes a dead letter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: DeadLetterReason,
+    pub detail: String,
+}
+
+/// The result of handling one message. Every variant is final for that delivery: the consumer
+/// acks `Processed` and `Duplicate`, and dead-letters `Refused`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Processed(Effect),
+    /// Already handled: success-to-skip, never an error.
+    Duplicate,
+    Refused(Refusal),
+}
+
+impl Outcome {
+    pub fn refused(reason: DeadLetterReason, detail: impl Into<String>) -> Self {
+        Self::Refused(Refusal {
+            reason,
+            detail: detail.into(),
+        })
+    }
+
+    /// Whether this delivery applied the message's work.
+    pub fn processed(&self) -> bool {
+        matches!(self, Self::Processed(_))
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Processed(Effect::Rejected { .. }) => "rejected",
+            Self::Processed(_) => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Refused(refusal) => refusal.reason.as_str(),
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Refused(refusal) => write!(f, "{}: {}", refusal.reason, refusal.detail),
+            other => f.write_str(other.label()),
+        }
+    }
+}

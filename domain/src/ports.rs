@@ -1,0 +1,51 @@
+//! What the domain needs from the outside world, as traits the infrastructure implements.
+
+use std::future::Future;
+
+use crate::ids::{BookId, OrderId, Quantity};
+
+/// The mail a reservation triggers: a side effect no database transaction can contain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StockReservedEmail {
+    pub order_id: OrderId,
+    pub book_id: BookId,
+    pub quantity: Quantity,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("email provider unavailable: {0}")]
+pub struct ProviderError(pub String);
+
+/// An email provider that honours an idempotency key, as real ones do (`Idempotency-Key`).
+pub trait EmailProvider: Send + Sync {
+    fn send(
+        &self,
+        idempotency_key: &str,
+        email: &StockReservedEmail,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send;
+}
+
+/// The places where a handler can be made to die as a process would, so the failure windows of
+/// each strategy can be shown and tested. Production code passes through them untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CrashPoint {
+    /// The dedup check or claim ran; the work has not started.
+    AfterDedupCheck,
+    /// The work ran inside the transaction, which is not committed yet.
+    BeforeCommit,
+    /// The work committed; the dedup record (check-then-process) or the ack is still to come.
+    AfterCommit,
+    /// The email went out; the record still says "processing".
+    AfterSend,
+}
+
+impl CrashPoint {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AfterDedupCheck => "after-dedup-check",
+            Self::BeforeCommit => "before-commit",
+            Self::AfterCommit => "after-commit",
+            Self::AfterSend => "after-send",
+        }
+    }
+}

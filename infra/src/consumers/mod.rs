@@ -1,0 +1,203 @@
+//! The consumer strategies: each takes one decoded message and returns a typed [`Outcome`].
+//!
+//! - [`Strategy::Naive`]: no dedup at all; every delivery reserves again.
+//! - [`Strategy::CheckThenProcess`]: look in the inbox, do the work in its own transaction, then
+//!   write the inbox row. A crash between the two reopens the window.
+//! - [`Strategy::Inbox`]: claim `(message_id, consumer)` first, in the same transaction as the
+//!   work; the unique key is the arbiter between concurrent copies.
+//! - [`Strategy::NaturalKey`]: the reservation's own key `(order_id, book_id)` refuses a second
+//!   reservation, whatever the message id.
+//!
+//! The two-phase email consumer is in [`email`]; deliberately wrong designs the demo contrasts
+//! with these are in [`study`].
+
+pub mod email;
+mod inbox;
+mod natural;
+pub mod study;
+mod work;
+
+use inventory_domain::{
+    ConsumerName, CrashPoint, DeadLetterReason, Message, Outcome, PayloadHash, ProviderError,
+};
+use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+
+use crate::faults::Faults;
+
+/// Why handling failed without an outcome. None of these acks the message: it is redelivered.
+#[derive(Debug, thiserror::Error)]
+pub enum HandleError {
+    /// The database failed or was unreachable: retry later (nak with a delay).
+    #[error("database error: {0}")]
+    Database(#[from] DbErr),
+    /// The provider did not take the email: retry later.
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
+    /// An injected crash: the handler "died" at this point, as a killed process would.
+    #[error("crashed at {}", .0.as_str())]
+    Crashed(CrashPoint),
+}
+
+/// How the inbox detects that a copy was already claimed. All three are correct under
+/// concurrency; they differ in cost (see the benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DetectMode {
+    /// Insert the claim and catch the unique violation (which aborts a PostgreSQL transaction).
+    CatchViolation,
+    /// Look the key up before the transaction; insert (and still catch) only when absent.
+    PreCheck,
+    /// `INSERT … ON CONFLICT DO NOTHING` and count the rows.
+    OnConflict,
+}
+
+impl DetectMode {
+    pub const ALL: [Self; 3] = [Self::CatchViolation, Self::PreCheck, Self::OnConflict];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::CatchViolation => "catch-violation",
+            Self::PreCheck => "pre-check",
+            Self::OnConflict => "on-conflict",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Naive,
+    CheckThenProcess,
+    Inbox(DetectMode),
+    NaturalKey,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Naive => "naive",
+            Self::CheckThenProcess => "check-then-process",
+            Self::Inbox(_) => "inbox",
+            Self::NaturalKey => "natural key",
+        }
+    }
+}
+
+/// A stock-reserving consumer: one strategy, one consumer name, one database.
+#[derive(Clone)]
+pub struct StockConsumer {
+    db: DatabaseConnection,
+    strategy: Strategy,
+    consumer: ConsumerName,
+    faults: Faults,
+}
+
+impl StockConsumer {
+    pub fn new(db: DatabaseConnection, strategy: Strategy, consumer: ConsumerName) -> Self {
+        Self {
+            db,
+            strategy,
+            consumer,
+            faults: Faults::none(),
+        }
+    }
+
+    /// The same consumer, failing as `faults` says (tests and the demo only).
+    pub fn with_faults(&self, faults: Faults) -> Self {
+        Self {
+            faults,
+            ..self.clone()
+        }
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    pub fn consumer(&self) -> &ConsumerName {
+        &self.consumer
+    }
+
+    /// Handles one delivery. `Ok` is final for it (ack, or dead-letter a refusal); `Err` means
+    /// nothing was acknowledged and the message will come again.
+    #[tracing::instrument(skip_all, fields(strategy = self.strategy.name(), key = %message.key, outcome), err)]
+    pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let outcome = match self.strategy {
+            Strategy::Naive => self.handle_naive(message).await,
+            Strategy::CheckThenProcess => self.handle_check_then_process(message).await,
+            Strategy::Inbox(mode) => self.handle_inbox(message, mode).await,
+            Strategy::NaturalKey => self.handle_natural(message).await,
+        }?;
+        tracing::Span::current().record("outcome", outcome.label());
+        Ok(outcome)
+    }
+
+    async fn handle_naive(&self, message: &Message) -> Result<Outcome, HandleError> {
+        // Naive checks nothing: its "dedup check" point is simply its start.
+        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
+        let txn = self.db.begin().await?;
+        let result = work::apply_logged(&txn, &message.key.storage_key(), &message.event).await;
+        finish(txn, &self.faults, result).await
+    }
+
+    async fn handle_check_then_process(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let key = message.key.storage_key();
+        let hash = message.payload_hash();
+        if let Some(existing) =
+            crate::stock::find_inbox_entry(&self.db, &key, self.consumer.as_str()).await?
+        {
+            return Ok(compare_payload(&existing.payload_hash, &hash));
+        }
+        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
+        let txn = self.db.begin().await?;
+        let result = work::apply_logged(&txn, &key, &message.event).await;
+        let outcome = finish(txn, &self.faults, result).await?;
+        if outcome.processed() {
+            // The window: the work is committed, the record is not written yet.
+            inbox::record_completed(&self.db, &key, &self.consumer, &hash).await?;
+        }
+        Ok(outcome)
+    }
+}
+
+/// The same key seen again: the same content is a duplicate, other content a refusal.
+pub(crate) fn compare_payload(stored: &str, incoming: &PayloadHash) -> Outcome {
+    if stored == incoming.as_str() {
+        Outcome::Duplicate
+    } else {
+        Outcome::refused(
+            DeadLetterReason::PayloadMismatch,
+            format!(
+                "message id already used for other content (stored hash {stored}, this one {})",
+                incoming.as_str()
+            ),
+        )
+    }
+}
+
+/// Ends a transaction: commits processed work, rolls back anything else, so a refusal or an
+/// error leaves no partial write. The crash points on either side of the commit live here.
+pub(crate) async fn finish(
+    txn: DatabaseTransaction,
+    faults: &Faults,
+    result: Result<Outcome, HandleError>,
+) -> Result<Outcome, HandleError> {
+    match result {
+        Ok(outcome) if outcome.processed() => {
+            if let Err(crash) = faults.pass(CrashPoint::BeforeCommit).await {
+                txn.rollback().await?;
+                return Err(crash);
+            }
+            txn.commit().await?;
+            faults.pass(CrashPoint::AfterCommit).await?;
+            Ok(outcome)
+        }
+        Ok(outcome) => {
+            txn.rollback().await?;
+            Ok(outcome)
+        }
+        Err(error) => {
+            // The error is what matters; a failed rollback is undone by the connection's release.
+            let _ = txn.rollback().await;
+            Err(error)
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Natural idempotency: the reservation's business key `(order_id, book_id)` is the arbiter.
+//!
+//! Placement and cancellation of one order both write its `order_states` row, which serializes
+//! them on PostgreSQL: a cancellation that commits first is seen by the placement, and one that
+//! commits second sees the placement's reservation, so a cancellation always wins.
+
+use chrono::Utc;
+use inventory_domain::stock::second_request_for_reservation as second_request;
+use inventory_domain::{
+    CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, ReservationDecision,
+    ReservationStatus,
+};
+use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, Set,
+    TransactionTrait, TryInsertResult,
+};
+
+use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
+use super::{HandleError, StockConsumer, finish};
+use crate::entities::{order_states, stock_reservations};
+use crate::stock::quantity_from;
+
+impl StockConsumer {
+    pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let key = message.key.storage_key();
+        let txn = self.db.begin().await?;
+        let result = match &message.event {
+            Event::Placed(placed) => self.reserve(&txn, &key, placed).await,
+            Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,
+        };
+        finish(txn, &self.faults, result).await
+    }
+
+    async fn reserve(
+        &self,
+        txn: &DatabaseTransaction,
+        key: &str,
+        placed: &OrderPlaced,
+    ) -> Result<Outcome, HandleError> {
+        let row = stock_reservations::ActiveModel {
+            order_id: Set(placed.order_id.as_uuid()),
+            book_id: Set(placed.book_id.as_uuid()),
+            quantity: Set(quantity_column(placed.quantity.get())?),
+            status: Set(ReservationStatus::Reserved.as_str().to_owned()),
+            message_id: Set(key.to_owned()),
+            created_at: Set(Utc::now()),
+        };
+        let inserted = stock_reservations::Entity::insert(row)
+            .on_conflict_do_nothing()
+            .exec_without_returning(txn)
+            .await?;
+        if !matches!(inserted, TryInsertResult::Inserted(rows) if rows > 0) {
+            let existing = stock_reservations::Entity::find_by_id((
+                placed.order_id.as_uuid(),
+                placed.book_id.as_uuid(),
+            ))
+            .one(txn)
+            .await?
+            .ok_or_else(|| DbErr::RecordNotFound("reservation vanished after a conflict".into()))?;
+            return Ok(second_request(
+                quantity_from(existing.quantity)?,
+                placed.quantity,
+            ));
+        }
+        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
+
+        if order_is_cancelled(txn, placed).await? {
+            set_status(txn, placed, ReservationStatus::Released).await?;
+            return Ok(Outcome::Processed(Effect::ArrivedAfterCancellation));
+        }
+        let Some(stock) = lock_stock(txn, placed.book_id).await? else {
+            return Ok(unknown_book(placed.book_id));
+        };
+        let decision = stock.decide_reservation(placed.quantity);
+        match decision {
+            ReservationDecision::Reserve { reserved_after } => {
+                set_reserved(txn, placed.book_id, reserved_after).await?;
+            }
+            ReservationDecision::Reject { .. } => {
+                set_status(txn, placed, ReservationStatus::Rejected).await?;
+            }
+        }
+        Ok(Outcome::Processed(decision.effect(placed.quantity)))
+    }
+
+    async fn cancel(
+        &self,
+        txn: &DatabaseTransaction,
+        key: &str,
+        cancelled: &OrderCancelled,
+    ) -> Result<Outcome, HandleError> {
+        let row = order_states::ActiveModel {
+            order_id: Set(cancelled.order_id.as_uuid()),
+            cancelled_at: Set(Some(Utc::now())),
+            cancel_message_id: Set(Some(key.to_owned())),
+        };
+        // Cancelled once: a second cancellation, under any message id, changes nothing.
+        let won = order_states::Entity::insert(row)
+            .on_conflict(
+                OnConflict::column(order_states::Column::OrderId)
+                    .update_columns([
+                        order_states::Column::CancelledAt,
+                        order_states::Column::CancelMessageId,
+                    ])
+                    .action_and_where(
+                        Expr::col((order_states::Entity, order_states::Column::CancelledAt))
+                            .is_null(),
+                    )
+                    .to_owned(),
+            )
+            .try_insert()
+            .exec_without_returning(txn)
+            .await?;
+        if !matches!(won, TryInsertResult::Inserted(rows) if rows > 0) {
+            return Ok(Outcome::Duplicate);
+        }
+        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
+
+        let held = stock_reservations::Entity::find()
+            .filter(stock_reservations::Column::OrderId.eq(cancelled.order_id.as_uuid()))
+            .filter(stock_reservations::Column::Status.eq(ReservationStatus::Reserved.as_str()))
+            .all(txn)
+            .await?;
+        let mut copies = 0;
+        for reservation in held {
+            let quantity = quantity_from(reservation.quantity)?;
+            stock_reservations::Entity::update_many()
+                .col_expr(
+                    stock_reservations::Column::Status,
+                    Expr::value(ReservationStatus::Released.as_str()),
+                )
+                .filter(stock_reservations::Column::OrderId.eq(reservation.order_id))
+                .filter(stock_reservations::Column::BookId.eq(reservation.book_id))
+                .exec(txn)
+                .await?;
+            release_stock(txn, reservation.book_id.into(), quantity.get()).await?;
+            copies += i64::from(quantity.get());
+        }
+        Ok(Outcome::Processed(Effect::Released { copies }))
+    }
+}
+
+/// Touches the order's state row (creating it if need be) and reads whether it is cancelled.
+/// The write is the point: it makes a concurrent cancellation of this order wait, or wait for it.
+async fn order_is_cancelled(
+    conn: &impl ConnectionTrait,
+    placed: &OrderPlaced,
+) -> Result<bool, DbErr> {
+    let row = order_states::ActiveModel {
+        order_id: Set(placed.order_id.as_uuid()),
+        cancelled_at: Set(None),
+        cancel_message_id: Set(None),
+    };
+    let state = order_states::Entity::insert(row)
+        .on_conflict(
+            OnConflict::column(order_states::Column::OrderId)
+                .update_column(order_states::Column::OrderId)
+                .to_owned(),
+        )
+        .exec_with_returning(conn)
+        .await?;
+    Ok(state.cancelled_at.is_some())
+}
+
+async fn set_status(
+    conn: &impl ConnectionTrait,
+    placed: &OrderPlaced,
+    status: ReservationStatus,
+) -> Result<(), DbErr> {
+    stock_reservations::Entity::update_many()
+        .col_expr(
+            stock_reservations::Column::Status,
+            Expr::value(status.as_str()),
+        )
+        .filter(stock_reservations::Column::OrderId.eq(placed.order_id.as_uuid()))
+        .filter(stock_reservations::Column::BookId.eq(placed.book_id.as_uuid()))
+        .exec(conn)
+        .await?;
+    Ok(())
+}

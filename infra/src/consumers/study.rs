@@ -1,0 +1,126 @@
+//! Designs that look idempotent and are not, kept so the demo can show each failure on a real
+//! database. Wrong on purpose: never wire one of these into `serve`.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use inventory_domain::{CrashPoint, Message, Outcome};
+use sea_orm::TransactionTrait;
+
+use super::inbox::{claim_on_conflict, judge_lost_claim};
+use super::{HandleError, StockConsumer, finish, work};
+
+/// A dedup set held apart from the database, as a cache such as Redis would hold it.
+#[derive(Clone, Default)]
+pub struct DedupCache {
+    keys: Arc<Mutex<HashSet<String>>>,
+}
+
+impl DedupCache {
+    /// `SET key NX`: true if the key was not there yet.
+    pub fn claim(&self, key: &str) -> bool {
+        self.keys
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(key.to_owned())
+    }
+}
+
+/// What a copy handled by [`MistakenConsumer::claim_last`] did to the stock row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimLastResult {
+    pub outcome: Outcome,
+    /// The copy updated the stock row before it found out it was a duplicate.
+    pub wrote_stock_before_claim: bool,
+}
+
+/// The inbox strategy's consumer, with its steps rearranged into known mistakes.
+pub struct MistakenConsumer {
+    inner: StockConsumer,
+}
+
+impl MistakenConsumer {
+    pub fn new(inner: StockConsumer) -> Self {
+        Self { inner }
+    }
+
+    /// The record is committed on its own, then the work in a second transaction: a crash in
+    /// between loses the work (at-most-once).
+    pub async fn record_first_in_separate_transactions(
+        &self,
+        message: &Message,
+    ) -> Result<Outcome, HandleError> {
+        let c = &self.inner;
+        let key = message.key.storage_key();
+        let hash = message.payload_hash();
+        if !claim_on_conflict(&c.db, &key, &c.consumer, &hash, true).await? {
+            return Ok(judge_lost_claim(&c.db, &key, &c.consumer, &hash).await?);
+        }
+        c.faults.pass(CrashPoint::AfterDedupCheck).await?;
+        let txn = c.db.begin().await?;
+        let result = work::apply_logged(&txn, &key, &message.event).await;
+        finish(txn, &c.faults, result).await
+    }
+
+    /// The cache arbitrates: the key is claimed there, the work committed in the database. A
+    /// crash before the commit leaves the key claimed and the work undone.
+    pub async fn claim_in_cache(
+        &self,
+        cache: &DedupCache,
+        message: &Message,
+    ) -> Result<Outcome, HandleError> {
+        let c = &self.inner;
+        let key = message.key.storage_key();
+        if !cache.claim(&key) {
+            return Ok(Outcome::Duplicate);
+        }
+        c.faults.pass(CrashPoint::AfterDedupCheck).await?;
+        let txn = c.db.begin().await?;
+        let result = work::apply_logged(&txn, &key, &message.event).await;
+        finish(txn, &c.faults, result).await
+    }
+
+    /// The claim is in the inbox transaction, but the work goes through another pooled
+    /// connection, committing on its own: a crash before the claim commits keeps the work.
+    pub async fn write_through_second_connection(
+        &self,
+        message: &Message,
+    ) -> Result<Outcome, HandleError> {
+        let c = &self.inner;
+        let key = message.key.storage_key();
+        let hash = message.payload_hash();
+        let txn = c.db.begin().await?;
+        if !claim_on_conflict(&txn, &key, &c.consumer, &hash, true).await? {
+            txn.rollback().await?;
+            return Ok(judge_lost_claim(&c.db, &key, &c.consumer, &hash).await?);
+        }
+        let result = work::apply_logged(&c.db, &key, &message.event).await;
+        finish(txn, &c.faults, result).await
+    }
+
+    /// The work first, the claim last, in one transaction: still correct, since the losing copy
+    /// rolls back, but it locked and wrote the stock row before it lost.
+    pub async fn claim_last(&self, message: &Message) -> Result<ClaimLastResult, HandleError> {
+        let c = &self.inner;
+        let key = message.key.storage_key();
+        let hash = message.payload_hash();
+        let txn = c.db.begin().await?;
+        let worked = work::apply_logged(&txn, &key, &message.event).await;
+        let wrote_stock_before_claim = matches!(&worked, Ok(outcome) if outcome.processed());
+        let result = match worked {
+            Ok(outcome) if outcome.processed() => {
+                match claim_on_conflict(&txn, &key, &c.consumer, &hash, true).await {
+                    Ok(true) => Ok(outcome),
+                    Ok(false) => Ok(Outcome::Duplicate),
+                    Err(error) => Err(error.into()),
+                }
+            }
+            other => other,
+        };
+        let outcome = finish(txn, &c.faults, result).await?;
+        Ok(ClaimLastResult {
+            outcome,
+            wrote_stock_before_claim,
+        })
+    }
+}

@@ -1,0 +1,107 @@
+//! Injected failures: a handler passes through each [`CrashPoint`], and a plan made by a test or
+//! the demo can make it die there (as a killed process would) or hold it there (to line up two
+//! concurrent copies). Production handlers carry `Faults::none()`, which does nothing.
+
+use std::sync::{Arc, Mutex};
+
+use inventory_domain::CrashPoint;
+use tokio::sync::oneshot;
+
+use crate::consumers::HandleError;
+
+#[derive(Clone, Default)]
+pub struct Faults {
+    plan: Option<Arc<Plan>>,
+}
+
+#[derive(Default)]
+struct Plan {
+    crash: Mutex<Option<CrashPoint>>,
+    hold: Mutex<Option<(CrashPoint, Gate)>>,
+}
+
+struct Gate {
+    reached: oneshot::Sender<()>,
+    release: oneshot::Receiver<()>,
+}
+
+/// The test's side of a hold: wait until the handler is parked, then let it go on.
+pub struct Hold {
+    reached: oneshot::Receiver<()>,
+    release: oneshot::Sender<()>,
+}
+
+impl Hold {
+    /// Resolves once the handler stands at the held point.
+    pub async fn reached(&mut self) {
+        // A dropped sender means the handler ended before the point: nothing to wait for.
+        let _ = (&mut self.reached).await;
+    }
+
+    pub fn release(self) {
+        let _ = self.release.send(());
+    }
+}
+
+impl Faults {
+    /// No injected failure: what production runs with.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The handler dies the first time it reaches `point`.
+    pub fn crash_once_at(point: CrashPoint) -> Self {
+        Self {
+            plan: Some(Arc::new(Plan {
+                crash: Mutex::new(Some(point)),
+                ..Plan::default()
+            })),
+        }
+    }
+
+    /// The handler stops the first time it reaches `point` until the [`Hold`] is released.
+    pub fn hold_once_at(point: CrashPoint) -> (Self, Hold) {
+        let (reached_tx, reached_rx) = oneshot::channel();
+        let (release_tx, release_rx) = oneshot::channel();
+        let gate = Gate {
+            reached: reached_tx,
+            release: release_rx,
+        };
+        let faults = Self {
+            plan: Some(Arc::new(Plan {
+                hold: Mutex::new(Some((point, gate))),
+                ..Plan::default()
+            })),
+        };
+        let hold = Hold {
+            reached: reached_rx,
+            release: release_tx,
+        };
+        (faults, hold)
+    }
+
+    /// Called by handlers at each crash point.
+    pub(crate) async fn pass(&self, point: CrashPoint) -> Result<(), HandleError> {
+        let Some(plan) = &self.plan else {
+            return Ok(());
+        };
+        let gate = take_if(&plan.hold, |(held, _)| *held == point).map(|(_, gate)| gate);
+        if let Some(gate) = gate {
+            let _ = gate.reached.send(());
+            let _ = gate.release.await;
+        }
+        match take_if(&plan.crash, |crash| *crash == point) {
+            Some(point) => Err(HandleError::Crashed(point)),
+            None => Ok(()),
+        }
+    }
+}
+
+fn take_if<T>(slot: &Mutex<Option<T>>, matches: impl Fn(&T) -> bool) -> Option<T> {
+    let mut slot = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if slot.as_ref().is_some_and(matches) {
+        slot.take()
+    } else {
+        None
+    }
+}

@@ -1,0 +1,22 @@
+//! Infrastructure of the inventory service: the database (sea-orm over PostgreSQL or SQLite)
+//! and the consumer strategies that run against it. sea-orm models stay inside this crate;
+//! everything public speaks in domain types.
+//!
+//! # Layout
+//! - [`db`]: connecting with consumer-friendly settings, applying migrations.
+//! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows.
+//! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
+//!   email consumer, and the study of designs that fail.
+//! - [`faults`]: crash and hold injection at the handlers' crash points.
+//! - `entities`: the sea-orm models (private).
+
+pub mod consumers;
+pub mod db;
+mod entities;
+pub mod faults;
+pub mod stock;
+
+pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};
+pub use consumers::{DetectMode, HandleError, StockConsumer, Strategy};
+pub use faults::{Faults, Hold};
+pub use stock::{InboxEntry, RecordedReservation, StockRepository};

@@ -1,0 +1,165 @@
+//! Reading and setting stock, and reading back what the consumers recorded.
+
+use inventory_domain::{BookId, OrderId, Quantity, ReservationStatus, StockItem};
+use sea_orm::sea_query::OnConflict;
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
+    Set,
+};
+
+use crate::entities::{inbox, reservation_log, stock_items, stock_reservations};
+
+/// A reservation as recorded, in either table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedReservation {
+    pub book_id: BookId,
+    pub quantity: Quantity,
+    pub status: ReservationStatus,
+    pub message_id: String,
+}
+
+/// An inbox row: `completed` is false while a two-phase side effect is in progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxEntry {
+    pub payload_hash: String,
+    pub completed: bool,
+}
+
+pub(crate) fn stock_item_from(model: stock_items::Model) -> StockItem {
+    StockItem {
+        book_id: model.book_id.into(),
+        title: model.title,
+        on_hand: model.on_hand.into(),
+        reserved: model.reserved.into(),
+    }
+}
+
+/// A value read back from a column that only this crate writes; a bad one means a corrupt row.
+pub(crate) fn stored<T>(value: Option<T>, what: &str) -> Result<T, DbErr> {
+    value.ok_or_else(|| DbErr::Type(format!("unexpected stored {what}")))
+}
+
+pub(crate) fn quantity_from(stored_quantity: i32) -> Result<Quantity, DbErr> {
+    stored(Quantity::new(stored_quantity.into()).ok(), "quantity")
+}
+
+pub(crate) fn status_from(stored_status: &str) -> Result<ReservationStatus, DbErr> {
+    stored(
+        ReservationStatus::parse(stored_status),
+        "reservation status",
+    )
+}
+
+#[derive(Clone)]
+pub struct StockRepository {
+    db: DatabaseConnection,
+}
+
+impl StockRepository {
+    pub fn new(db: DatabaseConnection) -> Self {
+        Self { db }
+    }
+
+    /// Sets a book's title and copies on hand; what is reserved stays as it is.
+    pub async fn put(&self, item: &StockItem) -> Result<(), DbErr> {
+        let on_hand = stored(i32::try_from(item.on_hand).ok(), "on_hand")?;
+        let row = stock_items::ActiveModel {
+            book_id: Set(item.book_id.as_uuid()),
+            title: Set(item.title.clone()),
+            on_hand: Set(on_hand),
+            reserved: Set(0),
+        };
+        stock_items::Entity::insert(row)
+            .on_conflict(
+                OnConflict::column(stock_items::Column::BookId)
+                    .update_columns([stock_items::Column::Title, stock_items::Column::OnHand])
+                    .to_owned(),
+            )
+            .exec_without_returning(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn get(&self, book_id: BookId) -> Result<Option<StockItem>, DbErr> {
+        Ok(stock_items::Entity::find_by_id(book_id.as_uuid())
+            .one(&self.db)
+            .await?
+            .map(stock_item_from))
+    }
+
+    pub async fn list(&self) -> Result<Vec<StockItem>, DbErr> {
+        Ok(stock_items::Entity::find()
+            .order_by_asc(stock_items::Column::Title)
+            .order_by_asc(stock_items::Column::BookId)
+            .all(&self.db)
+            .await?
+            .into_iter()
+            .map(stock_item_from)
+            .collect())
+    }
+
+    /// The natural key's reservation of `book_id` for `order_id`, if any.
+    pub async fn reservation(
+        &self,
+        order_id: OrderId,
+        book_id: BookId,
+    ) -> Result<Option<RecordedReservation>, DbErr> {
+        stock_reservations::Entity::find_by_id((order_id.as_uuid(), book_id.as_uuid()))
+            .one(&self.db)
+            .await?
+            .map(|row| {
+                Ok(RecordedReservation {
+                    book_id: row.book_id.into(),
+                    quantity: quantity_from(row.quantity)?,
+                    status: status_from(&row.status)?,
+                    message_id: row.message_id,
+                })
+            })
+            .transpose()
+    }
+
+    /// The reservations logged for an order by the strategies without a natural key.
+    pub async fn logged_reservations(
+        &self,
+        order_id: OrderId,
+    ) -> Result<Vec<RecordedReservation>, DbErr> {
+        reservation_log::Entity::find()
+            .filter(reservation_log::Column::OrderId.eq(order_id.as_uuid()))
+            .order_by_asc(reservation_log::Column::Id)
+            .all(&self.db)
+            .await?
+            .into_iter()
+            .map(|row| {
+                Ok(RecordedReservation {
+                    book_id: row.book_id.into(),
+                    quantity: quantity_from(row.quantity)?,
+                    status: status_from(&row.status)?,
+                    message_id: row.message_id,
+                })
+            })
+            .collect()
+    }
+
+    pub async fn inbox_entry(
+        &self,
+        storage_key: &str,
+        consumer: &str,
+    ) -> Result<Option<InboxEntry>, DbErr> {
+        Ok(find_inbox_entry(&self.db, storage_key, consumer)
+            .await?
+            .map(|row| InboxEntry {
+                payload_hash: row.payload_hash,
+                completed: row.completed_at.is_some(),
+            }))
+    }
+}
+
+pub(crate) async fn find_inbox_entry(
+    db: &impl ConnectionTrait,
+    storage_key: &str,
+    consumer: &str,
+) -> Result<Option<inbox::Model>, DbErr> {
+    inbox::Entity::find_by_id((storage_key.to_owned(), consumer.to_owned()))
+        .one(db)
+        .await
+}

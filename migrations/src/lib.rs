@@ -1,0 +1,35 @@
+//! The schema of the inventory service, as sea-orm-migration modules that run on PostgreSQL and
+//! SQLite alike. The contract's tables keep the contract's names and keys.
+//!
+//! # Layout
+//! - `m20261130_000001_create_stock_items`: `stock_items`, one row per book.
+//! - `m20261130_000002_create_stock_reservations`: the natural key, `(order_id, book_id)`.
+//! - `m20261130_000003_create_inbox`: the dedup record, `(message_id, consumer)`, indexed by
+//!   `completed_at` for the retention purge.
+//! - `m20261130_000004_create_order_states`: one row per order that placement and cancellation
+//!   both write, so a cancellation that arrives first still wins.
+//! - `m20261130_000005_create_reservation_log`: the reservations of the strategies without a
+//!   natural key (naive, check-then-process, inbox), where an order can be reserved twice.
+
+pub use sea_orm_migration::prelude::*;
+
+mod m20261130_000001_create_stock_items;
+mod m20261130_000002_create_stock_reservations;
+mod m20261130_000003_create_inbox;
+mod m20261130_000004_create_order_states;
+mod m20261130_000005_create_reservation_log;
+
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![
+            Box::new(m20261130_000001_create_stock_items::Migration),
+            Box::new(m20261130_000002_create_stock_reservations::Migration),
+            Box::new(m20261130_000003_create_inbox::Migration),
+            Box::new(m20261130_000004_create_order_states::Migration),
+            Box::new(m20261130_000005_create_reservation_log::Migration),
+        ]
+    }
+}
