@@ -50,7 +50,7 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(consumer = %self.consumer, key = %message.key), err)]
+    #[tracing::instrument(skip_all, fields(consumer = %self.consumer, key = %message.key))]
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let Event::Placed(placed) = &message.event else {
             return Ok(Outcome::refused(

@@ -118,7 +118,7 @@ impl StockConsumer {
 
     /// Handles one delivery. `Ok` is final for it (ack, or dead-letter a refusal); `Err` means
     /// nothing was acknowledged and the message will come again.
-    #[tracing::instrument(skip_all, fields(strategy = self.strategy.name(), key = %message.key, outcome), err)]
+    #[tracing::instrument(skip_all, fields(strategy = self.strategy.name(), key = %message.key, outcome))]
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let outcome = match self.strategy {
             Strategy::Naive => self.handle_naive(message).await,

@@ -80,8 +80,10 @@ impl MistakenConsumer {
         finish(txn, &c.faults, result).await
     }
 
-    /// The claim is in the inbox transaction, but the work goes through another pooled
-    /// connection, committing on its own: a crash before the claim commits keeps the work.
+    /// The inbox transaction is open, but the work goes through another pooled connection and
+    /// commits on its own: a crash before the claim commits keeps the work. (The work comes
+    /// before the claim because on SQLite, with one writer, a second connection writing after
+    /// the claim would wait for the claim's transaction forever; the lesson is the same.)
     pub async fn write_through_second_connection(
         &self,
         message: &Message,
@@ -90,11 +92,17 @@ impl MistakenConsumer {
         let key = message.key.storage_key();
         let hash = message.payload_hash();
         let txn = c.db.begin().await?;
-        if !claim_on_conflict(&txn, &key, &c.consumer, &hash, true).await? {
-            txn.rollback().await?;
-            return Ok(judge_lost_claim(&c.db, &key, &c.consumer, &hash).await?);
-        }
-        let result = work::apply_logged(&c.db, &key, &message.event).await;
+        let worked = work::apply_logged(&c.db, &key, &message.event).await;
+        let result = match worked {
+            Ok(outcome) if outcome.processed() => {
+                match claim_on_conflict(&txn, &key, &c.consumer, &hash, true).await {
+                    Ok(true) => Ok(outcome),
+                    Ok(false) => Ok(judge_lost_claim(&c.db, &key, &c.consumer, &hash).await?),
+                    Err(error) => Err(error.into()),
+                }
+            }
+            other => other,
+        };
         finish(txn, &c.faults, result).await
     }
 

@@ -1,0 +1,703 @@
+//! `inventory demo`: the idempotent-consumer study, replayed on a fresh database.
+//!
+//! Every scenario runs real handlers against the real database, with crashes injected at the
+//! handlers' crash points; each prints one line and says whether it came out as the study
+//! predicts. The table at the end runs the four strategies through the four kinds of duplicate.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use inventory_domain::{
+    BookId, ConsumerName, CrashPoint, DeadLetterReason, DedupKey, Effect, Event, Message,
+    MessageId, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity, ReservationStatus,
+    StockItem,
+};
+use inventory_infra::consumers::study::{DedupCache, MistakenConsumer};
+use inventory_infra::db::DatabaseConnection;
+use inventory_infra::db::FreshDatabase;
+use inventory_infra::{
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, InMemoryEmailProvider,
+    StockConsumer, StockRepository, Strategy,
+};
+
+/// How long the second of two concurrent copies is watched while the first holds its claim.
+const CONCURRENT_WATCH: Duration = Duration::from_millis(300);
+
+const DUNE_ON_HAND: i64 = 10;
+const ORDER_QUANTITY: i64 = 2;
+
+/// One printed line of the study.
+pub struct ScenarioLine {
+    pub label: &'static str,
+    pub text: String,
+    pub as_expected: bool,
+}
+
+/// The result of a whole run: the lines, the table, and whether everything came out right.
+pub struct StudyReport {
+    pub lines: Vec<ScenarioLine>,
+    pub table: Vec<TableRow>,
+}
+
+pub struct TableRow {
+    pub strategy: Strategy,
+    /// Dune copies reserved under redelivery, a crash in the window, two copies at once, and a
+    /// producer duplicate with a new id; 2 is right.
+    pub cells: [i64; 4],
+    pub expected: [i64; 4],
+}
+
+pub const TABLE_COLUMNS: [&str; 4] = [
+    "redelivery",
+    "crash in the window",
+    "two copies at once",
+    "producer duplicate, new id",
+];
+
+impl StudyReport {
+    pub fn all_as_expected(&self) -> bool {
+        self.lines.iter().all(|line| line.as_expected)
+            && self.table.iter().all(|row| row.cells == row.expected)
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for line in &self.lines {
+            let label = format!("[{}]", line.label);
+            out.push_str(&format!("{label:<20} {}", line.text));
+            if !line.as_expected {
+                out.push_str("   <-- NOT AS EXPECTED");
+            }
+            out.push('\n');
+        }
+        out.push('\n');
+        out.push_str(&format!("{:<20}", "strategy"));
+        for column in TABLE_COLUMNS {
+            out.push_str(&format!("  {column}"));
+        }
+        out.push('\n');
+        for row in &self.table {
+            out.push_str(&format!("{:<20}", row.strategy.name()));
+            for ((cell, expected), column) in row.cells.iter().zip(row.expected).zip(TABLE_COLUMNS)
+            {
+                let mark = if *cell == expected { "" } else { " (!)" };
+                let width = column.len();
+                out.push_str(&format!("  {:>width$}", format!("{cell}{mark}")));
+            }
+            out.push('\n');
+        }
+        out.push_str("(Dune copies reserved for one order of 2; 2 is right)\n");
+        out
+    }
+}
+
+/// Runs the study on a fresh database on the server of `database_url` (SQLite when `None`),
+/// removing it afterwards.
+pub async fn run(database_url: Option<&str>) -> Result<StudyReport> {
+    let fresh = FreshDatabase::create(database_url, "inventory_demo", 8)
+        .await
+        .context("creating a fresh database for the demo")?;
+    let lab = Lab {
+        stock: StockRepository::new(fresh.conn.clone()),
+        db: fresh.conn.clone(),
+    };
+    let report = lab.run_all().await;
+    fresh.remove().await.context("removing the demo database")?;
+    report
+}
+
+struct Lab {
+    db: DatabaseConnection,
+    stock: StockRepository,
+}
+
+fn name(value: &str) -> Result<ConsumerName> {
+    Ok(ConsumerName::parse(value)?)
+}
+
+fn order_placed(book_id: BookId, quantity: i64) -> Result<Message> {
+    Ok(Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        correlation_id: Some(format!("checkout-{}", OrderId::new_v7())),
+        occurred_at: None,
+        event: Event::Placed(OrderPlaced {
+            order_id: OrderId::new_v7(),
+            book_id,
+            quantity: Quantity::new(quantity)?,
+        }),
+    })
+}
+
+fn cancellation_of(placed: &Message) -> Message {
+    Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        correlation_id: placed.correlation_id.clone(),
+        occurred_at: None,
+        event: Event::Cancelled(OrderCancelled {
+            order_id: placed.event.order_id(),
+        }),
+    }
+}
+
+/// What a faulty producer sends on retry: the same order under a fresh message id.
+fn resent_with_new_id(message: &Message) -> Message {
+    Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        ..message.clone()
+    }
+}
+
+fn crashed_at(result: &Result<Outcome, HandleError>, point: CrashPoint) -> bool {
+    matches!(result, Err(HandleError::Crashed(at)) if *at == point)
+}
+
+/// Two copies of one message at once: the first is held just after its dedup check (inside
+/// its transaction where the strategy has one) while the second starts. Returns both outcomes
+/// and whether the second was still waiting when the first was let go.
+async fn two_copies_at_once(
+    consumer: &StockConsumer,
+    message: &Message,
+) -> Result<(Outcome, Outcome, bool)> {
+    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
+    let first = tokio::spawn({
+        let consumer = consumer.with_faults(faults);
+        let message = message.clone();
+        async move { consumer.handle(&message).await }
+    });
+    hold.reached().await;
+    let second = tokio::spawn({
+        let consumer = consumer.clone();
+        let message = message.clone();
+        async move { consumer.handle(&message).await }
+    });
+    tokio::time::sleep(CONCURRENT_WATCH).await;
+    let second_waited = !second.is_finished();
+    hold.release();
+    let first = first.await??;
+    let second = second.await??;
+    Ok((first, second, second_waited))
+}
+
+impl Lab {
+    async fn dune(&self, on_hand: i64) -> Result<BookId> {
+        let book_id = BookId::new_v7();
+        self.stock
+            .put(&StockItem::new(book_id, "Dune", on_hand)?)
+            .await?;
+        Ok(book_id)
+    }
+
+    async fn reserved(&self, book_id: BookId) -> Result<i64> {
+        Ok(self
+            .stock
+            .get(book_id)
+            .await?
+            .context("the demo's book vanished")?
+            .reserved)
+    }
+
+    fn consumer(&self, strategy: Strategy) -> Result<StockConsumer> {
+        let consumer_name = match strategy {
+            Strategy::Inbox(_) => "inventory-reserve-stock-inbox",
+            _ => "inventory-reserve-stock",
+        };
+        Ok(StockConsumer::new(
+            self.db.clone(),
+            strategy,
+            name(consumer_name)?,
+        ))
+    }
+
+    async fn run_all(&self) -> Result<StudyReport> {
+        let lines = vec![
+            self.naive_twice().await?,
+            self.check_then_process_crash().await?,
+            self.inbox_twice().await?,
+            self.inbox_crash_before_commit().await?,
+            self.inbox_two_copies().await?,
+            self.email_crash_after_send().await?,
+            self.natural_twice().await?,
+            self.producer_new_id(Strategy::Inbox(DetectMode::OnConflict), 4)
+                .await?,
+            self.producer_new_id(Strategy::NaturalKey, 2).await?,
+            self.record_first().await?,
+            self.cache_arbiter().await?,
+            self.second_connection().await?,
+            self.key_without_consumer().await?,
+            self.claim_last().await?,
+            self.correlation_id_as_key().await?,
+            self.payload_mismatch().await?,
+            self.insufficient_stock().await?,
+            self.cancel_before_place().await?,
+        ];
+        let mut table = Vec::new();
+        for (strategy, expected) in [
+            (Strategy::Naive, [4, 4, 4, 4]),
+            (Strategy::CheckThenProcess, [2, 4, 4, 4]),
+            (Strategy::Inbox(DetectMode::OnConflict), [2, 2, 2, 4]),
+            (Strategy::NaturalKey, [2, 2, 2, 2]),
+        ] {
+            table.push(TableRow {
+                strategy,
+                cells: self.table_row(strategy).await?,
+                expected,
+            });
+        }
+        Ok(StudyReport { lines, table })
+    }
+
+    async fn table_row(&self, strategy: Strategy) -> Result<[i64; 4]> {
+        let consumer = self.consumer(strategy)?;
+
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        consumer.handle(&message).await?;
+        consumer.handle(&message).await?;
+        let redelivery = self.reserved(book).await?;
+
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = consumer
+            .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+            .handle(&message)
+            .await;
+        anyhow::ensure!(crashed_at(&crashed, CrashPoint::AfterCommit), "no crash");
+        consumer.handle(&message).await?;
+        let crash_in_window = self.reserved(book).await?;
+
+        let book = self.dune(DUNE_ON_HAND).await?;
+        two_copies_at_once(&consumer, &order_placed(book, ORDER_QUANTITY)?).await?;
+        let concurrent = self.reserved(book).await?;
+
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        consumer.handle(&message).await?;
+        consumer.handle(&resent_with_new_id(&message)).await?;
+        let producer_duplicate = self.reserved(book).await?;
+
+        Ok([redelivery, crash_in_window, concurrent, producer_duplicate])
+    }
+
+    async fn delivered_twice(&self, strategy: Strategy) -> Result<(bool, bool, i64)> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(strategy)?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let first = consumer.handle(&message).await?;
+        let second = consumer.handle(&message).await?;
+        Ok((
+            first.processed(),
+            second.processed(),
+            self.reserved(book).await?,
+        ))
+    }
+
+    async fn naive_twice(&self) -> Result<ScenarioLine> {
+        let (_, _, reserved) = self.delivered_twice(Strategy::Naive).await?;
+        Ok(ScenarioLine {
+            label: "naive",
+            text: format!("delivered twice -> Dune reserved: {reserved}"),
+            as_expected: reserved == 4,
+        })
+    }
+
+    async fn check_then_process_crash(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(Strategy::CheckThenProcess)?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = consumer
+            .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+            .handle(&message)
+            .await;
+        let redelivered = consumer.handle(&message).await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "check-then-process",
+            text: format!("crash after stock commit, redelivered -> Dune reserved: {reserved}"),
+            as_expected: crashed_at(&crashed, CrashPoint::AfterCommit)
+                && redelivered.processed()
+                && reserved == 4,
+        })
+    }
+
+    async fn inbox_twice(&self) -> Result<ScenarioLine> {
+        let (first, second, reserved) = self
+            .delivered_twice(Strategy::Inbox(DetectMode::OnConflict))
+            .await?;
+        Ok(ScenarioLine {
+            label: "inbox",
+            text: format!(
+                "delivered twice -> processed: {first}, {second}; Dune reserved: {reserved}"
+            ),
+            as_expected: first && !second && reserved == 2,
+        })
+    }
+
+    async fn inbox_crash_before_commit(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = consumer
+            .with_faults(Faults::crash_once_at(CrashPoint::BeforeCommit))
+            .handle(&message)
+            .await;
+        let after_crash = self.reserved(book).await?;
+        let redelivered = consumer.handle(&message).await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "inbox",
+            text: format!(
+                "crash before commit -> reserved {after_crash}; redelivered -> Dune reserved: {reserved}"
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::BeforeCommit)
+                && after_crash == 0
+                && redelivered.processed()
+                && reserved == 2,
+        })
+    }
+
+    async fn inbox_two_copies(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let (first, second, waited) = two_copies_at_once(&consumer, &message).await?;
+        let reserved = self.reserved(book).await?;
+        let (first, second) = (first.processed(), second.processed());
+        Ok(ScenarioLine {
+            label: "inbox",
+            text: format!(
+                "two copies at once -> processed: {first}, {second}; Dune reserved: {reserved}; second waited for the first: {waited}"
+            ),
+            as_expected: first && !second && reserved == 2 && waited,
+        })
+    }
+
+    async fn email_crash_after_send(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let provider = InMemoryEmailProvider::default();
+        let consumer = EmailConsumer::new(self.db.clone(), name(EMAIL_CONSUMER)?, provider.clone());
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = consumer
+            .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
+            .handle(&message)
+            .await;
+        let second = consumer.handle(&message).await?;
+        let sent = provider.sent_count();
+        let needs_reconciliation = matches!(&second, Outcome::Refused(refusal)
+            if refusal.reason == DeadLetterReason::NeedsReconciliation);
+        let second_label = if needs_reconciliation {
+            "NeedsReconciliation".to_owned()
+        } else {
+            second.to_string()
+        };
+        Ok(ScenarioLine {
+            label: "email",
+            text: format!(
+                "crash after send, redelivered -> emails sent: {sent}, second delivery: {second_label}"
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::AfterSend)
+                && sent == 1
+                && needs_reconciliation,
+        })
+    }
+
+    async fn natural_twice(&self) -> Result<ScenarioLine> {
+        let (first, second, reserved) = self.delivered_twice(Strategy::NaturalKey).await?;
+        Ok(ScenarioLine {
+            label: "natural key",
+            text: format!(
+                "delivered twice -> processed: {first}, {second}; Dune reserved: {reserved}"
+            ),
+            as_expected: first && !second && reserved == 2,
+        })
+    }
+
+    async fn producer_new_id(&self, strategy: Strategy, expected: i64) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(strategy)?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let first = consumer.handle(&message).await?.processed();
+        let second = consumer
+            .handle(&resent_with_new_id(&message))
+            .await?
+            .processed();
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: strategy.name(),
+            text: format!(
+                "producer resent the order with a NEW message id -> processed: {first}, {second}; Dune reserved: {reserved}"
+            ),
+            as_expected: reserved == expected,
+        })
+    }
+
+    fn mistaken(&self, consumer_name: &str) -> Result<MistakenConsumer> {
+        Ok(MistakenConsumer::new(StockConsumer::new(
+            self.db.clone(),
+            Strategy::Inbox(DetectMode::OnConflict),
+            name(consumer_name)?,
+        )))
+    }
+
+    fn crashing(&self, consumer_name: &str, point: CrashPoint) -> Result<MistakenConsumer> {
+        Ok(MistakenConsumer::new(
+            StockConsumer::new(
+                self.db.clone(),
+                Strategy::Inbox(DetectMode::OnConflict),
+                name(consumer_name)?,
+            )
+            .with_faults(Faults::crash_once_at(point)),
+        ))
+    }
+
+    async fn record_first(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = self
+            .crashing("record-first", CrashPoint::AfterDedupCheck)?
+            .record_first_in_separate_transactions(&message)
+            .await;
+        let redelivered = self
+            .mistaken("record-first")?
+            .record_first_in_separate_transactions(&message)
+            .await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "record first",
+            text: format!(
+                "record and work in separate transactions, crash between, redelivered -> skipped: {}; Dune reserved: {reserved} (at-most-once)",
+                redelivered == Outcome::Duplicate
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::AfterDedupCheck)
+                && redelivered == Outcome::Duplicate
+                && reserved == 0,
+        })
+    }
+
+    async fn cache_arbiter(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let cache = DedupCache::default();
+        let crashed = self
+            .crashing("cache-arbiter", CrashPoint::BeforeCommit)?
+            .claim_in_cache(&cache, &message)
+            .await;
+        let redelivered = self
+            .mistaken("cache-arbiter")?
+            .claim_in_cache(&cache, &message)
+            .await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "cache arbiter",
+            text: format!(
+                "key set in a cache, crash before the database commit, redelivered -> skipped by the cache: {}; Dune reserved: {reserved}",
+                redelivered == Outcome::Duplicate
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::BeforeCommit)
+                && redelivered == Outcome::Duplicate
+                && reserved == 0,
+        })
+    }
+
+    async fn second_connection(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = self
+            .crashing("second-connection", CrashPoint::BeforeCommit)?
+            .write_through_second_connection(&message)
+            .await;
+        let kept = self.reserved(book).await?;
+        let redelivered = self
+            .mistaken("second-connection")?
+            .write_through_second_connection(&message)
+            .await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "second connection",
+            text: format!(
+                "work written outside the inbox transaction, crash before commit -> kept {kept}; redelivered -> Dune reserved: {reserved}"
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::BeforeCommit)
+                && kept == 2
+                && redelivered.processed()
+                && reserved == 4,
+        })
+    }
+
+    /// Two consumers of one message, the stock reservation and the email, sharing an inbox.
+    /// Returns whether the email consumer processed it and how many emails went out.
+    async fn shared_inbox(&self, stock_name: &str, email_name: &str) -> Result<(bool, usize)> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let provider = InMemoryEmailProvider::default();
+        StockConsumer::new(
+            self.db.clone(),
+            Strategy::Inbox(DetectMode::OnConflict),
+            name(stock_name)?,
+        )
+        .handle(&message)
+        .await?;
+        let email = EmailConsumer::new(self.db.clone(), name(email_name)?, provider.clone())
+            .handle(&message)
+            .await?;
+        Ok((email.processed(), provider.sent_count()))
+    }
+
+    async fn key_without_consumer(&self) -> Result<ScenarioLine> {
+        // Keying by message id alone is the same as every consumer writing one shared name.
+        let (silenced_processed, silenced_sent) =
+            self.shared_inbox("orders-inbox", "orders-inbox").await?;
+        let (keyed_processed, keyed_sent) = self
+            .shared_inbox("inventory-reserve-stock-inbox", EMAIL_CONSUMER)
+            .await?;
+        Ok(ScenarioLine {
+            label: "key without consumer",
+            text: format!(
+                "stock and email consumers share an inbox keyed by message id alone -> email processed: {silenced_processed}, emails sent: {silenced_sent}; keyed (message id, consumer) -> email processed: {keyed_processed}, emails sent: {keyed_sent}"
+            ),
+            as_expected: !silenced_processed
+                && silenced_sent == 0
+                && keyed_processed
+                && keyed_sent == 1,
+        })
+    }
+
+    async fn claim_last(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let consumer = self.mistaken("claim-last")?;
+        let first = consumer.claim_last(&message).await?;
+        let second = consumer.claim_last(&message).await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "claim last",
+            text: format!(
+                "inbox row written after the work, delivered twice -> processed: {}, {}; Dune reserved: {reserved}; but the second copy locked and wrote the stock row before losing: {}",
+                first.outcome.processed(),
+                second.outcome.processed(),
+                second.wrote_stock_before_claim
+            ),
+            as_expected: first.outcome.processed()
+                && second.outcome == Outcome::Duplicate
+                && reserved == 2
+                && second.wrote_stock_before_claim,
+        })
+    }
+
+    async fn correlation_id_as_key(&self) -> Result<ScenarioLine> {
+        // The mistake: the consumer builds its dedup key from the correlation id, which the
+        // OrderPlaced and its OrderCancelled share.
+        let keyed_by_correlation = |message: &Message| -> Result<Message> {
+            let correlation = message
+                .correlation_id
+                .clone()
+                .context("no correlation id")?;
+            Ok(Message {
+                key: DedupKey::MessageId(MessageId::parse(correlation)?),
+                ..message.clone()
+            })
+        };
+        let mut reserved_after = Vec::new();
+        let mut cancel_processed = Vec::new();
+        for mistaken in [true, false] {
+            let book = self.dune(DUNE_ON_HAND).await?;
+            let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+            let placed = order_placed(book, ORDER_QUANTITY)?;
+            let cancelled = cancellation_of(&placed);
+            let (placed, cancelled) = if mistaken {
+                (
+                    keyed_by_correlation(&placed)?,
+                    keyed_by_correlation(&cancelled)?,
+                )
+            } else {
+                (placed, cancelled)
+            };
+            consumer.handle(&placed).await?;
+            let outcome = consumer.handle(&cancelled).await?;
+            cancel_processed.push(outcome.processed());
+            reserved_after.push(self.reserved(book).await?);
+        }
+        Ok(ScenarioLine {
+            label: "correlation id as key",
+            text: format!(
+                "placed then cancelled, one correlation id -> cancellation processed: {}; Dune reserved: {} (keyed by message id: processed: {}, reserved: {})",
+                cancel_processed[0], reserved_after[0], cancel_processed[1], reserved_after[1]
+            ),
+            as_expected: cancel_processed == [false, true] && reserved_after == [2, 0],
+        })
+    }
+
+    async fn payload_mismatch(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let mut altered = message.clone();
+        if let Event::Placed(placed) = &mut altered.event {
+            placed.quantity = Quantity::new(3)?;
+        }
+        consumer.handle(&message).await?;
+        let second = consumer.handle(&altered).await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "payload mismatch",
+            text: format!(
+                "same message id, quantity 2 then 3 -> second: {}; Dune reserved: {reserved}",
+                second.label()
+            ),
+            as_expected: second.label() == DeadLetterReason::PayloadMismatch.as_str()
+                && reserved == 2,
+        })
+    }
+
+    async fn insufficient_stock(&self) -> Result<ScenarioLine> {
+        let book = self.dune(1).await?;
+        let consumer = self.consumer(Strategy::NaturalKey)?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let first = consumer.handle(&message).await?;
+        self.stock
+            .put(&StockItem::new(book, "Dune", DUNE_ON_HAND)?)
+            .await?;
+        let second = consumer.handle(&message).await?;
+        let status = self
+            .stock
+            .reservation(message.event.order_id(), book)
+            .await?
+            .map(|reservation| reservation.status);
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "insufficient stock",
+            text: format!(
+                "1 on hand, order for 2 -> {}; restocked to 10, redelivered -> {}, status: {}; Dune reserved: {reserved}",
+                first.label(),
+                second.label(),
+                status.map_or("none", ReservationStatus::as_str)
+            ),
+            as_expected: matches!(first, Outcome::Processed(Effect::Rejected { .. }))
+                && second == Outcome::Duplicate
+                && status == Some(ReservationStatus::Rejected)
+                && reserved == 0,
+        })
+    }
+
+    async fn cancel_before_place(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let consumer = self.consumer(Strategy::NaturalKey)?;
+        let placed = order_placed(book, ORDER_QUANTITY)?;
+        let cancelled = consumer.handle(&cancellation_of(&placed)).await?;
+        let late = consumer.handle(&placed).await?;
+        let reserved = self.reserved(book).await?;
+        Ok(ScenarioLine {
+            label: "cancel first",
+            text: format!(
+                "OrderCancelled arrives before its OrderPlaced -> placement: {}; Dune reserved: {reserved}",
+                match late {
+                    Outcome::Processed(Effect::ArrivedAfterCancellation) =>
+                        "reserved nothing (already cancelled)".to_owned(),
+                    ref other => other.to_string(),
+                }
+            ),
+            as_expected: cancelled.processed()
+                && late == Outcome::Processed(Effect::ArrivedAfterCancellation)
+                && reserved == 0,
+        })
+    }
+}

@@ -1,0 +1,14 @@
+//! Logs: `tracing` to stderr, filtered by `RUST_LOG`.
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs the subscriber once; `default_filter` applies when `RUST_LOG` is unset.
+pub fn init(default_filter: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    // A second call (tests running commands in one process) keeps the first subscriber.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
