@@ -14,7 +14,6 @@ pub struct Faults {
     plan: Option<Arc<Plan>>,
 }
 
-#[derive(Default)]
 struct Plan {
     crash: Mutex<Option<CrashPoint>>,
     hold: Mutex<Option<(CrashPoint, Gate)>>,
@@ -51,16 +50,21 @@ impl Faults {
 
     /// The handler dies the first time it reaches `point`.
     pub fn crash_once_at(point: CrashPoint) -> Self {
-        Self {
-            plan: Some(Arc::new(Plan {
-                crash: Mutex::new(Some(point)),
-                ..Plan::default()
-            })),
-        }
+        Self::planned(None, Some(point)).0
     }
 
     /// The handler stops the first time it reaches `point` until the [`Hold`] is released.
     pub fn hold_once_at(point: CrashPoint) -> (Self, Hold) {
+        Self::planned(Some(point), None)
+    }
+
+    /// Held at `hold_at` until released, then dies at `crash_at`: a copy that claimed its key
+    /// and rolls back while another copy waits for it.
+    pub fn hold_then_crash(hold_at: CrashPoint, crash_at: CrashPoint) -> (Self, Hold) {
+        Self::planned(Some(hold_at), Some(crash_at))
+    }
+
+    fn planned(hold_at: Option<CrashPoint>, crash_at: Option<CrashPoint>) -> (Self, Hold) {
         let (reached_tx, reached_rx) = oneshot::channel();
         let (release_tx, release_rx) = oneshot::channel();
         let gate = Gate {
@@ -69,8 +73,8 @@ impl Faults {
         };
         let faults = Self {
             plan: Some(Arc::new(Plan {
-                hold: Mutex::new(Some((point, gate))),
-                ..Plan::default()
+                crash: Mutex::new(crash_at),
+                hold: Mutex::new(hold_at.map(|point| (point, gate))),
             })),
         };
         let hold = Hold {

@@ -20,8 +20,9 @@ use inventory_infra::{
     StockConsumer, StockRepository, Strategy,
 };
 
-/// How long the second of two concurrent copies is watched while the first holds its claim.
-const CONCURRENT_WATCH: Duration = Duration::from_millis(300);
+/// How long the second of two concurrent copies may run while the first holds its claim: ample
+/// for an unblocked copy to finish, so one still running then is waiting for the first.
+const CONCURRENT_WATCH: Duration = Duration::from_secs(1);
 
 const DUNE_ON_HAND: i64 = 10;
 const ORDER_QUANTITY: i64 = 2;
@@ -170,11 +171,16 @@ async fn two_copies_at_once(
         let message = message.clone();
         async move { consumer.handle(&message).await }
     });
-    tokio::time::sleep(CONCURRENT_WATCH).await;
-    let second_waited = !second.is_finished();
+    let mut second = second;
+    // A strategy without a lock lets the second copy run to its end while the first is parked;
+    // one with a lock keeps it waiting until the first commits.
+    let early = tokio::time::timeout(CONCURRENT_WATCH, &mut second).await;
     hold.release();
     let first = first.await??;
-    let second = second.await??;
+    let (second, second_waited) = match early {
+        Ok(finished) => (finished??, false),
+        Err(_) => (second.await??, true),
+    };
     Ok((first, second, second_waited))
 }
 

@@ -1,1 +1,169 @@
+//! Test support: a database of its own for every test, on SQLite or PostgreSQL.
+//!
+//! # Layout
+//! - [`postgres`]: where the PostgreSQL server comes from (`DATABASE_URL`, the local server, or
+//!   a testcontainers container where a Docker engine runs).
+//! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod postgres;
+
+use std::time::Duration;
+
+use inventory_domain::{
+    BookId, ConsumerName, DedupKey, Event, Message, MessageId, OrderCancelled, OrderId,
+    OrderPlaced, Quantity, StockItem,
+};
+use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_infra::{StockConsumer, StockRepository, Strategy};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// A fresh database for one test, removed when the test ends (even by a panic).
+pub struct TestDb {
+    pub backend: Backend,
+    pub conn: DatabaseConnection,
+    pub url: String,
+    pub stock: StockRepository,
+    fresh: Option<FreshDatabase>,
+}
+
+impl TestDb {
+    pub async fn new(backend: Backend) -> Self {
+        let server = match backend {
+            Backend::Sqlite => None,
+            Backend::Postgres => Some(postgres::server_url().await),
+        };
+        let fresh = FreshDatabase::create(server.as_deref(), "inventory_test", 10)
+            .await
+            .expect("a fresh test database");
+        Self {
+            backend,
+            conn: fresh.conn.clone(),
+            url: fresh.url.clone(),
+            stock: StockRepository::new(fresh.conn.clone()),
+            fresh: Some(fresh),
+        }
+    }
+
+    /// A new book titled Dune with `on_hand` copies.
+    pub async fn dune(&self, on_hand: i64) -> BookId {
+        let book_id = BookId::new_v7();
+        self.stock
+            .put(&StockItem::new(book_id, "Dune", on_hand).unwrap())
+            .await
+            .unwrap();
+        book_id
+    }
+
+    pub async fn reserved(&self, book_id: BookId) -> i64 {
+        self.stock.get(book_id).await.unwrap().unwrap().reserved
+    }
+
+    pub fn consumer(&self, strategy: Strategy) -> StockConsumer {
+        StockConsumer::new(
+            self.conn.clone(),
+            strategy,
+            ConsumerName::parse("inventory-reserve-stock-test").unwrap(),
+        )
+    }
+
+    /// Waits until some session of this database waits for a lock held by another: proof on
+    /// PostgreSQL that a concurrent copy is blocked rather than merely slow.
+    pub async fn wait_for_lock_waiter(&self) {
+        assert_eq!(self.backend, Backend::Postgres);
+        let query = Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT count(*) AS waiting FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        );
+        for _ in 0..200 {
+            let row = self
+                .conn
+                .query_one_raw(query.clone())
+                .await
+                .unwrap()
+                .unwrap();
+            let waiting: i64 = row.try_get("", "waiting").unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("no session ever waited for a lock");
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Some(fresh) = self.fresh.take() {
+            // Dropping a database needs async I/O; Drop has none, so borrow a thread.
+            let _ = std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map(|runtime| runtime.block_on(fresh.remove()))
+            })
+            .join();
+        }
+    }
+}
+
+pub fn placed(book_id: BookId, quantity: i64) -> Message {
+    placed_for(OrderId::new_v7(), book_id, quantity)
+}
+
+pub fn placed_for(order_id: OrderId, book_id: BookId, quantity: i64) -> Message {
+    Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        correlation_id: None,
+        occurred_at: None,
+        event: Event::Placed(OrderPlaced {
+            order_id,
+            book_id,
+            quantity: Quantity::new(quantity).unwrap(),
+        }),
+    }
+}
+
+pub fn cancelled(order_id: OrderId) -> Message {
+    Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        correlation_id: None,
+        occurred_at: None,
+        event: Event::Cancelled(OrderCancelled { order_id }),
+    }
+}
+
+/// The same event under a new message id, as a faulty producer resends it.
+pub fn with_new_id(message: &Message) -> Message {
+    Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        ..message.clone()
+    }
+}
+
+/// Runs a test body once on SQLite and once on PostgreSQL, each with a fresh database.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() {
+                    super::$name($crate::TestDb::new($crate::Backend::Sqlite).await).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() {
+                    super::$name($crate::TestDb::new($crate::Backend::Postgres).await).await
+                }
+            }
+        )*
+    };
+}

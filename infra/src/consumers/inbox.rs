@@ -2,11 +2,9 @@
 
 use chrono::Utc;
 use inventory_domain::{ConsumerName, CrashPoint, Message, Outcome, PayloadHash};
-use sea_orm::{
-    ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TransactionTrait, TryInsertResult,
-};
+use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult};
 
-use super::{DetectMode, HandleError, StockConsumer, compare_payload, finish, work};
+use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, finish, work};
 use crate::entities::inbox;
 use crate::stock::find_inbox_entry;
 
@@ -102,7 +100,7 @@ impl StockConsumer {
         {
             return Ok(compare_payload(&existing.payload_hash, &hash));
         }
-        let txn = self.db.begin().await?;
+        let txn = begin_write(&self.db).await?;
         let claimed = match mode {
             DetectMode::OnConflict => {
                 claim_on_conflict(&txn, &key, &self.consumer, &hash, true).await

@@ -20,7 +20,10 @@ mod work;
 use inventory_domain::{
     ConsumerName, CrashPoint, DeadLetterReason, Message, Outcome, PayloadHash, ProviderError,
 };
-use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};
+use sea_orm::{
+    DatabaseConnection, DatabaseTransaction, DbErr, SqliteTransactionMode, TransactionOptions,
+    TransactionTrait,
+};
 
 use crate::faults::Faults;
 
@@ -133,7 +136,7 @@ impl StockConsumer {
     async fn handle_naive(&self, message: &Message) -> Result<Outcome, HandleError> {
         // Naive checks nothing: its "dedup check" point is simply its start.
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = self.db.begin().await?;
+        let txn = begin_write(&self.db).await?;
         let result = work::apply_logged(&txn, &message.key.storage_key(), &message.event).await;
         finish(txn, &self.faults, result).await
     }
@@ -147,7 +150,7 @@ impl StockConsumer {
             return Ok(compare_payload(&existing.payload_hash, &hash));
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = self.db.begin().await?;
+        let txn = begin_write(&self.db).await?;
         let result = work::apply_logged(&txn, &key, &message.event).await;
         let outcome = finish(txn, &self.faults, result).await?;
         if outcome.processed() {
@@ -171,6 +174,17 @@ pub(crate) fn compare_payload(stored: &str, incoming: &PayloadHash) -> Outcome {
             ),
         )
     }
+}
+
+/// Begins a transaction that will write. On SQLite it takes the write lock at `BEGIN`
+/// (`IMMEDIATE`): a deferred transaction that reads first cannot upgrade once another writer
+/// committed, and fails with "database is locked" instead of waiting its turn.
+pub(crate) async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTransaction, DbErr> {
+    db.begin_with_options(TransactionOptions {
+        sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+        ..TransactionOptions::default()
+    })
+    .await
 }
 
 /// Ends a transaction: commits processed work, rolls back anything else, so a refusal or an

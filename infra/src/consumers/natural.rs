@@ -13,18 +13,18 @@ use inventory_domain::{
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, Set,
-    TransactionTrait, TryInsertResult,
+    TryInsertResult,
 };
 
 use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
-use super::{HandleError, StockConsumer, finish};
+use super::{HandleError, StockConsumer, begin_write, finish};
 use crate::entities::{order_states, stock_reservations};
 use crate::stock::quantity_from;
 
 impl StockConsumer {
     pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let txn = self.db.begin().await?;
+        let txn = begin_write(&self.db).await?;
         let result = match &message.event {
             Event::Placed(placed) => self.reserve(&txn, &key, placed).await,
             Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,

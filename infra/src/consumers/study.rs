@@ -8,7 +8,7 @@ use inventory_domain::{CrashPoint, Message, Outcome};
 use sea_orm::TransactionTrait;
 
 use super::inbox::{claim_on_conflict, judge_lost_claim};
-use super::{HandleError, StockConsumer, finish, work};
+use super::{HandleError, StockConsumer, begin_write, finish, work};
 
 /// A dedup set held apart from the database, as a cache such as Redis would hold it.
 #[derive(Clone, Default)]
@@ -57,7 +57,7 @@ impl MistakenConsumer {
             return Ok(judge_lost_claim(&c.db, &key, &c.consumer, &hash).await?);
         }
         c.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = c.db.begin().await?;
+        let txn = begin_write(&c.db).await?;
         let result = work::apply_logged(&txn, &key, &message.event).await;
         finish(txn, &c.faults, result).await
     }
@@ -75,7 +75,7 @@ impl MistakenConsumer {
             return Ok(Outcome::Duplicate);
         }
         c.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = c.db.begin().await?;
+        let txn = begin_write(&c.db).await?;
         let result = work::apply_logged(&txn, &key, &message.event).await;
         finish(txn, &c.faults, result).await
     }
@@ -91,6 +91,8 @@ impl MistakenConsumer {
         let c = &self.inner;
         let key = message.key.storage_key();
         let hash = message.payload_hash();
+        // Deferred, as a plain `begin()` is: an immediate one would hold SQLite's write lock
+        // and the second connection would wait for it forever.
         let txn = c.db.begin().await?;
         let worked = work::apply_logged(&c.db, &key, &message.event).await;
         let result = match worked {
@@ -112,7 +114,7 @@ impl MistakenConsumer {
         let c = &self.inner;
         let key = message.key.storage_key();
         let hash = message.payload_hash();
-        let txn = c.db.begin().await?;
+        let txn = begin_write(&c.db).await?;
         let worked = work::apply_logged(&txn, &key, &message.event).await;
         let wrote_stock_before_claim = matches!(&worked, Ok(outcome) if outcome.processed());
         let result = match worked {

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432
+# and NATS with JetStream on 127.0.0.1:4222, started if they are not running and installed from
+# Debian's packages if absent. DATABASE_URL / NATS_URL, when set, name other servers instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '==> %s\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+apt_install() {
+  log "installing $* from Debian's packages"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+wait_for() {
+  local what=$1; shift
+  for _ in $(seq 1 60); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.5
+  done
+  log "$what did not come up"; return 1
+}
+
+ensure_postgres() {
+  if [ -n "${DATABASE_URL:-}" ]; then
+    log "PostgreSQL: using DATABASE_URL"; return
+  fi
+  command -v pg_ctlcluster >/dev/null || apt_install postgresql
+  if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+    local version
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    log "starting PostgreSQL $version"
+    as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start
+    wait_for "PostgreSQL" pg_isready -q -h 127.0.0.1 -p 5432
+  fi
+  local url=postgres://postgres@127.0.0.1:5432/postgres
+  if ! psql "$url" -Atqc 'select 1' >/dev/null 2>&1; then
+    # A fresh Debian cluster asks for a password over TCP: give the test user one.
+    log "setting a password for the postgres user"
+    as_root su postgres -c "psql -qc \"ALTER USER postgres PASSWORD 'postgres'\""
+    url=postgres://postgres:postgres@127.0.0.1:5432/postgres
+  fi
+  export DATABASE_URL=$url
+}
+
+ensure_nats() {
+  if [ -n "${NATS_URL:-}" ]; then
+    log "NATS: using NATS_URL"; return
+  fi
+  command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || apt_install nats-server
+  if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
+    log "starting nats-server with JetStream"
+    as_root mkdir -p /var/lib/nats-server
+    as_root start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
+      -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log
+    wait_for "NATS" bash -c 'exec 3<>/dev/tcp/127.0.0.1/4222'
+  fi
+  export NATS_URL=nats://127.0.0.1:4222
+}
+
+ensure_postgres
+ensure_nats
+log "cargo test --workspace"
+cargo test --workspace --locked "$@"

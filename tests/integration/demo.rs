@@ -1,0 +1,17 @@
+//! `inventory demo` comes out as the study predicts on both backends.
+
+use inventory_service::demo;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_on_sqlite_comes_out_as_expected() {
+    let report = demo::run(None).await.unwrap();
+    assert!(report.all_as_expected(), "{}", report.render());
+    assert_eq!(report.lines.len(), 18);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_on_postgres_comes_out_as_expected() {
+    let server = inventory_tests::postgres::server_url().await;
+    let report = demo::run(Some(&server)).await.unwrap();
+    assert!(report.all_as_expected(), "{}", report.render());
+}

@@ -1,0 +1,57 @@
+//! One integration-test binary: every test owns a fresh database, on SQLite and PostgreSQL.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod demo;
+mod email;
+mod inbox;
+mod naive;
+mod natural;
+
+use inventory_domain::{CrashPoint, Message, Outcome};
+use inventory_infra::{Faults, HandleError, StockConsumer};
+use inventory_tests::{Backend, TestDb};
+
+/// Two copies of `message` at once. The first is held right after its dedup claim (and, with
+/// `first_crashes_at`, dies after release). With `second_must_wait` the test proves the second
+/// is blocked behind it (on PostgreSQL by a lock wait in `pg_stat_activity`; on SQLite, whose
+/// writers queue on the database lock, by its not finishing while the first is held); without,
+/// the second runs to its end while the first is parked.
+pub(crate) async fn two_copies(
+    db: &TestDb,
+    consumer: &StockConsumer,
+    message: &Message,
+    first_crashes_at: Option<CrashPoint>,
+    second_must_wait: bool,
+) -> (Result<Outcome, HandleError>, Outcome) {
+    let (faults, mut hold) = match first_crashes_at {
+        Some(point) => Faults::hold_then_crash(CrashPoint::AfterDedupCheck, point),
+        None => Faults::hold_once_at(CrashPoint::AfterDedupCheck),
+    };
+    let first = tokio::spawn({
+        let consumer = consumer.with_faults(faults);
+        let message = message.clone();
+        async move { consumer.handle(&message).await }
+    });
+    hold.reached().await;
+    let second = tokio::spawn({
+        let consumer = consumer.clone();
+        let message = message.clone();
+        async move { consumer.handle(&message).await }
+    });
+    if !second_must_wait {
+        // Nothing holds the second copy back: let it finish while the first is parked, so both
+        // have passed their checks before either records anything.
+        let second = second.await.unwrap().expect("the second copy is handled");
+        hold.release();
+        return (first.await.unwrap(), second);
+    }
+    match db.backend {
+        Backend::Postgres => db.wait_for_lock_waiter().await,
+        Backend::Sqlite => tokio::time::sleep(std::time::Duration::from_millis(300)).await,
+    }
+    assert!(!second.is_finished(), "the second copy did not wait");
+    hold.release();
+    let first = first.await.unwrap();
+    let second = second.await.unwrap().expect("the second copy is handled");
+    (first, second)
+}
