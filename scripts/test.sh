@@ -66,4 +66,9 @@ ensure_nats() {
 ensure_postgres
 ensure_nats
 log "cargo test --workspace"
-cargo test --workspace --locked "$@"
+output=$(mktemp)
+trap 'rm -f "$output"' EXIT
+cargo test --workspace --locked "$@" 2>&1 | tee "$output"
+# One closing line for the whole workspace: cargo's own last line is the last doc-test binary's.
+awk '/^test result:/ { passed += $4; failed += $6; ignored += $8 }
+     END { printf "workspace: %d passed, %d failed, %d skipped\n", passed, failed, ignored }' "$output"

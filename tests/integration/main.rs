@@ -4,6 +4,7 @@
 mod demo;
 mod email;
 mod inbox;
+mod migrations;
 mod naive;
 mod natural;
 
