@@ -8,15 +8,18 @@
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
 //!   email consumer, and the study of designs that fail.
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
+//! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher.
 //! - `entities`: the sea-orm models (private).
 
 pub mod consumers;
 pub mod db;
 mod entities;
 pub mod faults;
+pub mod jetstream;
+pub mod redact;
 pub mod stock;
 
 pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};
-pub use consumers::{DetectMode, HandleError, StockConsumer, Strategy};
+pub use consumers::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
 pub use faults::{Faults, Hold};
 pub use stock::{InboxEntry, RecordedReservation, StockRepository};

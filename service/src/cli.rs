@@ -8,10 +8,11 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use inventory_domain::{BookId, StockItem};
 use inventory_infra::StockRepository;
-use inventory_infra::db::{self, DEFAULT_DATABASE_URL};
+use inventory_infra::db;
 use serde::Serialize;
 
-use crate::demo;
+use crate::args::DatabaseArgs;
+use crate::{demo, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -44,13 +45,10 @@ pub enum Command {
         #[command(subcommand)]
         command: StockCommand,
     },
-}
-
-#[derive(Debug, clap::Args)]
-pub struct DatabaseArgs {
-    /// Database URL: postgres://… or sqlite://….
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true, default_value = DEFAULT_DATABASE_URL)]
-    pub database_url: String,
+    /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
+    Serve(serve::ServeArgs),
+    /// Publishes OrderPlaced or OrderCancelled, one or many.
+    Publish(publish::PublishArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -102,6 +100,8 @@ pub async fn run(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Command::Stock { command } => run_stock(command).await.map(|()| true),
+        Command::Serve(args) => serve::start(args).await,
+        Command::Publish(args) => publish::run(args).await.map(|()| true),
     }
 }
 

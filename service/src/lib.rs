@@ -1,10 +1,15 @@
 //! The `inventory` binary's library: command-line interface, configuration and wiring.
 //!
 //! # Layout
-//! - [`cli`]: the clap commands and what each one runs.
+//! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands.
+//! - [`serve`]: the JetStream subscriber loop and its wiring.
+//! - [`publish`]: the producer command.
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
 //! - [`telemetry`]: the tracing subscriber.
 
+pub mod args;
 pub mod cli;
 pub mod demo;
+pub mod publish;
+pub mod serve;
 pub mod telemetry;

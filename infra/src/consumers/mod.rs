@@ -17,8 +17,11 @@ mod natural;
 pub mod study;
 mod work;
 
+use std::future::Future;
+
 use inventory_domain::{
-    ConsumerName, CrashPoint, DeadLetterReason, Message, Outcome, PayloadHash, ProviderError,
+    ConsumerName, CrashPoint, DeadLetterReason, EmailProvider, Message, Outcome, PayloadHash,
+    ProviderError,
 };
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbErr, SqliteTransactionMode, TransactionOptions,
@@ -39,6 +42,38 @@ pub enum HandleError {
     /// An injected crash: the handler "died" at this point, as a killed process would.
     #[error("crashed at {}", .0.as_str())]
     Crashed(CrashPoint),
+}
+
+impl HandleError {
+    /// A failure of the database, which may be down as a whole: the consumer checks whether
+    /// it is reachable before fetching more.
+    pub fn is_database(&self) -> bool {
+        matches!(self, Self::Database(_))
+    }
+}
+
+/// What the consumer loop needs of a handler: one message in, one outcome out.
+pub trait MessageHandler: Clone + Send + Sync + 'static {
+    fn handle(&self, message: &Message)
+    -> impl Future<Output = Result<Outcome, HandleError>> + Send;
+}
+
+impl MessageHandler for StockConsumer {
+    fn handle(
+        &self,
+        message: &Message,
+    ) -> impl Future<Output = Result<Outcome, HandleError>> + Send {
+        StockConsumer::handle(self, message)
+    }
+}
+
+impl<P: EmailProvider + Clone + 'static> MessageHandler for email::EmailConsumer<P> {
+    fn handle(
+        &self,
+        message: &Message,
+    ) -> impl Future<Output = Result<Outcome, HandleError>> + Send {
+        email::EmailConsumer::handle(self, message)
+    }
 }
 
 /// How the inbox detects that a copy was already claimed. All three are correct under

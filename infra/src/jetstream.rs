@@ -1,0 +1,518 @@
+//! NATS JetStream adapters: the streams and durable consumers of the contract, the producer
+//! that keeps its message id across retries, and the dead-letter publisher.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::message::PublishMessage as Publish;
+use async_nats::jetstream::{self, Context, consumer, stream};
+use bytes::Bytes;
+use inventory_domain::{DeadLetterReason, EventKind, Message};
+
+/// A NATS or JetStream call that failed, with what was being done.
+#[derive(Debug, thiserror::Error)]
+#[error("{doing}: {source}")]
+pub struct NatsError {
+    doing: String,
+    #[source]
+    source: async_nats::Error,
+}
+
+fn nats_error(doing: impl Into<String>) -> impl FnOnce(async_nats::Error) -> NatsError {
+    let doing = doing.into();
+    move |source| NatsError { doing, source }
+}
+
+fn boxed<E: std::error::Error + Send + Sync + 'static>(error: E) -> async_nats::Error {
+    Box::new(error)
+}
+
+/// Names of the streams and subjects, the contract's by default; tests use their own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    pub stream: String,
+    /// `orders`: the stream holds `orders.>`, OrderPlaced goes to `orders.placed`.
+    pub subject_prefix: String,
+    pub dlq_stream: String,
+    /// `dlq`: a consumer's dead letters go to `dlq.<consumer>`.
+    pub dlq_subject_prefix: String,
+    /// How long the stream drops a resend with a `Nats-Msg-Id` it has seen.
+    pub duplicate_window: Duration,
+    pub replicas: usize,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Self {
+            stream: "ORDERS".into(),
+            subject_prefix: "orders".into(),
+            dlq_stream: "ORDERS_DLQ".into(),
+            dlq_subject_prefix: "dlq".into(),
+            duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+        }
+    }
+}
+
+impl Topology {
+    pub fn subject(&self, kind: EventKind) -> String {
+        format!("{}.{}", self.subject_prefix, kind.subject_token())
+    }
+
+    pub fn dlq_subject(&self, consumer: &str) -> String {
+        format!("{}.{consumer}", self.dlq_subject_prefix)
+    }
+
+    fn stream_config(&self) -> stream::Config {
+        stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![format!("{}.>", self.subject_prefix)],
+            storage: stream::StorageType::File,
+            duplicate_window: self.duplicate_window,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    fn dlq_stream_config(&self) -> stream::Config {
+        stream::Config {
+            name: self.dlq_stream.clone(),
+            subjects: vec![format!("{}.>", self.dlq_subject_prefix)],
+            storage: stream::StorageType::File,
+            // Dead letters are published with an id derived from their origin: a republish
+            // after a crash is stored once.
+            duplicate_window: self.duplicate_window,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+}
+
+/// One setting of an existing stream or consumer that differs from what this process would
+/// have created. The existing one is kept: a shared stream is never changed behind its
+/// operators' backs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigDrift {
+    pub object: String,
+    pub setting: &'static str,
+    pub existing: String,
+    pub wanted: String,
+}
+
+impl std::fmt::Display for ConfigDrift {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} has {} = {} where this service would set {}; keeping the existing value",
+            self.object, self.setting, self.existing, self.wanted
+        )
+    }
+}
+
+fn compare<T: std::fmt::Debug + PartialEq>(
+    drifts: &mut Vec<ConfigDrift>,
+    object: &str,
+    setting: &'static str,
+    existing: &T,
+    wanted: &T,
+) {
+    if existing != wanted {
+        drifts.push(ConfigDrift {
+            object: object.to_owned(),
+            setting,
+            existing: format!("{existing:?}"),
+            wanted: format!("{wanted:?}"),
+        });
+    }
+}
+
+async fn ensure_stream(
+    js: &Context,
+    wanted: stream::Config,
+    drifts: &mut Vec<ConfigDrift>,
+) -> Result<stream::Stream, NatsError> {
+    let doing = format!("setting up stream {}", wanted.name);
+    let mut stream = match js.get_stream(&wanted.name).await {
+        Ok(stream) => stream,
+        Err(error)
+            if matches!(
+                error.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                    if js.error_code() == ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            match js.create_stream(wanted.clone()).await {
+                Ok(stream) => return Ok(stream),
+                // Another instance created it in between: use theirs.
+                Err(_) => js
+                    .get_stream(&wanted.name)
+                    .await
+                    .map_err(|error| nats_error(doing.clone())(boxed(error)))?,
+            }
+        }
+        Err(error) => return Err(nats_error(doing)(boxed(error))),
+    };
+    let existing = stream
+        .info()
+        .await
+        .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+        .config
+        .clone();
+    let object = format!("stream {}", wanted.name);
+    compare(drifts, &object, "subjects", &existing.subjects, &wanted.subjects);
+    compare(drifts, &object, "storage", &existing.storage, &wanted.storage);
+    compare(
+        drifts,
+        &object,
+        "duplicate_window",
+        &existing.duplicate_window,
+        &wanted.duplicate_window,
+    );
+    compare(
+        drifts,
+        &object,
+        "num_replicas",
+        &existing.num_replicas,
+        &wanted.num_replicas,
+    );
+    Ok(stream)
+}
+
+/// Creates the orders stream and the dead-letter stream if absent; reports how existing ones
+/// differ from this configuration.
+pub async fn ensure_streams(
+    js: &Context,
+    topology: &Topology,
+) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
+    let mut drifts = Vec::new();
+    let orders = ensure_stream(js, topology.stream_config(), &mut drifts).await?;
+    ensure_stream(js, topology.dlq_stream_config(), &mut drifts).await?;
+    Ok((orders, drifts))
+}
+
+/// The settings of a durable pull consumer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConsumerSettings {
+    pub durable_name: String,
+    pub filter_subject: String,
+    pub ack_wait: Duration,
+    pub max_deliver: i64,
+    /// Redelivery delays after an ack wait runs out (JetStream `backoff`); empty for none.
+    pub backoff: Vec<Duration>,
+    pub max_ack_pending: i64,
+}
+
+/// The durable pull consumer, created if absent. Explicit ack: a message counts as handled
+/// only when this service says so, after its transaction committed.
+pub async fn ensure_consumer(
+    stream: &stream::Stream,
+    settings: &ConsumerSettings,
+) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {
+    let doing = format!("setting up consumer {}", settings.durable_name);
+    let wanted = consumer::pull::Config {
+        durable_name: Some(settings.durable_name.clone()),
+        filter_subject: settings.filter_subject.clone(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: settings.ack_wait,
+        max_deliver: settings.max_deliver,
+        backoff: settings.backoff.clone(),
+        max_ack_pending: settings.max_ack_pending,
+        ..Default::default()
+    };
+    // Look before creating: an older server silently updates an existing consumer on create.
+    let mut consumer: consumer::PullConsumer =
+        match stream.get_consumer(&settings.durable_name).await {
+            Ok(consumer) => consumer,
+            Err(_) => match stream.create_consumer(wanted.clone()).await {
+                Ok(consumer) => return Ok((consumer, Vec::new())),
+                Err(_) => stream
+                    .get_consumer(&settings.durable_name)
+                    .await
+                    .map_err(|error| nats_error(doing.clone())(error))?,
+            },
+        };
+    let existing = consumer
+        .info()
+        .await
+        .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+        .config
+        .clone();
+    let object = format!("consumer {}", settings.durable_name);
+    let mut drifts = Vec::new();
+    compare(
+        &mut drifts,
+        &object,
+        "filter_subject",
+        &existing.filter_subject,
+        &wanted.filter_subject,
+    );
+    compare(
+        &mut drifts,
+        &object,
+        "ack_policy",
+        &existing.ack_policy,
+        &wanted.ack_policy,
+    );
+    compare(&mut drifts, &object, "ack_wait", &existing.ack_wait, &wanted.ack_wait);
+    compare(
+        &mut drifts,
+        &object,
+        "max_deliver",
+        &existing.max_deliver,
+        &wanted.max_deliver,
+    );
+    compare(&mut drifts, &object, "backoff", &existing.backoff, &wanted.backoff);
+    Ok((consumer, drifts))
+}
+
+/// What the stream said to one publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishReceipt {
+    pub sequence: u64,
+    /// The stream had seen this `Nats-Msg-Id` inside its duplicate window and dropped the copy.
+    pub duplicate: bool,
+}
+
+/// The producer: publishes a message under its own id as `Nats-Msg-Id`, and retries with that
+/// same id, so a retry after a lost acknowledgement is dropped by the stream.
+#[derive(Clone)]
+pub struct OrderPublisher {
+    js: Context,
+    topology: Topology,
+    attempts: u32,
+}
+
+impl OrderPublisher {
+    pub fn new(js: Context, topology: Topology) -> Self {
+        Self {
+            js,
+            topology,
+            attempts: 5,
+        }
+    }
+
+    pub async fn publish(&self, message: &Message) -> Result<PublishReceipt, NatsError> {
+        let key = message.key.storage_key();
+        let body = message.to_plain_json().ok_or_else(|| NatsError {
+            doing: format!("publishing {key}"),
+            source: "a CloudEvent key has no plain JSON body".into(),
+        })?;
+        let subject = self.topology.subject(message.event.kind());
+        self.publish_raw(&subject, &key, Bytes::from(body)).await
+    }
+
+    /// Publishes `body` to `subject` with `message_id`, retrying with the same id.
+    pub async fn publish_raw(
+        &self,
+        subject: &str,
+        message_id: &str,
+        body: Bytes,
+    ) -> Result<PublishReceipt, NatsError> {
+        let mut delay = Duration::from_millis(100);
+        let mut attempt = 1;
+        loop {
+            let publish = Publish::build()
+                .message_id(message_id)
+                .payload(body.clone());
+            let result = match self.js.send_publish(subject.to_owned(), publish).await {
+                Ok(ack) => ack.await.map_err(boxed),
+                Err(error) => Err(boxed(error)),
+            };
+            match result {
+                Ok(ack) => {
+                    return Ok(PublishReceipt {
+                        sequence: ack.sequence,
+                        duplicate: ack.duplicate,
+                    });
+                }
+                Err(error) if attempt < self.attempts => {
+                    tracing::warn!(%error, message_id, attempt, "publish failed; retrying with the same message id");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                    attempt += 1;
+                }
+                Err(error) => {
+                    return Err(nats_error(format!("publishing {message_id} to {subject}"))(
+                        error,
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Dead-letter headers of the contract.
+pub mod dlq_headers {
+    pub const REASON: &str = "Dlq-Reason";
+    pub const DETAIL: &str = "Dlq-Detail";
+    pub const STREAM: &str = "Dlq-Stream";
+    pub const STREAM_SEQUENCE: &str = "Dlq-Stream-Sequence";
+    pub const DELIVERIES: &str = "Dlq-Deliveries";
+    /// Not in the contract's list: the subject the original was published to, for a replay.
+    pub const SUBJECT: &str = "Dlq-Subject";
+    /// The original's `Nats-Msg-Id`, which the dead letter's own id replaces.
+    pub const ORIGINAL_MSG_ID: &str = "Dlq-Original-Msg-Id";
+}
+
+/// Where a delivery came from, for its dead letter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    pub subject: String,
+    pub stream: String,
+    pub stream_sequence: u64,
+    pub deliveries: i64,
+}
+
+/// Publishes a consumer's dead letters to `dlq.<consumer>` on the dead-letter stream.
+#[derive(Clone)]
+pub struct DeadLetters {
+    js: Context,
+    subject: String,
+    consumer: String,
+}
+
+/// Header values are one line; details are cut so a hostile body cannot bloat the DLQ.
+fn header_value(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(1_000)
+        .collect()
+}
+
+impl DeadLetters {
+    pub fn new(js: Context, topology: &Topology, consumer: &str) -> Self {
+        Self {
+            js,
+            subject: topology.dlq_subject(consumer),
+            consumer: consumer.to_owned(),
+        }
+    }
+
+    /// Publishes the dead letter and waits for the stream to store it. Its `Nats-Msg-Id` is
+    /// derived from the consumer and the original's stream sequence, so publishing it again
+    /// after a crash stores it once.
+    pub async fn publish(
+        &self,
+        origin: &Origin,
+        original_headers: Option<&HeaderMap>,
+        body: Bytes,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> Result<PublishReceipt, NatsError> {
+        let mut headers = HeaderMap::new();
+        let mut original_id = None;
+        if let Some(original) = original_headers {
+            for (name, values) in original.iter() {
+                let name_text: &str = name.as_ref();
+                if name_text.eq_ignore_ascii_case(async_nats::header::NATS_MESSAGE_ID.as_ref()) {
+                    original_id = values.first().map(|value| value.as_str().to_owned());
+                    continue;
+                }
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
+            }
+        }
+        let mut set = |name: &'static str, value: String| {
+            headers.insert(name, header_value(&value).as_str());
+        };
+        set(dlq_headers::REASON, reason.as_str().to_owned());
+        set(dlq_headers::DETAIL, detail.to_owned());
+        set(dlq_headers::STREAM, origin.stream.clone());
+        set(dlq_headers::STREAM_SEQUENCE, origin.stream_sequence.to_string());
+        set(dlq_headers::DELIVERIES, origin.deliveries.to_string());
+        set(dlq_headers::SUBJECT, origin.subject.clone());
+        if let Some(original_id) = original_id {
+            set(dlq_headers::ORIGINAL_MSG_ID, original_id);
+        }
+        let id = format!(
+            "dlq:{}:{}:{}",
+            self.consumer, origin.stream, origin.stream_sequence
+        );
+        let publish = Publish::build()
+            .message_id(&id)
+            .headers(headers)
+            .payload(body);
+        let doing = format!("publishing dead letter {id}");
+        let ack = self
+            .js
+            .send_publish(self.subject.clone(), publish)
+            .await
+            .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+            .await
+            .map_err(|error| nats_error(doing)(boxed(error)))?;
+        Ok(PublishReceipt {
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+}
+
+/// Counts of a consumer's state, for tests and operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsumerState {
+    pub pending: u64,
+    pub ack_pending: usize,
+    pub redelivered: usize,
+}
+
+pub async fn consumer_state(
+    consumer: &mut consumer::PullConsumer,
+) -> Result<ConsumerState, NatsError> {
+    let info = consumer
+        .info()
+        .await
+        .map_err(|error| nats_error("reading consumer info")(boxed(error)))?;
+    Ok(ConsumerState {
+        pending: info.num_pending,
+        ack_pending: info.num_ack_pending,
+        redelivered: info.num_redelivered,
+    })
+}
+
+/// Header names and values of a message, for logs and tests.
+pub fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
+    headers
+        .map(|headers| {
+            headers
+                .iter()
+                .filter_map(|(name, values)| {
+                    values
+                        .first()
+                        .map(|value| (name.to_string(), value.as_str().to_owned()))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Connects to NATS under `name`, reconnecting for as long as the process runs; connection
+/// events are logged.
+pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(5))
+        .event_callback(|event| async move {
+            match event {
+                async_nats::Event::Connected => tracing::info!("NATS connected"),
+                async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
+                other => tracing::info!(event = %other, "NATS"),
+            }
+        })
+        .connect(url)
+        .await
+        .map_err(|error| {
+            nats_error(format!(
+                "connecting to NATS at {}",
+                crate::redact::redact_url(url)
+            ))(boxed(error))
+        })
+}
+
+/// The JetStream context of a client.
+pub fn context(client: async_nats::Client) -> Context {
+    jetstream::new(client)
+}

@@ -1,0 +1,222 @@
+//! `inventory publish`: the producer. Each message's id is made once and kept across every
+//! retry of its publish, as `Nats-Msg-Id`, so the stream drops a retry it already stored.
+//! `--resend-with-new-id` plays the faulty producer that the inbox cannot see through.
+
+use anyhow::{Context as _, Result, bail};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use inventory_domain::{
+    BookId, DedupKey, Event, Message, MessageId, OrderCancelled, OrderId, OrderPlaced, Quantity,
+};
+use inventory_infra::jetstream::{self, OrderPublisher, PublishReceipt};
+
+use crate::args::{NatsArgs, TopologyArgs};
+
+/// Publishes in flight at once in a bulk run.
+const IN_FLIGHT: usize = 64;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct PublishArgs {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+    #[command(subcommand)]
+    pub event: PublishEvent,
+}
+
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum PublishEvent {
+    /// OrderPlaced: reserve copies of a book for an order.
+    Placed {
+        #[arg(long)]
+        book_id: BookId,
+        /// Copies, 1 to 10,000.
+        #[arg(long)]
+        quantity: i64,
+        /// The order; a new one by default (and for each message of a --count run).
+        #[arg(long)]
+        order_id: Option<OrderId>,
+        /// The message id; a new UUID v7 by default.
+        #[arg(long)]
+        message_id: Option<String>,
+        #[arg(long)]
+        correlation_id: Option<String>,
+        /// Publishes this many orders, each with its own order and message id.
+        #[arg(long, default_value_t = 1)]
+        count: u64,
+        /// After each message, publishes it again under a NEW message id, as a faulty
+        /// producer's retry does.
+        #[arg(long)]
+        resend_with_new_id: bool,
+    },
+    /// OrderCancelled: release an order's reservations.
+    Cancelled {
+        #[arg(long)]
+        order_id: OrderId,
+        /// The message id; a new UUID v7 by default.
+        #[arg(long)]
+        message_id: Option<String>,
+        #[arg(long)]
+        correlation_id: Option<String>,
+        /// Publishes it again under a NEW message id.
+        #[arg(long)]
+        resend_with_new_id: bool,
+    },
+}
+
+fn message_id(given: Option<String>) -> Result<DedupKey> {
+    Ok(DedupKey::MessageId(match given {
+        Some(id) => MessageId::parse(id)?,
+        None => MessageId::generate(),
+    }))
+}
+
+/// The messages a command asks for, each with its id fixed before the first attempt.
+fn messages(event: &PublishEvent) -> Result<(Vec<Message>, bool)> {
+    match event.clone() {
+        PublishEvent::Placed {
+            book_id,
+            quantity,
+            order_id,
+            message_id: given_id,
+            correlation_id,
+            count,
+            resend_with_new_id,
+        } => {
+            if count > 1 && (order_id.is_some() || given_id.is_some()) {
+                bail!("--count makes a new order and message id per message: drop --order-id and --message-id");
+            }
+            let quantity = Quantity::new(quantity)?;
+            let mut given_id = given_id;
+            let built = (0..count.max(1))
+                .map(|_| {
+                    Ok(Message {
+                        key: message_id(given_id.take())?,
+                        correlation_id: correlation_id.clone(),
+                        occurred_at: Some(chrono_now()),
+                        event: Event::Placed(OrderPlaced {
+                            order_id: order_id.unwrap_or_else(OrderId::new_v7),
+                            book_id,
+                            quantity,
+                        }),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((built, resend_with_new_id))
+        }
+        PublishEvent::Cancelled {
+            order_id,
+            message_id: given_id,
+            correlation_id,
+            resend_with_new_id,
+        } => Ok((
+            vec![Message {
+                key: message_id(given_id)?,
+                correlation_id,
+                occurred_at: Some(chrono_now()),
+                event: Event::Cancelled(OrderCancelled { order_id }),
+            }],
+            resend_with_new_id,
+        )),
+    }
+}
+
+fn chrono_now() -> String {
+    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+}
+
+fn describe(message: &Message, receipt: &PublishReceipt) -> String {
+    let event = match &message.event {
+        Event::Placed(placed) => format!(
+            "OrderPlaced order_id={} book_id={} quantity={}",
+            placed.order_id, placed.book_id, placed.quantity
+        ),
+        Event::Cancelled(cancelled) => format!("OrderCancelled order_id={}", cancelled.order_id),
+    };
+    let stored = if receipt.duplicate {
+        format!(
+            "duplicate: the stream already had this message id (sequence {})",
+            receipt.sequence
+        )
+    } else {
+        format!("stored as sequence {}", receipt.sequence)
+    };
+    format!("{event} message_id={} -> {stored}", message.key)
+}
+
+#[derive(Default)]
+struct Tally {
+    stored: u64,
+    duplicates: u64,
+    resent: u64,
+}
+
+pub async fn run(args: PublishArgs) -> Result<()> {
+    let (messages, resend) = messages(&args.event)?;
+    let client = jetstream::connect(&args.nats.nats_url, "inventory publish").await?;
+    let js = jetstream::context(client.clone());
+    let topology = args.topology.topology();
+    jetstream::ensure_streams(&js, &topology)
+        .await
+        .context("setting up the streams")?;
+    let publisher = OrderPublisher::new(js, topology);
+
+    let single = messages.len() == 1;
+    let progress = if single {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(messages.len() as u64)
+    };
+    progress.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} {per_sec} {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut results = futures::stream::iter(messages)
+        .map(|message| {
+            let publisher = publisher.clone();
+            async move {
+                let receipt = publisher.publish(&message).await?;
+                let resent = if resend {
+                    let copy = Message {
+                        key: DedupKey::MessageId(MessageId::generate()),
+                        ..message.clone()
+                    };
+                    let receipt = publisher.publish(&copy).await?;
+                    Some((copy, receipt))
+                } else {
+                    None
+                };
+                anyhow::Ok((message, receipt, resent))
+            }
+        })
+        .buffer_unordered(IN_FLIGHT);
+    let mut tally = Tally::default();
+    while let Some(result) = results.next().await {
+        let (message, receipt, resent) = result?;
+        progress.inc(1);
+        if single {
+            println!("{}", describe(&message, &receipt));
+        }
+        tally.stored += u64::from(!receipt.duplicate);
+        tally.duplicates += u64::from(receipt.duplicate);
+        if let Some((copy, receipt)) = resent {
+            if single {
+                println!("resent with a new id: {}", describe(&copy, &receipt));
+            }
+            tally.resent += 1;
+        }
+    }
+    progress.finish_and_clear();
+    if !single {
+        println!(
+            "published {} messages: {} stored, {} dropped by the stream as duplicates; {} resent with new ids",
+            tally.stored + tally.duplicates,
+            tally.stored,
+            tally.duplicates,
+            tally.resent
+        );
+    }
+    client.flush().await?;
+    Ok(())
+}

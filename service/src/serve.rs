@@ -1,0 +1,540 @@
+//! `inventory serve`: the JetStream subscriber.
+//!
+//! Pulls from a durable consumer with at most `concurrency` messages in flight. Each message is
+//! decoded, handled by the strategy, and then: acked (processed or duplicate: both success),
+//! dead-lettered and terminated (a permanent refusal, or the last allowed delivery failing), or
+//! nak'ed with a growing delay (a transient failure). Nothing is acked before its transaction
+//! committed. On shutdown it stops fetching, lets in-flight messages finish and ack, and returns;
+//! the caller then drains the connection.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::PullConsumer;
+use futures::StreamExt;
+use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
+use inventory_infra::db::{self, DatabaseConnection};
+use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, Origin};
+use inventory_infra::redact::redact_url;
+use inventory_infra::{DetectMode, MessageHandler, StockConsumer, Strategy};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, field};
+
+use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
+
+/// How the loop treats messages; see the `serve` flags for the defaults.
+#[derive(Debug, Clone)]
+pub struct ServeSettings {
+    pub concurrency: usize,
+    pub max_body_bytes: usize,
+    /// The consumer's `max_deliver` as the server has it; -1 for unlimited.
+    pub max_deliver: i64,
+    pub retry_delay: Duration,
+    pub max_retry_delay: Duration,
+}
+
+impl ServeSettings {
+    /// Delay before the next try after `delivered` failed deliveries: doubling, capped.
+    pub fn retry_delay_after(&self, delivered: i64) -> Duration {
+        let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
+        self.retry_delay
+            .saturating_mul(2u32.saturating_pow(doublings))
+            .min(self.max_retry_delay)
+    }
+
+    fn is_last_delivery(&self, delivered: i64) -> bool {
+        self.max_deliver > 0 && delivered >= self.max_deliver
+    }
+}
+
+/// What became of one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Handled and acked; the label is the outcome's (`processed`, `duplicate`, `rejected`).
+    Acked(&'static str),
+    DeadLettered(DeadLetterReason),
+    /// Nak'ed, to come again after the delay.
+    Retried(Duration),
+    /// Left unacked (the handler died, or an ack or dead letter could not be sent): JetStream
+    /// redelivers it after the ack wait.
+    LeftForRedelivery,
+}
+
+/// Counts of dispositions since start.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub acked: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub retried: AtomicU64,
+    pub left_for_redelivery: AtomicU64,
+}
+
+impl Stats {
+    fn record(&self, disposition: &Disposition) {
+        let counter = match disposition {
+            Disposition::Acked("duplicate") => &self.duplicates,
+            Disposition::Acked(_) => &self.acked,
+            Disposition::DeadLettered(_) => &self.dead_lettered,
+            Disposition::Retried(_) => &self.retried,
+            Disposition::LeftForRedelivery => &self.left_for_redelivery,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Everything one delivery needs; cloned into each message's task.
+#[derive(Clone)]
+pub struct Worker<H> {
+    pub handler: H,
+    pub dead_letters: DeadLetters,
+    pub settings: Arc<ServeSettings>,
+    pub stats: Arc<Stats>,
+    /// Set when a handler hit a database error: the loop checks the database before fetching.
+    database_suspect: Arc<AtomicBool>,
+}
+
+impl<H: MessageHandler> Worker<H> {
+    pub fn new(handler: H, dead_letters: DeadLetters, settings: ServeSettings) -> Self {
+        Self {
+            handler,
+            dead_letters,
+            settings: Arc::new(settings),
+            stats: Arc::new(Stats::default()),
+            database_suspect: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Handles one delivery to its end: the step the loop runs for every message, public so a
+    /// test can drive the consumer one message at a time.
+    pub async fn process(&self, message: &async_nats::jetstream::Message) -> Disposition {
+        let disposition = self.dispose(message).await;
+        self.stats.record(&disposition);
+        tracing::Span::current().record("disposition", field::debug(&disposition));
+        disposition
+    }
+
+    async fn dispose(&self, message: &async_nats::jetstream::Message) -> Disposition {
+        let origin = match message.info() {
+            Ok(info) => Origin {
+                subject: message.subject.to_string(),
+                stream: info.stream.to_owned(),
+                stream_sequence: info.stream_sequence,
+                deliveries: info.delivered,
+            },
+            Err(error) => {
+                // Not a JetStream delivery: there is nothing to ack, so nothing to do.
+                tracing::error!(%error, subject = %message.subject, "message without JetStream metadata");
+                return Disposition::LeftForRedelivery;
+            }
+        };
+        let span = tracing::Span::current();
+        span.record("stream_seq", origin.stream_sequence);
+        span.record("delivered", origin.deliveries);
+
+        let decoded = match self.decode(message) {
+            Ok(decoded) => decoded,
+            Err((reason, detail)) => {
+                return self.dead_letter(message, &origin, reason, &detail).await;
+            }
+        };
+        span.record("message_id", field::display(&decoded.key));
+
+        match self.handler.handle(&decoded).await {
+            Ok(Outcome::Refused(refusal)) => {
+                self.dead_letter(message, &origin, refusal.reason, &refusal.detail)
+                    .await
+            }
+            Ok(outcome) => match message.ack().await {
+                Ok(()) => {
+                    tracing::debug!(outcome = outcome.label(), "acked");
+                    Disposition::Acked(outcome.label())
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "ack not sent; the redelivery will be a duplicate");
+                    Disposition::LeftForRedelivery
+                }
+            },
+            Err(inventory_infra::HandleError::Crashed(point)) => {
+                tracing::warn!(point = point.as_str(), "handler crashed (injected)");
+                Disposition::LeftForRedelivery
+            }
+            Err(error) => {
+                if error.is_database() {
+                    self.database_suspect.store(true, Ordering::Relaxed);
+                }
+                if self.settings.is_last_delivery(origin.deliveries) {
+                    let detail = format!("last of {} deliveries failed: {error}", origin.deliveries);
+                    return self
+                        .dead_letter(message, &origin, DeadLetterReason::MaxDeliveries, &detail)
+                        .await;
+                }
+                let delay = self.settings.retry_delay_after(origin.deliveries);
+                tracing::warn!(%error, retry_in = ?delay, "transient failure; nak");
+                match message.ack_with(AckKind::Nak(Some(delay))).await {
+                    Ok(()) => Disposition::Retried(delay),
+                    Err(_) => Disposition::LeftForRedelivery,
+                }
+            }
+        }
+    }
+
+    fn decode(&self, message: &async_nats::jetstream::Message) -> Result<Message, (DeadLetterReason, String)> {
+        if message.payload.len() > self.settings.max_body_bytes {
+            return Err((
+                DeadLetterReason::Malformed,
+                format!(
+                    "body of {} bytes is over the {}-byte limit; not parsed",
+                    message.payload.len(),
+                    self.settings.max_body_bytes
+                ),
+            ));
+        }
+        let kind = EventKind::from_subject(&message.subject).ok_or_else(|| {
+            (
+                DeadLetterReason::Invalid,
+                format!("subject {} carries no order event", message.subject),
+            )
+        })?;
+        Message::decode(kind, &message.payload).map_err(|error| (error.reason(), error.to_string()))
+    }
+
+    /// Publishes the dead letter, and only once the DLQ stream stored it terminates the
+    /// original, so a poison message is neither lost nor redelivered forever.
+    async fn dead_letter(
+        &self,
+        message: &async_nats::jetstream::Message,
+        origin: &Origin,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> Disposition {
+        let published = self
+            .dead_letters
+            .publish(
+                origin,
+                message.headers.as_ref(),
+                message.payload.clone(),
+                reason,
+                detail,
+            )
+            .await;
+        if let Err(error) = published {
+            let delay = self.settings.retry_delay_after(origin.deliveries);
+            tracing::warn!(%error, reason = reason.as_str(), "dead letter not stored; nak");
+            return match message.ack_with(AckKind::Nak(Some(delay))).await {
+                Ok(()) => Disposition::Retried(delay),
+                Err(_) => Disposition::LeftForRedelivery,
+            };
+        }
+        tracing::warn!(reason = reason.as_str(), detail, "dead-lettered");
+        match message.ack_with(AckKind::Term).await {
+            Ok(()) => Disposition::DeadLettered(reason),
+            Err(error) => {
+                // The dead letter is stored under an id derived from this delivery: the
+                // redelivery stores no second copy.
+                tracing::warn!(%error, "term not sent");
+                Disposition::LeftForRedelivery
+            }
+        }
+    }
+}
+
+/// How the loop is asked to stop: `graceful` stops fetching and waits for in-flight messages;
+/// `immediate` gives up waiting.
+#[derive(Clone, Default)]
+pub struct Shutdown {
+    pub graceful: CancellationToken,
+    pub immediate: CancellationToken,
+}
+
+/// How the loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Every in-flight message finished.
+    Drained,
+    /// Stopped waiting (second signal or timeout): unfinished messages stay unacked and will be
+    /// redelivered; their transactions were never committed.
+    Abandoned,
+}
+
+/// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
+/// in-flight messages.
+pub async fn run<H: MessageHandler>(
+    consumer: &PullConsumer,
+    worker: Worker<H>,
+    db: DatabaseConnection,
+    shutdown: Shutdown,
+    shutdown_timeout: Duration,
+) -> anyhow::Result<Ending> {
+    let concurrency = worker.settings.concurrency.max(1);
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let tracker = TaskTracker::new();
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(concurrency)
+        .heartbeat(Duration::from_secs(5))
+        .expires(Duration::from_secs(30))
+        .messages()
+        .await?;
+
+    loop {
+        let slot = tokio::select! {
+            () = shutdown.graceful.cancelled() => break,
+            slot = slots.clone().acquire_owned() => slot?,
+        };
+        if worker.database_suspect.swap(false, Ordering::Relaxed)
+            && !wait_for_database(&db, &shutdown.graceful).await
+        {
+            break;
+        }
+        let next = tokio::select! {
+            () = shutdown.graceful.cancelled() => break,
+            next = messages.next() => next,
+        };
+        let message = match next {
+            Some(Ok(message)) => message,
+            Some(Err(error)) => {
+                // Missed heartbeats and the like while NATS reconnects; the stream goes on.
+                tracing::warn!(%error, "pulling messages");
+                continue;
+            }
+            None => anyhow::bail!("the consumer's message stream ended"),
+        };
+        let worker = worker.clone();
+        let span = tracing::info_span!(
+            "message",
+            message_id = field::Empty,
+            stream_seq = field::Empty,
+            delivered = field::Empty,
+            disposition = field::Empty,
+        );
+        tracker.spawn(
+            async move {
+                worker.process(&message).await;
+                drop(slot);
+            }
+            .instrument(span),
+        );
+    }
+    // Dropping the stream stops the pulls; what it had fetched and not handed out is
+    // redelivered after the ack wait.
+    drop(messages);
+    tracker.close();
+    tracing::info!(in_flight = tracker.len(), "stopped fetching; finishing in-flight messages");
+    tokio::select! {
+        () = tracker.wait() => Ok(Ending::Drained),
+        () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
+        () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
+    }
+}
+
+/// Waits until the database answers again; false if shutdown came first. While it is down
+/// nothing is fetched, so messages are not burned through their delivery attempts.
+async fn wait_for_database(db: &DatabaseConnection, shutdown: &CancellationToken) -> bool {
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match db.ping().await {
+            Ok(()) => {
+                tracing::info!("database reachable; consuming");
+                return true;
+            }
+            Err(error) => tracing::warn!(%error, "database unreachable; not fetching"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return false,
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// The strategy `serve` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StrategyArg {
+    /// The natural key `(order_id, book_id)`: consumer `inventory-reserve-stock`.
+    Natural,
+    /// The inbox `(message_id, consumer)`: consumer `inventory-reserve-stock-inbox`.
+    Inbox,
+}
+
+impl StrategyArg {
+    fn default_consumer(self) -> &'static str {
+        match self {
+            Self::Natural => "inventory-reserve-stock",
+            Self::Inbox => "inventory-reserve-stock-inbox",
+        }
+    }
+}
+
+/// How the inbox strategy detects a duplicate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DetectArg {
+    OnConflict,
+    CatchViolation,
+    PreCheck,
+}
+
+impl From<DetectArg> for DetectMode {
+    fn from(arg: DetectArg) -> Self {
+        match arg {
+            DetectArg::OnConflict => Self::OnConflict,
+            DetectArg::CatchViolation => Self::CatchViolation,
+            DetectArg::PreCheck => Self::PreCheck,
+        }
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Which handler runs.
+    #[arg(long, value_enum)]
+    pub strategy: StrategyArg,
+    /// Durable consumer name; the contract's name for the strategy by default.
+    #[arg(long)]
+    pub consumer: Option<String>,
+    /// Duplicate detection of the inbox strategy.
+    #[arg(long, value_enum, default_value = "on-conflict")]
+    pub inbox_detect: DetectArg,
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// Database connections in the pool.
+    #[arg(long, default_value_t = 10)]
+    pub db_pool_size: u32,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+    /// Messages handled at once; the pool size by default.
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// How long JetStream waits for an ack before redelivering (when it creates the consumer).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub ack_wait: Duration,
+    /// Deliveries of one message before it is dead-lettered as max-deliveries (when it creates
+    /// the consumer).
+    #[arg(long, default_value_t = 10)]
+    pub max_deliver: i64,
+    /// JetStream redelivery backoff after ack-wait timeouts, comma separated (e.g. 5s,30s,2m);
+    /// none by default (when it creates the consumer).
+    #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
+    pub backoff: Vec<Duration>,
+    /// Unacked messages the server lets this consumer hold (when it creates the consumer).
+    #[arg(long, default_value_t = 1_000)]
+    pub max_ack_pending: i64,
+    /// Delay before retrying a message that failed transiently; doubles per delivery.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub retry_delay: Duration,
+    /// Longest delay between retries.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub max_retry_delay: Duration,
+    /// Bodies larger than this are dead letters, never parsed.
+    #[arg(long, default_value_t = 64 * 1024)]
+    pub max_body_bytes: usize,
+    /// How long shutdown waits for in-flight messages before leaving them for redelivery.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: Duration,
+}
+
+/// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
+/// second for an immediate one.
+fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::spawn(async move {
+        for token in [&shutdown.graceful, &shutdown.immediate] {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+            token.cancel();
+            if token == &shutdown.graceful {
+                tracing::info!("signal received: stopping; a second signal stops at once");
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `inventory serve`: wiring, then [`run`]. Ok(true) when it drained cleanly.
+pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
+    let shutdown = Shutdown::default();
+    listen_for_signals(shutdown.clone())?;
+
+    let db = db::connect_and_migrate(&args.database.database_url, args.db_pool_size)
+        .await
+        .with_context(|| {
+            format!(
+                "connecting to the database at {}",
+                redact_url(&args.database.database_url)
+            )
+        })?;
+    let client = jetstream::connect(&args.nats.nats_url, "inventory serve").await?;
+    let js = jetstream::context(client.clone());
+    let topology = args.topology.topology();
+    let (stream, drifts) = jetstream::ensure_streams(&js, &topology).await?;
+    let consumer_name = args
+        .consumer
+        .clone()
+        .unwrap_or_else(|| args.strategy.default_consumer().to_owned());
+    let consumer_settings = ConsumerSettings {
+        durable_name: consumer_name.clone(),
+        filter_subject: format!("{}.>", topology.subject_prefix),
+        ack_wait: args.ack_wait,
+        max_deliver: args.max_deliver,
+        backoff: args.backoff.clone(),
+        max_ack_pending: args.max_ack_pending,
+    };
+    let (mut consumer, consumer_drifts) =
+        jetstream::ensure_consumer(&stream, &consumer_settings).await?;
+    for drift in drifts.iter().chain(&consumer_drifts) {
+        tracing::warn!("{drift}");
+    }
+    // The server's value rules, whatever this process would have set.
+    let max_deliver = consumer.info().await?.config.max_deliver;
+
+    let settings = ServeSettings {
+        concurrency: args
+            .concurrency
+            .unwrap_or(usize::try_from(args.db_pool_size).unwrap_or(1)),
+        max_body_bytes: args.max_body_bytes,
+        max_deliver,
+        retry_delay: args.retry_delay,
+        max_retry_delay: args.max_retry_delay,
+    };
+    let dead_letters = DeadLetters::new(js.clone(), &topology, &consumer_name);
+    let consumer_label = ConsumerName::parse(consumer_name.clone())?;
+    tracing::info!(
+        strategy = ?args.strategy,
+        consumer = %consumer_name,
+        stream = %topology.stream,
+        concurrency = settings.concurrency,
+        "consuming"
+    );
+    let strategy = match args.strategy {
+        StrategyArg::Natural => Strategy::NaturalKey,
+        StrategyArg::Inbox => Strategy::Inbox(args.inbox_detect.into()),
+    };
+    let handler = StockConsumer::new(db.clone(), strategy, consumer_label);
+    let worker = Worker::new(handler, dead_letters, settings);
+    let ending = run(&consumer, worker, db, shutdown, args.shutdown_timeout).await?;
+    match ending {
+        Ending::Drained => {
+            // Flushes the acks of the last messages before the process ends.
+            client.drain().await?;
+            tracing::info!("drained; bye");
+            Ok(true)
+        }
+        Ending::Abandoned => {
+            eprintln!(
+                "error: stopped before in-flight messages finished; they were not acked and will be redelivered"
+            );
+            Ok(false)
+        }
+    }
+}
