@@ -161,8 +161,20 @@ async fn ensure_stream(
         .config
         .clone();
     let object = format!("stream {}", wanted.name);
-    compare(drifts, &object, "subjects", &existing.subjects, &wanted.subjects);
-    compare(drifts, &object, "storage", &existing.storage, &wanted.storage);
+    compare(
+        drifts,
+        &object,
+        "subjects",
+        &existing.subjects,
+        &wanted.subjects,
+    );
+    compare(
+        drifts,
+        &object,
+        "storage",
+        &existing.storage,
+        &wanted.storage,
+    );
     compare(
         drifts,
         &object,
@@ -255,7 +267,13 @@ pub async fn ensure_consumer(
         &existing.ack_policy,
         &wanted.ack_policy,
     );
-    compare(&mut drifts, &object, "ack_wait", &existing.ack_wait, &wanted.ack_wait);
+    compare(
+        &mut drifts,
+        &object,
+        "ack_wait",
+        &existing.ack_wait,
+        &wanted.ack_wait,
+    );
     compare(
         &mut drifts,
         &object,
@@ -263,7 +281,13 @@ pub async fn ensure_consumer(
         &existing.max_deliver,
         &wanted.max_deliver,
     );
-    compare(&mut drifts, &object, "backoff", &existing.backoff, &wanted.backoff);
+    compare(
+        &mut drifts,
+        &object,
+        "backoff",
+        &existing.backoff,
+        &wanted.backoff,
+    );
     Ok((consumer, drifts))
 }
 
@@ -421,7 +445,10 @@ impl DeadLetters {
         set(dlq_headers::REASON, reason.as_str().to_owned());
         set(dlq_headers::DETAIL, detail.to_owned());
         set(dlq_headers::STREAM, origin.stream.clone());
-        set(dlq_headers::STREAM_SEQUENCE, origin.stream_sequence.to_string());
+        set(
+            dlq_headers::STREAM_SEQUENCE,
+            origin.stream_sequence.to_string(),
+        );
         set(dlq_headers::DELIVERIES, origin.deliveries.to_string());
         set(dlq_headers::SUBJECT, origin.subject.clone());
         if let Some(original_id) = original_id {

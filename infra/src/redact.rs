@@ -27,10 +27,7 @@ mod tests {
             redact_url("nats://token@127.0.0.1:4222"),
             "nats://***@127.0.0.1:4222"
         );
-        assert_eq!(
-            redact_url("nats://127.0.0.1:4222"),
-            "nats://127.0.0.1:4222"
-        );
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
         assert_eq!(
             redact_url("sqlite://inventory.db?mode=rwc"),
             "sqlite://inventory.db?mode=rwc"

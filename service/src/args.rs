@@ -15,7 +15,12 @@ pub struct DatabaseArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct NatsArgs {
     /// NATS server URL.
-    #[arg(long, env = "NATS_URL", hide_env_values = true, default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "NATS_URL",
+        hide_env_values = true,
+        default_value = "nats://127.0.0.1:4222"
+    )]
     pub nats_url: String,
 }
 

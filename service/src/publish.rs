@@ -85,7 +85,9 @@ fn messages(event: &PublishEvent) -> Result<(Vec<Message>, bool)> {
             resend_with_new_id,
         } => {
             if count > 1 && (order_id.is_some() || given_id.is_some()) {
-                bail!("--count makes a new order and message id per message: drop --order-id and --message-id");
+                bail!(
+                    "--count makes a new order and message id per message: drop --order-id and --message-id"
+                );
             }
             let quantity = Quantity::new(quantity)?;
             let mut given_id = given_id;

@@ -169,7 +169,8 @@ impl<H: MessageHandler> Worker<H> {
                     self.database_suspect.store(true, Ordering::Relaxed);
                 }
                 if self.settings.is_last_delivery(origin.deliveries) {
-                    let detail = format!("last of {} deliveries failed: {error}", origin.deliveries);
+                    let detail =
+                        format!("last of {} deliveries failed: {error}", origin.deliveries);
                     return self
                         .dead_letter(message, &origin, DeadLetterReason::MaxDeliveries, &detail)
                         .await;
@@ -184,7 +185,10 @@ impl<H: MessageHandler> Worker<H> {
         }
     }
 
-    fn decode(&self, message: &async_nats::jetstream::Message) -> Result<Message, (DeadLetterReason, String)> {
+    fn decode(
+        &self,
+        message: &async_nats::jetstream::Message,
+    ) -> Result<Message, (DeadLetterReason, String)> {
         if message.payload.len() > self.settings.max_body_bytes {
             return Err((
                 DeadLetterReason::Malformed,
@@ -325,7 +329,10 @@ pub async fn run<H: MessageHandler>(
     // redelivered after the ack wait.
     drop(messages);
     tracker.close();
-    tracing::info!(in_flight = tracker.len(), "stopped fetching; finishing in-flight messages");
+    tracing::info!(
+        in_flight = tracker.len(),
+        "stopped fetching; finishing in-flight messages"
+    );
     tokio::select! {
         () = tracker.wait() => Ok(Ending::Drained),
         () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),

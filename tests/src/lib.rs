@@ -6,6 +6,7 @@
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod broker;
 pub mod postgres;
 
 use std::time::Duration;

@@ -54,8 +54,10 @@ impl HandleError {
 
 /// What the consumer loop needs of a handler: one message in, one outcome out.
 pub trait MessageHandler: Clone + Send + Sync + 'static {
-    fn handle(&self, message: &Message)
-    -> impl Future<Output = Result<Outcome, HandleError>> + Send;
+    fn handle(
+        &self,
+        message: &Message,
+    ) -> impl Future<Output = Result<Outcome, HandleError>> + Send;
 }
 
 impl MessageHandler for StockConsumer {

@@ -1,0 +1,430 @@
+//! The JetStream subscriber, in-process, against a real NATS server and a real database.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use inventory_domain::{CrashPoint, Message, Outcome};
+use inventory_infra::jetstream::dlq_headers;
+use inventory_infra::{DetectMode, Faults, HandleError, MessageHandler, StockConsumer, Strategy};
+use inventory_service::serve::Ending;
+use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
+use inventory_tests::{Backend, TestDb, cancelled, placed, placed_for, with_new_id};
+use sea_orm::DbErr;
+
+async fn reserved_reaches(db: &TestDb, book: inventory_domain::BookId, copies: i64) {
+    eventually(&format!("{copies} copies reserved"), || async {
+        db.reserved(book).await == copies
+    })
+    .await;
+}
+
+async fn nothing_left_on(broker: &Broker) {
+    eventually("no message pending or unacked", || async {
+        let state = broker.consumer_state().await;
+        state.pending == 0 && state.ack_pending == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_is_processed_and_acked_once() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    let message = placed(book, 2);
+    let receipt = broker.publisher().publish(&message).await.unwrap();
+    assert!(!receipt.duplicate);
+
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        db.consumer(Strategy::NaturalKey),
+        db.conn.clone(),
+        test_settings(4, 5),
+    );
+    reserved_reaches(&db, book, 2).await;
+    nothing_left_on(&broker).await;
+    let stats = service.stats.clone();
+    assert_eq!(service.stop().await, Ending::Drained);
+    assert_eq!(stats.acked.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.retried.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_drops_a_resend_with_the_same_id() {
+    let broker = Broker::new().await;
+    let message = placed(inventory_domain::BookId::new_v7(), 2);
+    let publisher = broker.publisher();
+    assert!(!publisher.publish(&message).await.unwrap().duplicate);
+    assert!(publisher.publish(&message).await.unwrap().duplicate);
+    assert!(
+        !publisher
+            .publish(&with_new_id(&message))
+            .await
+            .unwrap()
+            .duplicate
+    );
+    assert_eq!(broker.stream_messages(&broker.topology.stream).await, 2);
+}
+
+/// Commits, then fails as if the ack were lost: the service naks, JetStream redelivers.
+#[derive(Clone)]
+struct FailsAfterCommitOnce {
+    inner: StockConsumer,
+    failed: Arc<AtomicBool>,
+}
+
+impl MessageHandler for FailsAfterCommitOnce {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let outcome = self.inner.handle(message).await?;
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            return Err(HandleError::Database(DbErr::Custom(
+                "lost after commit".into(),
+            )));
+        }
+        Ok(outcome)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_after_a_nak_is_a_duplicate() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    broker.publisher().publish(&placed(book, 2)).await.unwrap();
+    let handler = FailsAfterCommitOnce {
+        inner: db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        failed: Arc::default(),
+    };
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        handler,
+        db.conn.clone(),
+        test_settings(4, 5),
+    );
+    eventually("the redelivery acked as a duplicate", || async {
+        service.stats.duplicates.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(service.stats.retried.load(Ordering::Relaxed), 1);
+    assert_eq!(db.reserved(book).await, 2);
+    nothing_left_on(&broker).await;
+    service.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_died_before_its_ack_gets_a_duplicate() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    broker.publisher().publish(&placed(book, 2)).await.unwrap();
+    // The handler commits and dies before the ack; JetStream redelivers after the ack wait.
+    let handler = db
+        .consumer(Strategy::NaturalKey)
+        .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit));
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        handler,
+        db.conn.clone(),
+        test_settings(4, 5),
+    );
+    eventually("the redelivery acked as a duplicate", || async {
+        service.stats.duplicates.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(service.stats.left_for_redelivery.load(Ordering::Relaxed), 1);
+    assert_eq!(db.reserved(book).await, 2);
+    nothing_left_on(&broker).await;
+    service.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_messages_are_dead_lettered_and_the_service_keeps_going() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    let publisher = broker.publisher();
+
+    let order = placed(book, 2);
+    publisher.publish(&order).await.unwrap();
+    broker
+        .publish_raw("placed", &b"{not json"[..], Some("poison-1"))
+        .await;
+    let too_many = format!(
+        r#"{{"message_id":"poison-2","order_id":"{}","book_id":"{book}","quantity":0}}"#,
+        inventory_domain::OrderId::new_v7()
+    );
+    broker
+        .publish_raw("placed", too_many.into_bytes(), Some("poison-2"))
+        .await;
+    publisher
+        .publish(&placed(inventory_domain::BookId::new_v7(), 1))
+        .await
+        .unwrap();
+    // The same order and book for another quantity, under a new id: a conflict.
+    publisher
+        .publish(&placed_for(order.event.order_id(), book, 3))
+        .await
+        .unwrap();
+    broker
+        .publish_raw("placed", vec![b' '; 70 * 1024], Some("poison-big"))
+        .await;
+    broker
+        .publish_raw("shipped", &b"{}"[..], Some("poison-subject"))
+        .await;
+    let healthy = placed(book, 1);
+    publisher.publish(&healthy).await.unwrap();
+
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        db.consumer(Strategy::NaturalKey),
+        db.conn.clone(),
+        test_settings(2, 5),
+    );
+    reserved_reaches(&db, book, 3).await;
+    nothing_left_on(&broker).await;
+    assert!(service.is_running());
+    let letters = broker.dead_letters().await;
+    let mut reasons: Vec<&str> = letters
+        .iter()
+        .map(|letter| letter.header(dlq_headers::REASON).unwrap())
+        .collect();
+    reasons.sort_unstable();
+    assert_eq!(
+        reasons,
+        [
+            "conflicting-reservation",
+            "invalid",
+            "invalid",
+            "malformed",
+            "malformed",
+            "unknown-book"
+        ]
+    );
+    for letter in &letters {
+        assert_eq!(
+            letter.subject,
+            format!(
+                "{}.{}",
+                broker.topology.dlq_subject_prefix, broker.consumer_name
+            )
+        );
+        assert_eq!(
+            letter.header(dlq_headers::STREAM),
+            Some(broker.topology.stream.as_str())
+        );
+        assert_eq!(letter.header(dlq_headers::DELIVERIES), Some("1"));
+        assert!(letter.header(dlq_headers::STREAM_SEQUENCE).is_some());
+        assert!(!letter.header(dlq_headers::DETAIL).unwrap_or("").is_empty());
+    }
+    let malformed = letters
+        .iter()
+        .find(|letter| letter.body.as_ref() == b"{not json")
+        .expect("the original body is kept");
+    assert_eq!(
+        malformed.header(dlq_headers::ORIGINAL_MSG_ID),
+        Some("poison-1")
+    );
+    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 6);
+    service.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_mismatch_is_dead_lettered_by_the_inbox() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    let order = placed(book, 2);
+    broker.publisher().publish(&order).await.unwrap();
+    let mut altered = placed(book, 5);
+    altered.key = order.key.clone();
+    // Another Nats-Msg-Id, so the stream keeps it, but the same message id in the body.
+    broker
+        .publish_raw("placed", altered.to_plain_json().unwrap(), Some("other"))
+        .await;
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        db.conn.clone(),
+        test_settings(1, 5),
+    );
+    nothing_left_on(&broker).await;
+    let letters = broker.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(
+        letters[0].header(dlq_headers::REASON),
+        Some("payload-mismatch")
+    );
+    assert_eq!(db.reserved(book).await, 2);
+    service.stop().await;
+}
+
+/// Fails every time, as a database error would.
+#[derive(Clone)]
+struct AlwaysFails;
+
+impl MessageHandler for AlwaysFails {
+    async fn handle(&self, _message: &Message) -> Result<Outcome, HandleError> {
+        Err(HandleError::Database(DbErr::Custom("always".into())))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_allowed_delivery_failing_is_a_max_deliveries_dead_letter() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    broker
+        .publisher()
+        .publish(&placed(db.dune(10).await, 2))
+        .await
+        .unwrap();
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(3).await,
+        AlwaysFails,
+        db.conn.clone(),
+        test_settings(1, 3),
+    );
+    eventually("a max-deliveries dead letter", || async {
+        broker.stream_messages(&broker.topology.dlq_stream).await == 1
+    })
+    .await;
+    nothing_left_on(&broker).await;
+    let letters = broker.dead_letters().await;
+    assert_eq!(
+        letters[0].header(dlq_headers::REASON),
+        Some("max-deliveries")
+    );
+    assert_eq!(letters[0].header(dlq_headers::DELIVERIES), Some("3"));
+    assert_eq!(service.stats.retried.load(Ordering::Relaxed), 2);
+    service.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_the_message_in_flight_finish_and_ack() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    broker.publisher().publish(&placed(book, 2)).await.unwrap();
+    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::BeforeCommit);
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        db.consumer(Strategy::NaturalKey).with_faults(faults),
+        db.conn.clone(),
+        test_settings(4, 5),
+    );
+    hold.reached().await;
+    service.shutdown.graceful.cancel();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        service.is_running(),
+        "shutdown waits for the message in flight"
+    );
+    hold.release();
+    assert_eq!(service.stop().await, Ending::Drained);
+    assert_eq!(db.reserved(book).await, 2);
+    nothing_left_on(&broker).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloud_events_and_cancellations_flow_through() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    let order = inventory_domain::OrderId::new_v7();
+    let event = format!(
+        r#"{{"specversion":"1.0","id":"ce-1","source":"/shop","type":"bookstore.order.placed","data":{{"order_id":"{order}","book_id":"{book}","quantity":4}}}}"#
+    );
+    broker
+        .publish_raw("placed", event.clone().into_bytes(), Some("ce-a"))
+        .await;
+    // The same event again under another Nats-Msg-Id: the inbox's (source, id) key catches it.
+    broker
+        .publish_raw("placed", event.into_bytes(), Some("ce-b"))
+        .await;
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(5).await,
+        db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        db.conn.clone(),
+        test_settings(1, 5),
+    );
+    reserved_reaches(&db, book, 4).await;
+    broker.publisher().publish(&cancelled(order)).await.unwrap();
+    reserved_reaches(&db, book, 0).await;
+    nothing_left_on(&broker).await;
+    assert_eq!(service.stats.duplicates.load(Ordering::Relaxed), 1);
+    service.stop().await;
+}
+
+/// Two instances share one durable consumer; every kind of duplicate is in the stream.
+async fn competing_instances(db: TestDb) {
+    let broker = Broker::new().await;
+    let book = db.dune(10_000).await;
+    let publisher = broker.publisher();
+    let orders: Vec<Message> = (0..60).map(|i| placed(book, 1 + i % 3)).collect();
+    let expected: i64 = (0..60).map(|i| 1 + i % 3).sum();
+    for (i, order) in orders.iter().enumerate() {
+        publisher.publish(order).await.unwrap();
+        if i % 3 == 0 {
+            publisher.publish(&with_new_id(order)).await.unwrap();
+        }
+        if i % 5 == 0 {
+            publisher.publish(order).await.unwrap();
+        }
+    }
+    let consumer = broker.consumer(10).await;
+    let handler = db.consumer(Strategy::NaturalKey);
+    let crashing = handler.with_faults(Faults::crash_once_at(CrashPoint::AfterCommit));
+    let first = RunningService::start(
+        &broker,
+        consumer.clone(),
+        handler,
+        db.conn.clone(),
+        test_settings(4, 10),
+    );
+    let second = RunningService::start(
+        &broker,
+        consumer,
+        crashing,
+        db.conn.clone(),
+        test_settings(4, 10),
+    );
+    reserved_reaches(&db, book, expected).await;
+    nothing_left_on(&broker).await;
+    let total = |pick: fn(&inventory_service::serve::Stats) -> u64| {
+        pick(&first.stats) + pick(&second.stats)
+    };
+    // 60 orders, each processed once; one of them committed by the instance that then died
+    // before its ack, so it was acked later as a duplicate.
+    let crashed = total(|stats| stats.left_for_redelivery.load(Ordering::Relaxed));
+    assert_eq!(crashed, 1);
+    assert_eq!(
+        total(|stats| stats.acked.load(Ordering::Relaxed)) + crashed,
+        60
+    );
+    // 20 resends under new ids (the natural key's catch) and the one redelivery; the 12
+    // resends under the same id never reached the consumer: the stream dropped them.
+    assert_eq!(total(|stats| stats.duplicates.load(Ordering::Relaxed)), 21);
+    assert_eq!(broker.stream_messages(&broker.topology.stream).await, 80);
+    assert!(first.stats.acked.load(Ordering::Relaxed) > 0);
+    assert!(second.stats.acked.load(Ordering::Relaxed) > 0);
+    first.stop().await;
+    second.stop().await;
+    assert_eq!(db.reserved(book).await, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn competing_instances_on_postgres_reserve_exactly_once() {
+    competing_instances(TestDb::new(Backend::Postgres).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn competing_instances_on_embedded_sqlite_reserve_exactly_once() {
+    competing_instances(TestDb::new(Backend::Sqlite).await).await;
+}

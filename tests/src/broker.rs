@@ -1,0 +1,229 @@
+//! A test's own streams on a real NATS server, and the service loop running in-process on them.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self as js, context::Context};
+use inventory_infra::MessageHandler;
+use inventory_infra::db::DatabaseConnection;
+use inventory_infra::jetstream::{
+    self, ConsumerSettings, ConsumerState, DeadLetters, OrderPublisher, Topology,
+};
+use inventory_service::serve::{self, Ending, ServeSettings, Shutdown, Stats, Worker};
+use tokio::task::JoinHandle;
+
+pub const LOCAL_NATS: &str = "nats://127.0.0.1:4222";
+
+/// The server the tests share, each under its own stream names: `NATS_URL`, else the local one.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| LOCAL_NATS.to_owned())
+}
+
+/// A test's own streams (removed on drop) on `url`.
+pub struct Broker {
+    pub client: async_nats::Client,
+    pub js: Context,
+    pub topology: Topology,
+    pub consumer_name: String,
+}
+
+/// A dead letter as stored: its headers and the original body.
+#[derive(Debug, Clone)]
+pub struct StoredDeadLetter {
+    pub subject: String,
+    pub headers: std::collections::BTreeMap<String, String>,
+    pub body: bytes::Bytes,
+}
+
+impl StoredDeadLetter {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+}
+
+impl Broker {
+    pub async fn new() -> Self {
+        Self::on(&nats_url()).await
+    }
+
+    pub async fn on(url: &str) -> Self {
+        let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let topology = Topology {
+            stream: format!("ORDERS_{}", suffix.to_uppercase()),
+            subject_prefix: format!("t{suffix}.orders"),
+            dlq_stream: format!("ORDERS_DLQ_{}", suffix.to_uppercase()),
+            dlq_subject_prefix: format!("t{suffix}.dlq"),
+            duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+        };
+        let client = jetstream::connect(url, "inventory tests").await.unwrap();
+        let js = jetstream::context(client.clone());
+        jetstream::ensure_streams(&js, &topology).await.unwrap();
+        Self {
+            client,
+            js,
+            topology,
+            consumer_name: format!("inventory-reserve-stock-{suffix}"),
+        }
+    }
+
+    pub fn publisher(&self) -> OrderPublisher {
+        OrderPublisher::new(self.js.clone(), self.topology.clone())
+    }
+
+    /// Publishes raw bytes to `<prefix>.<token>` with an optional `Nats-Msg-Id`.
+    pub async fn publish_raw(&self, token: &str, body: impl Into<bytes::Bytes>, id: Option<&str>) {
+        let subject = format!("{}.{token}", self.topology.subject_prefix);
+        let mut publish = js::message::PublishMessage::build().payload(body.into());
+        if let Some(id) = id {
+            publish = publish.message_id(id);
+        }
+        self.js
+            .send_publish(subject, publish)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// The durable consumer, with a short ack wait so a withheld ack is redelivered quickly.
+    pub async fn consumer(&self, max_deliver: i64) -> PullConsumer {
+        let stream = self.js.get_stream(&self.topology.stream).await.unwrap();
+        let settings = ConsumerSettings {
+            durable_name: self.consumer_name.clone(),
+            filter_subject: format!("{}.>", self.topology.subject_prefix),
+            ack_wait: Duration::from_secs(1),
+            max_deliver,
+            backoff: Vec::new(),
+            max_ack_pending: 1_000,
+        };
+        jetstream::ensure_consumer(&stream, &settings)
+            .await
+            .unwrap()
+            .0
+    }
+
+    pub async fn consumer_state(&self) -> ConsumerState {
+        let stream = self.js.get_stream(&self.topology.stream).await.unwrap();
+        let mut consumer: PullConsumer = stream.get_consumer(&self.consumer_name).await.unwrap();
+        jetstream::consumer_state(&mut consumer).await.unwrap()
+    }
+
+    pub async fn stream_messages(&self, name: &str) -> u64 {
+        let mut stream = self.js.get_stream(name).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+
+    pub async fn dead_letters(&self) -> Vec<StoredDeadLetter> {
+        let mut stream = self.js.get_stream(&self.topology.dlq_stream).await.unwrap();
+        let state = stream.info().await.unwrap().state.clone();
+        let mut letters = Vec::new();
+        for sequence in state.first_sequence..=state.last_sequence {
+            if state.messages == 0 {
+                break;
+            }
+            let message = stream.get_raw_message(sequence).await.unwrap();
+            letters.push(StoredDeadLetter {
+                subject: message.subject.to_string(),
+                headers: jetstream::header_map(Some(&message.headers)),
+                body: message.payload,
+            });
+        }
+        letters
+    }
+
+    pub fn dead_letter_publisher(&self) -> DeadLetters {
+        DeadLetters::new(self.js.clone(), &self.topology, &self.consumer_name)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let js = self.js.clone();
+        let names = [
+            self.topology.stream.clone(),
+            self.topology.dlq_stream.clone(),
+        ];
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map(|runtime| {
+                    runtime.block_on(async {
+                        for name in names {
+                            let _ = js.delete_stream(name).await;
+                        }
+                    })
+                })
+        })
+        .join();
+    }
+}
+
+/// Settings for tests: fast retries, the service's own body limit.
+pub fn test_settings(concurrency: usize, max_deliver: i64) -> ServeSettings {
+    ServeSettings {
+        concurrency,
+        max_body_bytes: 64 * 1024,
+        max_deliver,
+        retry_delay: Duration::from_millis(50),
+        max_retry_delay: Duration::from_millis(500),
+    }
+}
+
+/// The service loop running in-process on a test's consumer.
+pub struct RunningService {
+    pub shutdown: Shutdown,
+    pub stats: Arc<Stats>,
+    task: JoinHandle<anyhow::Result<Ending>>,
+}
+
+impl RunningService {
+    pub fn start<H: MessageHandler>(
+        broker: &Broker,
+        consumer: PullConsumer,
+        handler: H,
+        db: DatabaseConnection,
+        settings: ServeSettings,
+    ) -> Self {
+        let worker = Worker::new(handler, broker.dead_letter_publisher(), settings);
+        let stats = worker.stats.clone();
+        let shutdown = Shutdown::default();
+        let task = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { serve::run(&consumer, worker, db, shutdown, Duration::from_secs(30)).await }
+        });
+        Self {
+            shutdown,
+            stats,
+            task,
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        !self.task.is_finished()
+    }
+
+    /// Asks for a graceful stop and waits for the loop to end.
+    pub async fn stop(self) -> Ending {
+        self.shutdown.graceful.cancel();
+        self.task.await.unwrap().unwrap()
+    }
+}
+
+/// Polls `check` until it holds; fails the test after a generous limit.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    for _ in 0..600 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
