@@ -28,23 +28,23 @@ pub struct NatsArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct TopologyArgs {
     /// The orders stream.
-    #[arg(long, default_value = "ORDERS")]
+    #[arg(long, global = true, default_value = "ORDERS")]
     pub stream: String,
     /// Subjects of the orders stream: `<prefix>.placed`, `<prefix>.cancelled`.
-    #[arg(long, default_value = "orders")]
+    #[arg(long, global = true, default_value = "orders")]
     pub subject_prefix: String,
     /// The dead-letter stream.
-    #[arg(long, default_value = "ORDERS_DLQ")]
+    #[arg(long, global = true, default_value = "ORDERS_DLQ")]
     pub dlq_stream: String,
     /// Subjects of the dead-letter stream: `<prefix>.<consumer>`.
-    #[arg(long, default_value = "dlq")]
+    #[arg(long, global = true, default_value = "dlq")]
     pub dlq_subject_prefix: String,
     /// How long the stream drops a resend of a `Nats-Msg-Id` it has stored (when it creates the
     /// streams).
-    #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+    #[arg(long, global = true, default_value = "2m", value_parser = humantime::parse_duration)]
     pub duplicate_window: Duration,
     /// Stream replicas (when it creates the streams); 3 on a JetStream cluster.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, global = true, default_value_t = 1)]
     pub replicas: usize,
 }
 

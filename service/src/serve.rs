@@ -152,7 +152,12 @@ impl<H: MessageHandler> Worker<H> {
             }
             Ok(outcome) => match message.ack().await {
                 Ok(()) => {
-                    tracing::debug!(outcome = outcome.label(), "acked");
+                    // A duplicate is a success like any other, not news.
+                    if outcome == Outcome::Duplicate {
+                        tracing::debug!(outcome = outcome.label(), "acked");
+                    } else {
+                        tracing::info!(outcome = outcome.label(), "acked");
+                    }
                     Disposition::Acked(outcome.label())
                 }
                 Err(error) => {

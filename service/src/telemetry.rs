@@ -1,5 +1,7 @@
 //! Logs: `tracing` to stderr, filtered by `RUST_LOG`.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// Installs the subscriber once; `default_filter` applies when `RUST_LOG` is unset.
@@ -10,5 +12,7 @@ pub fn init(default_filter: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never in files and collectors.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }

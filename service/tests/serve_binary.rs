@@ -1,0 +1,274 @@
+//! `inventory serve` and `inventory publish` as processes: signals, drain, abandon, logs.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use inventory_infra::db::FreshDatabase;
+use inventory_infra::jetstream;
+use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
+
+const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
+
+fn postgres_server() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|url| url.starts_with("postgres"))
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A test's database and stream names, passed to every command.
+struct Setup {
+    db: FreshDatabase,
+    suffix: String,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        let db = FreshDatabase::create(Some(&postgres_server()), "inventory_cli", 4)
+            .await
+            .unwrap();
+        let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        Self { db, suffix }
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_inventory"));
+        command.args(args);
+        let first = args.first().copied().unwrap_or_default();
+        if first == "serve" || first == "publish" {
+            command.args([
+                "--stream",
+                &format!("ORDERS_{}", self.suffix.to_uppercase()),
+                "--subject-prefix",
+                &format!("b{}.orders", self.suffix),
+                "--dlq-stream",
+                &format!("ORDERS_DLQ_{}", self.suffix.to_uppercase()),
+                "--dlq-subject-prefix",
+                &format!("b{}.dlq", self.suffix),
+            ]);
+        }
+        command
+            .env("DATABASE_URL", &self.db.url)
+            .env("NATS_URL", nats_url())
+            .env("RUST_LOG", "info,sqlx=warn,inventory_service=debug");
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let output = self.command(args).output().unwrap();
+        assert!(output.status.success(), "{args:?}: {output:?}");
+        output
+    }
+
+    fn serve(&self) -> Child {
+        self.command(&[
+            "serve",
+            "--strategy",
+            "natural",
+            "--ack-wait",
+            "2s",
+            "--shutdown-timeout",
+            "60s",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+    }
+
+    async fn reserved(&self) -> i64 {
+        let row = self
+            .db
+            .conn
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                format!("SELECT reserved FROM stock_items WHERE book_id = '{BOOK}'"),
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get::<i32>("", "reserved").unwrap().into()
+    }
+
+    async fn wait_for_reserved(&self, copies: i64) {
+        for _ in 0..400 {
+            if self.reserved().await == copies {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("never reserved {copies}; have {}", self.reserved().await);
+    }
+
+    async fn cleanup(self) {
+        let client = jetstream::connect(&nats_url(), "test cleanup")
+            .await
+            .unwrap();
+        let js = jetstream::context(client);
+        for name in [
+            format!("ORDERS_{}", self.suffix.to_uppercase()),
+            format!("ORDERS_DLQ_{}", self.suffix.to_uppercase()),
+        ] {
+            let _ = js.delete_stream(name).await;
+        }
+        self.db.remove().await.unwrap();
+    }
+}
+
+fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+fn exited_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
+    let setup = Setup::new().await;
+    setup.run(&[
+        "stock",
+        "put",
+        "--book-id",
+        BOOK,
+        "--title",
+        "Dune",
+        "--on-hand",
+        "100",
+    ]);
+    let first = setup.run(&[
+        "publish",
+        "placed",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "2",
+        "--message-id",
+        "m-1",
+    ]);
+    assert!(String::from_utf8_lossy(&first.stdout).contains("stored as sequence 1"));
+    let again = setup.run(&[
+        "publish",
+        "placed",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "2",
+        "--message-id",
+        "m-1",
+    ]);
+    assert!(String::from_utf8_lossy(&again.stdout).contains("duplicate"));
+    let bulk = setup.run(&[
+        "publish",
+        "placed",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "1",
+        "--count",
+        "10",
+        "--resend-with-new-id",
+    ]);
+    assert!(String::from_utf8_lossy(&bulk.stdout).contains("published 10 messages: 10 stored"));
+
+    let mut service = setup.serve();
+    setup.wait_for_reserved(12).await;
+    signal(&service, "TERM");
+    let status = exited_within(&mut service, Duration::from_secs(20)).expect("serve exits");
+    let output = service.wait_with_output().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(status.success(), "{logs}");
+    // Each message's log line carries its id, stream sequence, delivery count and outcome.
+    assert!(logs.contains("message_id=m-1"), "{logs}");
+    assert!(logs.contains("stream_seq=1"), "{logs}");
+    assert!(logs.contains("delivered=1"), "{logs}");
+    assert!(logs.contains("outcome=\"duplicate\""), "{logs}");
+    assert!(logs.contains("drained"), "{logs}");
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() {
+    let setup = Setup::new().await;
+    setup.run(&[
+        "stock",
+        "put",
+        "--book-id",
+        BOOK,
+        "--title",
+        "Dune",
+        "--on-hand",
+        "100",
+    ]);
+    // Hold the stock row so the handler blocks mid-transaction.
+    let blocker = setup.db.conn.begin().await.unwrap();
+    blocker
+        .execute_unprepared(&format!(
+            "SELECT * FROM stock_items WHERE book_id = '{BOOK}' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
+    let mut service = setup.serve();
+    // Wait until the service's transaction waits on the row lock.
+    let waiting = Statement::from_string(
+        DbBackend::Postgres,
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    );
+    let mut blocked = false;
+    for _ in 0..200 {
+        let row = setup
+            .db
+            .conn
+            .query_one_raw(waiting.clone())
+            .await
+            .unwrap()
+            .unwrap();
+        if row.try_get::<i64>("", "n").unwrap() > 0 {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(blocked, "the handler never blocked on the row lock");
+
+    signal(&service, "TERM");
+    assert!(
+        exited_within(&mut service, Duration::from_millis(700)).is_none(),
+        "the first signal waits for the message in flight"
+    );
+    signal(&service, "TERM");
+    let status =
+        exited_within(&mut service, Duration::from_secs(10)).expect("exits on the second signal");
+    assert!(!status.success());
+    blocker.rollback().await.unwrap();
+    assert_eq!(setup.reserved().await, 0, "nothing half-applied");
+
+    // A new instance gets the unacked message again and applies it once.
+    let mut again = setup.serve();
+    setup.wait_for_reserved(2).await;
+    signal(&again, "TERM");
+    assert!(
+        exited_within(&mut again, Duration::from_secs(20))
+            .expect("exits")
+            .success()
+    );
+    assert_eq!(setup.reserved().await, 2);
+    setup.cleanup().await;
+}
