@@ -428,3 +428,35 @@ async fn competing_instances_on_postgres_reserve_exactly_once() {
 async fn competing_instances_on_embedded_sqlite_reserve_exactly_once() {
     competing_instances(TestDb::new(Backend::Sqlite).await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_and_consumer_are_kept_and_their_differences_reported() {
+    let broker = Broker::new().await;
+    broker.consumer(5).await;
+    let mut topology = broker.topology.clone();
+    topology.duplicate_window = std::time::Duration::from_secs(30);
+    let (mut stream, drifts) = inventory_infra::jetstream::ensure_streams(&broker.js, &topology)
+        .await
+        .unwrap();
+    let settings: Vec<&str> = drifts.iter().map(|drift| drift.setting).collect();
+    assert_eq!(settings, ["duplicate_window", "duplicate_window"]);
+    assert!(drifts[0].to_string().contains("keeping the existing value"));
+    let kept = stream.info().await.unwrap().config.duplicate_window;
+    assert_eq!(kept, std::time::Duration::from_secs(120));
+
+    let mut wanted = inventory_infra::jetstream::ConsumerSettings {
+        durable_name: broker.consumer_name.clone(),
+        filter_subject: format!("{}.>", broker.topology.subject_prefix),
+        ack_wait: std::time::Duration::from_secs(1),
+        max_deliver: 5,
+        backoff: Vec::new(),
+        max_ack_pending: 1_000,
+    };
+    wanted.max_deliver = 7;
+    let (mut consumer, drifts) = inventory_infra::jetstream::ensure_consumer(&stream, &wanted)
+        .await
+        .unwrap();
+    assert_eq!(drifts.len(), 1);
+    assert_eq!(drifts[0].setting, "max_deliver");
+    assert_eq!(consumer.info().await.unwrap().config.max_deliver, 5);
+}
