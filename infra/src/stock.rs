@@ -18,6 +18,23 @@ pub struct RecordedReservation {
     pub message_id: String,
 }
 
+impl RecordedReservation {
+    /// The columns both reservation tables share.
+    fn from_row(
+        book_id: uuid::Uuid,
+        quantity: i32,
+        status: &str,
+        message_id: String,
+    ) -> Result<Self, DbErr> {
+        Ok(Self {
+            book_id: book_id.into(),
+            quantity: quantity_from(quantity)?,
+            status: status_from(status)?,
+            message_id,
+        })
+    }
+}
+
 /// An inbox row: `completed` is false while a two-phase side effect is in progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboxEntry {
@@ -108,12 +125,12 @@ impl StockRepository {
             .one(&self.db)
             .await?
             .map(|row| {
-                Ok(RecordedReservation {
-                    book_id: row.book_id.into(),
-                    quantity: quantity_from(row.quantity)?,
-                    status: status_from(&row.status)?,
-                    message_id: row.message_id,
-                })
+                RecordedReservation::from_row(
+                    row.book_id,
+                    row.quantity,
+                    &row.status,
+                    row.message_id,
+                )
             })
             .transpose()
     }
@@ -130,12 +147,12 @@ impl StockRepository {
             .await?
             .into_iter()
             .map(|row| {
-                Ok(RecordedReservation {
-                    book_id: row.book_id.into(),
-                    quantity: quantity_from(row.quantity)?,
-                    status: status_from(&row.status)?,
-                    message_id: row.message_id,
-                })
+                RecordedReservation::from_row(
+                    row.book_id,
+                    row.quantity,
+                    &row.status,
+                    row.message_id,
+                )
             })
             .collect()
     }

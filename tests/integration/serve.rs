@@ -86,20 +86,19 @@ impl MessageHandler for FailsAfterCommitOnce {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redelivery_after_a_nak_is_a_duplicate() {
-    let db = TestDb::new(Backend::Postgres).await;
+/// One order through a handler that fails once after committing; the redelivery must be
+/// acked as a duplicate and reserve nothing more. Returns the service's stats.
+async fn redelivered_once<H: MessageHandler>(
+    db: &TestDb,
+    make_handler: impl FnOnce(&TestDb) -> H,
+) -> Arc<inventory_service::serve::Stats> {
     let broker = Broker::new().await;
     let book = db.dune(10).await;
     broker.publisher().publish(&placed(book, 2)).await.unwrap();
-    let handler = FailsAfterCommitOnce {
-        inner: db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
-        failed: Arc::default(),
-    };
     let service = RunningService::start(
         &broker,
         broker.consumer(5).await,
-        handler,
+        make_handler(db),
         db.conn.clone(),
         test_settings(4, 5),
     );
@@ -107,37 +106,34 @@ async fn a_redelivery_after_a_nak_is_a_duplicate() {
         service.stats.duplicates.load(Ordering::Relaxed) == 1
     })
     .await;
-    assert_eq!(service.stats.retried.load(Ordering::Relaxed), 1);
     assert_eq!(db.reserved(book).await, 2);
     nothing_left_on(&broker).await;
+    let stats = service.stats.clone();
     service.stop().await;
+    stats
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_after_a_nak_is_a_duplicate() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let stats = redelivered_once(&db, |db| FailsAfterCommitOnce {
+        inner: db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        failed: Arc::default(),
+    })
+    .await;
+    assert_eq!(stats.retried.load(Ordering::Relaxed), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_that_died_before_its_ack_gets_a_duplicate() {
     let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
-    let book = db.dune(10).await;
-    broker.publisher().publish(&placed(book, 2)).await.unwrap();
     // The handler commits and dies before the ack; JetStream redelivers after the ack wait.
-    let handler = db
-        .consumer(Strategy::NaturalKey)
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit));
-    let service = RunningService::start(
-        &broker,
-        broker.consumer(5).await,
-        handler,
-        db.conn.clone(),
-        test_settings(4, 5),
-    );
-    eventually("the redelivery acked as a duplicate", || async {
-        service.stats.duplicates.load(Ordering::Relaxed) == 1
+    let stats = redelivered_once(&db, |db| {
+        db.consumer(Strategy::NaturalKey)
+            .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
     })
     .await;
-    assert_eq!(service.stats.left_for_redelivery.load(Ordering::Relaxed), 1);
-    assert_eq!(db.reserved(book).await, 2);
-    nothing_left_on(&broker).await;
-    service.stop().await;
+    assert_eq!(stats.left_for_redelivery.load(Ordering::Relaxed), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -173,8 +173,18 @@ impl StockConsumer {
     async fn handle_naive(&self, message: &Message) -> Result<Outcome, HandleError> {
         // Naive checks nothing: its "dedup check" point is simply its start.
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
+        self.work_in_own_transaction(&message.key.storage_key(), message)
+            .await
+    }
+
+    /// The logged work in a transaction of its own, with no dedup record inside it.
+    async fn work_in_own_transaction(
+        &self,
+        key: &str,
+        message: &Message,
+    ) -> Result<Outcome, HandleError> {
         let txn = begin_write(&self.db).await?;
-        let result = work::apply_logged(&txn, &message.key.storage_key(), &message.event).await;
+        let result = work::apply_logged(&txn, key, &message.event).await;
         finish(txn, &self.faults, result).await
     }
 
@@ -187,9 +197,7 @@ impl StockConsumer {
             return Ok(compare_payload(&existing.payload_hash, &hash));
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = begin_write(&self.db).await?;
-        let result = work::apply_logged(&txn, &key, &message.event).await;
-        let outcome = finish(txn, &self.faults, result).await?;
+        let outcome = self.work_in_own_transaction(&key, message).await?;
         if outcome.processed() {
             // The window: the work is committed, the record is not written yet.
             inbox::record_completed(&self.db, &key, &self.consumer, &hash).await?;

@@ -57,9 +57,7 @@ impl MistakenConsumer {
             return Ok(judge_lost_claim(&c.db, &key, &c.consumer, &hash).await?);
         }
         c.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = begin_write(&c.db).await?;
-        let result = work::apply_logged(&txn, &key, &message.event).await;
-        finish(txn, &c.faults, result).await
+        c.work_in_own_transaction(&key, message).await
     }
 
     /// The cache arbitrates: the key is claimed there, the work committed in the database. A
@@ -75,9 +73,7 @@ impl MistakenConsumer {
             return Ok(Outcome::Duplicate);
         }
         c.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let txn = begin_write(&c.db).await?;
-        let result = work::apply_logged(&txn, &key, &message.event).await;
-        finish(txn, &c.faults, result).await
+        c.work_in_own_transaction(&key, message).await
     }
 
     /// The inbox transaction is open, but the work goes through another pooled connection and
