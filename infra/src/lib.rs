@@ -8,6 +8,7 @@
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
 //!   email consumer, and the study of designs that fail.
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
+//! - [`retention`]: purging completed inbox rows in bounded batches.
 //! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher.
 //! - `entities`: the sea-orm models (private).
 
@@ -17,6 +18,7 @@ mod entities;
 pub mod faults;
 pub mod jetstream;
 pub mod redact;
+pub mod retention;
 pub mod stock;
 
 pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use inventory_domain::{BookId, StockItem};
 use inventory_infra::StockRepository;
-use inventory_infra::db;
+use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::DatabaseArgs;
@@ -45,10 +45,34 @@ pub enum Command {
         #[command(subcommand)]
         command: StockCommand,
     },
+    /// Dedup records: retention.
+    Inbox {
+        #[command(subcommand)]
+        command: InboxCommand,
+    },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
     Serve(serve::ServeArgs),
     /// Publishes OrderPlaced or OrderCancelled, one or many.
     Publish(publish::PublishArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InboxCommand {
+    /// Deletes completed inbox rows older than DURATION, in bounded batches. Rows still
+    /// "processing" are kept and counted.
+    Purge {
+        /// Age of the rows to delete, by their completion time (e.g. 7d, 36h).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: std::time::Duration,
+        /// Rows per batch; each batch is one short transaction.
+        #[arg(long, default_value_t = 1_000)]
+        batch_size: u64,
+        /// Counts what would be deleted, deletes nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -100,6 +124,35 @@ pub async fn run(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Command::Stock { command } => run_stock(command).await.map(|()| true),
+        Command::Inbox {
+            command:
+                InboxCommand::Purge {
+                    older_than,
+                    batch_size,
+                    dry_run,
+                    database,
+                },
+        } => {
+            let conn = db::connect_and_migrate(&database.database_url, COMMAND_POOL)
+                .await
+                .context("connecting to the database")?;
+            let cutoff = chrono::Utc::now()
+                - chrono::Duration::from_std(older_than).context("--older-than is too large")?;
+            let report =
+                retention::purge_completed(&conn, cutoff, batch_size.max(1), dry_run).await?;
+            let verb = if dry_run { "would delete" } else { "deleted" };
+            println!(
+                "{verb} {} completed inbox rows older than {} in {} batches; {} rows still processing are older and were kept",
+                report.deleted,
+                humantime::format_duration(older_than),
+                report.batches,
+                report.processing_older
+            );
+            if report.skipped_locked {
+                println!("another instance is purging: nothing done");
+            }
+            Ok(true)
+        }
         Command::Serve(args) => serve::start(args).await,
         Command::Publish(args) => publish::run(args).await.map(|()| true),
     }

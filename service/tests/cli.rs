@@ -135,3 +135,36 @@ fn help_never_shows_a_secret_from_the_environment() {
     assert!(help.contains("DATABASE_URL"), "{help}");
     assert!(!help.contains("s3cret"), "{help}");
 }
+
+#[test]
+fn inbox_purge_reports_what_it_did() {
+    let db = SqliteFile::new();
+    let dry = inventory(
+        &["inbox", "purge", "--older-than", "7d", "--dry-run"],
+        &db.url(),
+    );
+    assert!(dry.status.success(), "{dry:?}");
+    let stdout = String::from_utf8(dry.stdout).unwrap();
+    assert!(
+        stdout.starts_with("would delete 0 completed inbox rows older than 7days"),
+        "{stdout}"
+    );
+    let real = inventory(
+        &[
+            "inbox",
+            "purge",
+            "--older-than",
+            "36h",
+            "--batch-size",
+            "500",
+        ],
+        &db.url(),
+    );
+    assert!(
+        String::from_utf8(real.stdout)
+            .unwrap()
+            .starts_with("deleted 0")
+    );
+    let bad = inventory(&["inbox", "purge", "--older-than", "soon"], &db.url());
+    assert_eq!(bad.status.code(), Some(2));
+}

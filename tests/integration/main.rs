@@ -7,6 +7,7 @@ mod inbox;
 mod migrations;
 mod naive;
 mod natural;
+mod retention;
 mod serve;
 
 use inventory_domain::{CrashPoint, Message, Outcome};
