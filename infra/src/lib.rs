@@ -8,15 +8,19 @@
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
 //!   email consumer, and the study of designs that fail.
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
+//! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
+//!   lines in a local file, looked up by idempotency key).
 //! - `entities`: the sea-orm models (private).
 
 pub mod consumers;
 pub mod db;
 mod entities;
 pub mod faults;
+pub mod mailbox;
 pub mod stock;
 
 pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};
 pub use consumers::{DetectMode, HandleError, StockConsumer, Strategy};
 pub use faults::{Faults, Hold};
+pub use mailbox::{FileMailbox, MailboxError};
 pub use stock::{InboxEntry, RecordedReservation, StockRepository};
