@@ -8,7 +8,8 @@
 //! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`, the payload hash.
 //! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
 //! - [`outcome`]: what handling a message came to, and the contract's dead-letter reasons.
-//! - [`ports`]: the email provider trait and the crash points a handler passes through.
+//! - [`ports`]: the email provider trait (send, and lookup by idempotency key) and the crash
+//!   points a handler passes through.
 
 pub mod ids;
 pub mod message;
@@ -21,5 +22,5 @@ pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,
 };
 pub use outcome::{DeadLetterReason, Effect, Outcome, Refusal};
-pub use ports::{CrashPoint, EmailProvider, ProviderError, StockReservedEmail};
+pub use ports::{CrashPoint, EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 pub use stock::{ReservationDecision, ReservationStatus, StockItem};

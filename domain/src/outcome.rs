@@ -53,6 +53,10 @@ pub enum Effect {
     /// The order was cancelled before this placement arrived: nothing is reserved.
     ArrivedAfterCancellation,
     EmailSent,
+    /// An earlier delivery sent the email and died before recording it; the provider's lookup
+    /// said so, and this delivery completed the record without sending. Not a plain duplicate:
+    /// this delivery wrote the record's second phase, and operators want to see it happened.
+    EmailReconciled,
 }
 
 /// A message that must not be applied and must not be retried: it becomes a dead letter.
@@ -88,6 +92,7 @@ impl Outcome {
     pub fn label(&self) -> &'static str {
         match self {
             Self::Processed(Effect::Rejected { .. }) => "rejected",
+            Self::Processed(Effect::EmailReconciled) => "reconciled",
             Self::Processed(_) => "processed",
             Self::Duplicate => "duplicate",
             Self::Refused(refusal) => refusal.reason.as_str(),
@@ -101,5 +106,18 @@ impl fmt::Display for Outcome {
             Self::Refused(refusal) => write!(f, "{}: {}", refusal.reason, refusal.detail),
             other => f.write_str(other.label()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reconciled_email_is_processed_under_its_own_label() {
+        let outcome = Outcome::Processed(Effect::EmailReconciled);
+        assert!(outcome.processed());
+        assert_eq!(outcome.label(), "reconciled");
+        assert_eq!(outcome.to_string(), "reconciled");
     }
 }

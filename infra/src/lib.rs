@@ -10,6 +10,9 @@
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
 //! - [`retention`]: purging completed inbox rows in bounded batches.
 //! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher.
+//! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
+//!   lines in a local file, looked up by idempotency key).
+//! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - `entities`: the sea-orm models (private).
 
 pub mod consumers;
@@ -17,6 +20,7 @@ pub mod db;
 mod entities;
 pub mod faults;
 pub mod jetstream;
+pub mod mailbox;
 pub mod redact;
 pub mod retention;
 pub mod stock;
@@ -24,4 +28,5 @@ pub mod stock;
 pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};
 pub use consumers::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
 pub use faults::{Faults, Hold};
+pub use mailbox::{FileMailbox, MailboxError};
 pub use stock::{InboxEntry, RecordedReservation, StockRepository};

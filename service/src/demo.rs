@@ -222,6 +222,7 @@ impl Lab {
             self.inbox_crash_before_commit().await?,
             self.inbox_two_copies().await?,
             self.email_crash_after_send().await?,
+            self.email_reconciled_by_lookup().await?,
             self.natural_twice().await?,
             self.producer_new_id(Strategy::Inbox(DetectMode::OnConflict), 4)
                 .await?,
@@ -379,7 +380,7 @@ impl Lab {
 
     async fn email_crash_after_send(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let provider = InMemoryEmailProvider::default();
+        let provider = InMemoryEmailProvider::without_lookup();
         let consumer = EmailConsumer::new(self.db.clone(), name(EMAIL_CONSUMER)?, provider.clone());
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
@@ -403,6 +404,37 @@ impl Lab {
             as_expected: crashed_at(&crashed, CrashPoint::AfterSend)
                 && sent == 1
                 && needs_reconciliation,
+        })
+    }
+
+    /// The same crash, with a provider that can say whether mail under a key went out: the
+    /// redelivery completes the record instead of asking a person.
+    async fn email_reconciled_by_lookup(&self) -> Result<ScenarioLine> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let provider = InMemoryEmailProvider::with_lookup();
+        let consumer = EmailConsumer::new(self.db.clone(), name(EMAIL_CONSUMER)?, provider.clone());
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let crashed = consumer
+            .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
+            .handle(&message)
+            .await;
+        let second = consumer.handle(&message).await?;
+        let sent = provider.sent_count();
+        let completed = self
+            .stock
+            .inbox_entry(&message.key.storage_key(), EMAIL_CONSUMER)
+            .await?
+            .is_some_and(|record| record.completed);
+        Ok(ScenarioLine {
+            label: "email",
+            text: format!(
+                "provider answers lookups by idempotency key: crash after send, redelivered -> emails sent: {sent}, second delivery: {}",
+                second.label()
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::AfterSend)
+                && sent == 1
+                && second == Outcome::Processed(Effect::EmailReconciled)
+                && completed,
         })
     }
 
@@ -534,7 +566,7 @@ impl Lab {
     async fn shared_inbox(&self, stock_name: &str, email_name: &str) -> Result<(bool, usize)> {
         let book = self.dune(DUNE_ON_HAND).await?;
         let message = order_placed(book, ORDER_QUANTITY)?;
-        let provider = InMemoryEmailProvider::default();
+        let provider = InMemoryEmailProvider::without_lookup();
         StockConsumer::new(
             self.db.clone(),
             Strategy::Inbox(DetectMode::OnConflict),

@@ -6,7 +6,7 @@ use inventory_service::demo;
 async fn demo_on_sqlite_comes_out_as_expected() {
     let report = demo::run(None).await.unwrap();
     assert!(report.all_as_expected(), "{}", report.render());
-    assert_eq!(report.lines.len(), 18);
+    assert_eq!(report.lines.len(), 19);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

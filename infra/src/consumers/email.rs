@@ -2,8 +2,15 @@
 //!
 //! Phase one commits an inbox row with `completed_at` NULL ("processing"); the provider is then
 //! called with the message id as its idempotency key; phase two sets `completed_at`. A delivery
-//! that finds "processing" cannot know whether the mail went out, so it answers
-//! NeedsReconciliation instead of sending blind.
+//! that finds "processing" asks the provider whether mail under that key went out: sent, it
+//! completes the record without sending; not sent, it sends now; a provider that cannot say gets
+//! NeedsReconciliation instead of a blind resend.
+//!
+//! Concurrency: the claim row decides which delivery sends first. A redelivery that finds the row
+//! "processing" while the first delivery is still between its claim and its send may look up
+//! NotSent and send too; both sends carry the same idempotency key, so a provider that honours
+//! it (as [`InMemoryEmailProvider`] and [`crate::mailbox::FileMailbox`] do) sends one email. A
+//! provider with a lookup API but no deduplication by key would not be safe here.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use chrono::Utc;
 use inventory_domain::{
     ConsumerName, CrashPoint, DeadLetterReason, Effect, EmailProvider, Event, Message, Outcome,
-    ProviderError, StockReservedEmail,
+    PayloadHash, ProviderError, SentLookup, StockReservedEmail,
 };
 use sea_orm::sea_query::Expr;
 use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
@@ -60,59 +67,133 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
         };
         let key = message.key.storage_key();
         let hash = message.payload_hash();
-        if !claim_on_conflict(&self.db, &key, &self.consumer, &hash, false).await? {
-            return self.judge_earlier_claim(&key, &hash).await;
-        }
-        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
         let email = StockReservedEmail {
             order_id: placed.order_id,
             book_id: placed.book_id,
             quantity: placed.quantity,
         };
+        if !claim_on_conflict(&self.db, &key, &self.consumer, &hash, false).await? {
+            return self.judge_earlier_claim(&key, &hash, &email).await;
+        }
+        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
         if let Err(error) = self.provider.send(&key, &email).await {
-            // The provider refused it, so nothing went out: free the claim for the retry.
-            inbox::Entity::delete_by_id((key.clone(), self.consumer.as_str().to_owned()))
+            // The provider refused it, so nothing went out: free the claim for the retry. A row a
+            // concurrent reconciliation already completed stays.
+            inbox::Entity::delete_many()
+                .filter(inbox::Column::MessageId.eq(key.as_str()))
+                .filter(inbox::Column::Consumer.eq(self.consumer.as_str()))
+                .filter(inbox::Column::CompletedAt.is_null())
                 .exec(&self.db)
                 .await?;
             return Err(error.into());
         }
         self.faults.pass(CrashPoint::AfterSend).await?;
-        inbox::Entity::update_many()
-            .col_expr(inbox::Column::CompletedAt, Expr::value(Some(Utc::now())))
-            .filter(inbox::Column::MessageId.eq(key.as_str()))
-            .filter(inbox::Column::Consumer.eq(self.consumer.as_str()))
-            .exec(&self.db)
-            .await?;
+        self.mark_completed(&key, &hash).await?;
         Ok(Outcome::Processed(Effect::EmailSent))
     }
 
     async fn judge_earlier_claim(
         &self,
         key: &str,
-        hash: &inventory_domain::PayloadHash,
+        hash: &PayloadHash,
+        email: &StockReservedEmail,
     ) -> Result<Outcome, HandleError> {
         let existing = find_inbox_entry(&self.db, key, self.consumer.as_str())
             .await?
             .ok_or_else(|| DbErr::RecordNotFound(format!("inbox row {key} vanished")))?;
-        let same = compare_payload(&existing.payload_hash, hash);
-        Ok(match (same, existing.completed_at) {
-            (Outcome::Duplicate, None) => Outcome::refused(
+        match compare_payload(&existing.payload_hash, hash) {
+            Outcome::Duplicate if existing.completed_at.is_none() => {
+                self.reconcile(key, hash, email).await
+            }
+            outcome => Ok(outcome),
+        }
+    }
+
+    /// An earlier delivery claimed the key and never completed: ask the provider what happened.
+    async fn reconcile(
+        &self,
+        key: &str,
+        hash: &PayloadHash,
+        email: &StockReservedEmail,
+    ) -> Result<Outcome, HandleError> {
+        // A lookup error is the provider being unavailable: retry later, the row stays as it is.
+        let answer = self.provider.lookup(key).await?;
+        tracing::info!(?answer, "an earlier delivery left the record processing");
+        match answer {
+            SentLookup::Sent => {
+                self.mark_completed(key, hash).await?;
+                Ok(Outcome::Processed(Effect::EmailReconciled))
+            }
+            SentLookup::NotSent => {
+                // The lookup is this delivery's dedup check; the same crash points follow it as
+                // on a first delivery, so a crash here is reconciled by the next one.
+                self.faults.pass(CrashPoint::AfterDedupCheck).await?;
+                // On a refusal the row stays "processing": the retry looks up again.
+                self.provider.send(key, email).await?;
+                self.faults.pass(CrashPoint::AfterSend).await?;
+                self.mark_completed(key, hash).await?;
+                Ok(Outcome::Processed(Effect::EmailSent))
+            }
+            SentLookup::Unknown => Ok(Outcome::refused(
                 DeadLetterReason::NeedsReconciliation,
-                "an earlier delivery started sending and never finished; not resending blind",
-            ),
-            (outcome, _) => outcome,
-        })
+                "an earlier delivery started sending and never finished, and the provider cannot \
+                 say whether it went out; not resending blind",
+            )),
+        }
+    }
+
+    /// Phase two: the email went out, so the record says completed.
+    async fn mark_completed(&self, key: &str, hash: &PayloadHash) -> Result<(), DbErr> {
+        // Only a processing row: a concurrent delivery that completed first keeps its time.
+        let updated = inbox::Entity::update_many()
+            .col_expr(inbox::Column::CompletedAt, Expr::value(Some(Utc::now())))
+            .filter(inbox::Column::MessageId.eq(key))
+            .filter(inbox::Column::Consumer.eq(self.consumer.as_str()))
+            .filter(inbox::Column::CompletedAt.is_null())
+            .exec(&self.db)
+            .await?;
+        if updated.rows_affected == 0 {
+            // Already completed, or freed by a concurrent delivery whose own send failed: the
+            // mail went out, so make sure a completed record exists (a no-op in the first case).
+            claim_on_conflict(&self.db, key, &self.consumer, hash, true).await?;
+        }
+        Ok(())
     }
 }
 
 /// A provider that keeps sent mail in memory and honours the idempotency key, for the demo and
-/// the tests.
-#[derive(Clone, Default)]
+/// the tests. It comes in two kinds: with a lookup by key, and without one (like a provider with
+/// no lookup API), which answers [`SentLookup::Unknown`].
+#[derive(Clone)]
 pub struct InMemoryEmailProvider {
     sent: Arc<Mutex<HashMap<String, StockReservedEmail>>>,
+    answers_lookups: bool,
+}
+
+impl Default for InMemoryEmailProvider {
+    /// Without lookups: the conservative provider, which leaves a half-done send to a person.
+    fn default() -> Self {
+        Self::without_lookup()
+    }
 }
 
 impl InMemoryEmailProvider {
+    /// A provider that answers lookups by idempotency key (Sent / NotSent).
+    pub fn with_lookup() -> Self {
+        Self {
+            sent: Arc::default(),
+            answers_lookups: true,
+        }
+    }
+
+    /// A provider without a lookup API: every lookup answers Unknown.
+    pub fn without_lookup() -> Self {
+        Self {
+            sent: Arc::default(),
+            answers_lookups: false,
+        }
+    }
+
     /// Distinct emails that went out.
     pub fn sent_count(&self) -> usize {
         self.sent
@@ -134,5 +215,21 @@ impl EmailProvider for InMemoryEmailProvider {
             .entry(idempotency_key.to_owned())
             .or_insert_with(|| email.clone());
         Ok(())
+    }
+
+    async fn lookup(&self, idempotency_key: &str) -> Result<SentLookup, ProviderError> {
+        if !self.answers_lookups {
+            return Ok(SentLookup::Unknown);
+        }
+        let sent = self
+            .sent
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains_key(idempotency_key);
+        Ok(if sent {
+            SentLookup::Sent
+        } else {
+            SentLookup::NotSent
+        })
     }
 }
