@@ -3,6 +3,7 @@
 
 mod demo;
 mod email;
+mod harness;
 mod inbox;
 mod migrations;
 mod naive;

@@ -14,13 +14,6 @@ use inventory_infra::jetstream::{
 use inventory_service::serve::{self, Ending, ServeSettings, Shutdown, Stats, Worker};
 use tokio::task::JoinHandle;
 
-pub const LOCAL_NATS: &str = "nats://127.0.0.1:4222";
-
-/// The server the tests share, each under its own stream names: `NATS_URL`, else the local one.
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| LOCAL_NATS.to_owned())
-}
-
 /// A test's own streams (removed on drop) on `url`.
 pub struct Broker {
     pub client: async_nats::Client,
@@ -44,17 +37,18 @@ impl StoredDeadLetter {
 }
 
 impl Broker {
+    /// A test's own streams on the shared NATS server.
     pub async fn new() -> Self {
-        Self::on(&nats_url()).await
+        Self::on(&crate::nats::shared_url().await).await
     }
 
     pub async fn on(url: &str) -> Self {
-        let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let names = crate::nats::unique_names("");
         let topology = Topology {
-            stream: format!("ORDERS_{}", suffix.to_uppercase()),
-            subject_prefix: format!("t{suffix}.orders"),
-            dlq_stream: format!("ORDERS_DLQ_{}", suffix.to_uppercase()),
-            dlq_subject_prefix: format!("t{suffix}.dlq"),
+            stream: names.stream,
+            subject_prefix: names.subject_prefix,
+            dlq_stream: names.dlq_stream,
+            dlq_subject_prefix: names.dlq_subject_prefix,
             duplicate_window: Duration::from_secs(120),
             replicas: 1,
         };
@@ -65,7 +59,7 @@ impl Broker {
             client,
             js,
             topology,
-            consumer_name: format!("inventory-reserve-stock-{suffix}"),
+            consumer_name: names.consumer,
         }
     }
 

@@ -1,13 +1,22 @@
-//! Test support: a database of its own for every test, on SQLite or PostgreSQL.
+//! Test support: a database of its own for every test, on SQLite or PostgreSQL, and real
+//! servers a test can stop and start again.
 //!
 //! # Layout
-//! - [`postgres`]: where the PostgreSQL server comes from (`DATABASE_URL`, the local server, or
-//!   a testcontainers container where a Docker engine runs).
+//! - [`postgres`]: where the shared PostgreSQL server comes from (`DATABASE_URL`, the local
+//!   server, or a testcontainers container where a Docker engine runs).
+//! - [`pg_server`]: a PostgreSQL server of the test's own, to stop and restart mid-stream.
+//! - [`nats`]: NATS servers of the test's own (one, or a cluster of three) to stop, kill and
+//!   restart; the shared NATS server; per-test stream and subject names.
+//! - [`broker`]: a test's own streams on a shared NATS server, and the service loop running
+//!   in-process on them.
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod broker;
+pub mod nats;
+pub mod pg_server;
 pub mod postgres;
+mod process;
 
 use std::time::Duration;
 

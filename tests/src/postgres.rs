@@ -46,7 +46,7 @@ pub async fn server_url() -> String {
         .clone()
 }
 
-fn docker_engine_runs() -> bool {
+pub(crate) fn docker_engine_runs() -> bool {
     Command::new("docker")
         .arg("info")
         .stdout(Stdio::null())
