@@ -19,7 +19,9 @@ use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outco
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, Origin};
 use inventory_infra::redact::redact_url;
-use inventory_infra::{DetectMode, MessageHandler, StockConsumer, Strategy};
+use inventory_infra::{
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, FileMailbox, MessageHandler, StockConsumer, Strategy,
+};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -372,6 +374,9 @@ pub enum StrategyArg {
     Natural,
     /// The inbox `(message_id, consumer)`: consumer `inventory-reserve-stock-inbox`.
     Inbox,
+    /// The two-phase stock-reserved email: consumer `notifications-stock-reserved-email`, mail
+    /// kept in the `--mailbox` file.
+    Email,
 }
 
 impl StrategyArg {
@@ -379,6 +384,15 @@ impl StrategyArg {
         match self {
             Self::Natural => "inventory-reserve-stock",
             Self::Inbox => "inventory-reserve-stock-inbox",
+            Self::Email => EMAIL_CONSUMER,
+        }
+    }
+
+    /// The email goes out for placed orders only; stock follows both events.
+    fn filter_subject(self, topology: &jetstream::Topology) -> String {
+        match self {
+            Self::Email => topology.subject(EventKind::Placed),
+            Self::Natural | Self::Inbox => format!("{}.>", topology.subject_prefix),
         }
     }
 }
@@ -414,6 +428,10 @@ pub struct ServeArgs {
     pub inbox_detect: DetectArg,
     #[command(flatten)]
     pub database: DatabaseArgs,
+    /// The email strategy's provider: sent mail as JSON lines in this file, looked up by
+    /// idempotency key to reconcile an interrupted send.
+    #[arg(long, default_value = "inventory-mailbox.jsonl")]
+    pub mailbox: std::path::PathBuf,
     /// Database connections in the pool.
     #[arg(long, default_value_t = 10)]
     pub db_pool_size: u32,
@@ -496,7 +514,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         .unwrap_or_else(|| args.strategy.default_consumer().to_owned());
     let consumer_settings = ConsumerSettings {
         durable_name: consumer_name.clone(),
-        filter_subject: format!("{}.>", topology.subject_prefix),
+        filter_subject: args.strategy.filter_subject(&topology),
         ack_wait: args.ack_wait,
         max_deliver: args.max_deliver,
         backoff: args.backoff.clone(),
@@ -528,13 +546,27 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         concurrency = settings.concurrency,
         "consuming"
     );
-    let strategy = match args.strategy {
-        StrategyArg::Natural => Strategy::NaturalKey,
-        StrategyArg::Inbox => Strategy::Inbox(args.inbox_detect.into()),
+    let timeout = args.shutdown_timeout;
+    let ending = match args.strategy {
+        StrategyArg::Natural | StrategyArg::Inbox => {
+            let strategy = if args.strategy == StrategyArg::Natural {
+                Strategy::NaturalKey
+            } else {
+                Strategy::Inbox(args.inbox_detect.into())
+            };
+            let handler = StockConsumer::new(db.clone(), strategy, consumer_label);
+            let worker = Worker::new(handler, dead_letters, settings);
+            run(&consumer, worker, db, shutdown, timeout).await?
+        }
+        StrategyArg::Email => {
+            let mailbox = FileMailbox::open(&args.mailbox)
+                .await
+                .with_context(|| format!("opening the mailbox {}", args.mailbox.display()))?;
+            let handler = EmailConsumer::new(db.clone(), consumer_label, mailbox);
+            let worker = Worker::new(handler, dead_letters, settings);
+            run(&consumer, worker, db, shutdown, timeout).await?
+        }
     };
-    let handler = StockConsumer::new(db.clone(), strategy, consumer_label);
-    let worker = Worker::new(handler, dead_letters, settings);
-    let ending = run(&consumer, worker, db, shutdown, args.shutdown_timeout).await?;
     match ending {
         Ending::Drained => {
             // Flushes the acks of the last messages before the process ends.

@@ -66,19 +66,17 @@ impl Setup {
     }
 
     fn serve(&self) -> Child {
-        self.command(&[
-            "serve",
-            "--strategy",
-            "natural",
-            "--ack-wait",
-            "2s",
-            "--shutdown-timeout",
-            "60s",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+        self.serve_with(&["--strategy", "natural"])
+    }
+
+    fn serve_with(&self, extra: &[&str]) -> Child {
+        let mut args = vec!["serve", "--ack-wait", "2s", "--shutdown-timeout", "60s"];
+        args.extend_from_slice(extra);
+        self.command(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
     }
 
     async fn reserved(&self) -> i64 {
@@ -270,5 +268,66 @@ async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() 
             .success()
     );
     assert_eq!(setup.reserved().await, 2);
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_email_strategy_mails_each_placed_order_once() {
+    let setup = Setup::new().await;
+    let mailbox = std::env::temp_dir().join(format!("inventory-mailbox-{}.jsonl", setup.suffix));
+    let order = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
+    setup.run(&[
+        "publish",
+        "placed",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "2",
+        "--count",
+        "3",
+    ]);
+    setup.run(&[
+        "publish",
+        "placed",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "1",
+        "--order-id",
+        order,
+        "--resend-with-new-id",
+    ]);
+    setup.run(&["publish", "cancelled", "--order-id", order]);
+    let mut service = setup.serve_with(&[
+        "--strategy",
+        "email",
+        "--mailbox",
+        mailbox.to_str().unwrap(),
+    ]);
+    let lines = || {
+        std::fs::read_to_string(&mailbox)
+            .map(|text| text.lines().count())
+            .unwrap_or(0)
+    };
+    for _ in 0..400 {
+        if lines() == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Three orders, and one order published twice under two message ids: an email per message
+    // id, since the email's idempotency key is the message id. The cancellation is not for
+    // this consumer: its filter takes placed orders only.
+    assert_eq!(lines(), 5);
+    signal(&service, "TERM");
+    let status = exited_within(&mut service, Duration::from_secs(20)).expect("exits");
+    let output = service.wait_with_output().unwrap();
+    assert!(
+        status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("dead-lettered"));
+    std::fs::remove_file(&mailbox).unwrap();
     setup.cleanup().await;
 }
