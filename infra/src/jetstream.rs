@@ -516,8 +516,20 @@ pub fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
 }
 
 /// Connects to NATS under `name`, reconnecting for as long as the process runs; connection
-/// events are logged.
+/// events are logged. `url` may list several servers of a cluster, comma separated.
 pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
+    let servers: Vec<async_nats::ServerAddr> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|server| !server.is_empty())
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|error| {
+            nats_error(format!(
+                "reading the NATS URL {}",
+                crate::redact::redact_url(url)
+            ))(boxed(error))
+        })?;
     async_nats::ConnectOptions::new()
         .name(name)
         .max_reconnects(None)
@@ -529,7 +541,7 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
                 other => tracing::info!(event = %other, "NATS"),
             }
         })
-        .connect(url)
+        .connect(servers.as_slice())
         .await
         .map_err(|error| {
             nats_error(format!(

@@ -1,7 +1,15 @@
 //! Keeping secrets out of logs and error messages.
 
-/// `scheme://user:password@host/…` with the user information masked; other text unchanged.
-pub fn redact_url(url: &str) -> String {
+/// `scheme://user:password@host/…` with the user information masked; other text unchanged. A
+/// comma-separated list of URLs (a NATS cluster) has each one masked.
+pub fn redact_url(urls: &str) -> String {
+    urls.split(',')
+        .map(redact_one)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn redact_one(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|at| at + 3) else {
         return url.to_owned();
     };
@@ -28,6 +36,10 @@ mod tests {
             "nats://***@127.0.0.1:4222"
         );
         assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(
+            redact_url("nats://a:1@n1:4222,nats://b:2@n2:4222"),
+            "nats://***@n1:4222,nats://***@n2:4222"
+        );
         assert_eq!(
             redact_url("sqlite://inventory.db?mode=rwc"),
             "sqlite://inventory.db?mode=rwc"
