@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::consumer::pull::MessagesError as PullError;
 use futures::StreamExt;
 use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
 use inventory_infra::db::{self, DatabaseConnection};
@@ -22,7 +23,6 @@ use inventory_infra::redact::redact_url;
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, FileMailbox, MessageHandler, StockConsumer, Strategy,
 };
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, field};
@@ -275,6 +275,10 @@ pub enum Ending {
 
 /// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
 /// in-flight messages.
+///
+/// `concurrency` lanes each take the next message from the shared pull stream and handle it to
+/// its end. Each lane holds its own clone of the handler, so a handler that keeps a connection
+/// per clone keeps one per lane, for as long as the loop runs.
 pub async fn run<H: MessageHandler>(
     consumer: &PullConsumer,
     worker: Worker<H>,
@@ -282,30 +286,63 @@ pub async fn run<H: MessageHandler>(
     shutdown: Shutdown,
     shutdown_timeout: Duration,
 ) -> anyhow::Result<Ending> {
-    let concurrency = worker.settings.concurrency.max(1);
-    let slots = Arc::new(Semaphore::new(concurrency));
-    let tracker = TaskTracker::new();
-    let mut messages = consumer
+    let lanes = worker.settings.concurrency.max(1);
+    let messages = consumer
         .stream()
-        .max_messages_per_batch(concurrency)
+        .max_messages_per_batch(lanes)
         .heartbeat(Duration::from_secs(5))
         .expires(Duration::from_secs(30))
         .messages()
         .await?;
+    let messages = Arc::new(tokio::sync::Mutex::new(messages));
+    // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
+    let stop = shutdown.graceful.child_token();
+    let stream_ended = Arc::new(AtomicBool::new(false));
+    let tracker = TaskTracker::new();
+    for _ in 0..lanes {
+        tracker.spawn(lane(
+            worker.clone(),
+            messages.clone(),
+            db.clone(),
+            stop.clone(),
+            stream_ended.clone(),
+        ));
+    }
+    tracker.close();
+    stop.cancelled().await;
+    if stream_ended.load(Ordering::Relaxed) {
+        anyhow::bail!("the consumer's message stream ended");
+    }
+    tracing::info!(lanes, "stopped fetching; finishing in-flight messages");
+    tokio::select! {
+        () = tracker.wait() => Ok(Ending::Drained),
+        () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
+        () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
+    }
+}
 
+/// One lane: fetch, handle to the end, repeat, until `stop`.
+async fn lane<H: MessageHandler, S>(
+    worker: Worker<H>,
+    messages: Arc<tokio::sync::Mutex<S>>,
+    db: DatabaseConnection,
+    stop: CancellationToken,
+    stream_ended: Arc<AtomicBool>,
+) where
+    S: futures::Stream<Item = Result<async_nats::jetstream::Message, PullError>> + Unpin,
+{
     loop {
-        let slot = tokio::select! {
-            () = shutdown.graceful.cancelled() => break,
-            slot = slots.clone().acquire_owned() => slot?,
-        };
         if worker.database_suspect.swap(false, Ordering::Relaxed)
-            && !wait_for_database(&db, &shutdown.graceful).await
+            && !wait_for_database(&db, &stop).await
         {
-            break;
+            return;
         }
-        let next = tokio::select! {
-            () = shutdown.graceful.cancelled() => break,
-            next = messages.next() => next,
+        let next = {
+            let mut stream = messages.lock().await;
+            tokio::select! {
+                () = stop.cancelled() => return,
+                next = stream.next() => next,
+            }
         };
         let message = match next {
             Some(Ok(message)) => message,
@@ -314,9 +351,12 @@ pub async fn run<H: MessageHandler>(
                 tracing::warn!(%error, "pulling messages");
                 continue;
             }
-            None => anyhow::bail!("the consumer's message stream ended"),
+            None => {
+                stream_ended.store(true, Ordering::Relaxed);
+                stop.cancel();
+                return;
+            }
         };
-        let worker = worker.clone();
         let span = tracing::info_span!(
             "message",
             message_id = field::Empty,
@@ -324,26 +364,7 @@ pub async fn run<H: MessageHandler>(
             delivered = field::Empty,
             disposition = field::Empty,
         );
-        tracker.spawn(
-            async move {
-                worker.process(&message).await;
-                drop(slot);
-            }
-            .instrument(span),
-        );
-    }
-    // Dropping the stream stops the pulls; what it had fetched and not handed out is
-    // redelivered after the ack wait.
-    drop(messages);
-    tracker.close();
-    tracing::info!(
-        in_flight = tracker.len(),
-        "stopped fetching; finishing in-flight messages"
-    );
-    tokio::select! {
-        () = tracker.wait() => Ok(Ending::Drained),
-        () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
-        () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
+        worker.process(&message).instrument(span).await;
     }
 }
 

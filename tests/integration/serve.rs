@@ -404,9 +404,10 @@ async fn competing_instances(db: TestDb) {
         total(|stats| stats.acked.load(Ordering::Relaxed)) + crashed,
         60
     );
-    // 20 resends under new ids (the natural key's catch) and the one redelivery; the 12
-    // resends under the same id never reached the consumer: the stream dropped them.
-    assert_eq!(total(|stats| stats.duplicates.load(Ordering::Relaxed)), 21);
+    // At least the 20 resends under new ids (the natural key's catch) and the one redelivery;
+    // more if a message outwaited the 1 s ack wait in a queue for the database and came again.
+    // The 12 resends under the same id never reached the consumer: the stream dropped them.
+    assert!(total(|stats| stats.duplicates.load(Ordering::Relaxed)) >= 21);
     assert_eq!(broker.stream_messages(&broker.topology.stream).await, 80);
     assert!(first.stats.acked.load(Ordering::Relaxed) > 0);
     assert!(second.stats.acked.load(Ordering::Relaxed) > 0);
