@@ -17,6 +17,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::MessagesError as PullError;
 use futures::StreamExt;
 use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
+use inventory_infra::consumers::natural_pg::PgNaturalKey;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, Origin};
 use inventory_infra::redact::redact_url;
@@ -418,6 +419,15 @@ impl StrategyArg {
     }
 }
 
+/// How the natural-key strategy talks to PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NaturalHandlerArg {
+    /// One statement per message on a connection each lane holds (SQLite: the ORM handler).
+    OneStatement,
+    /// The sea-orm entity transaction: BEGIN, insert, upsert, select, update, COMMIT.
+    Orm,
+}
+
 /// How the inbox strategy detects a duplicate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DetectArg {
@@ -444,6 +454,9 @@ pub struct ServeArgs {
     /// Durable consumer name; the contract's name for the strategy by default.
     #[arg(long)]
     pub consumer: Option<String>,
+    /// The natural-key handler on PostgreSQL.
+    #[arg(long, value_enum, default_value = "one-statement")]
+    pub natural_handler: NaturalHandlerArg,
     /// Duplicate detection of the inbox strategy.
     #[arg(long, value_enum, default_value = "on-conflict")]
     pub inbox_detect: DetectArg,
@@ -569,12 +582,25 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     );
     let timeout = args.shutdown_timeout;
     let ending = match args.strategy {
-        StrategyArg::Natural | StrategyArg::Inbox => {
-            let strategy = if args.strategy == StrategyArg::Natural {
-                Strategy::NaturalKey
-            } else {
-                Strategy::Inbox(args.inbox_detect.into())
+        StrategyArg::Natural => {
+            let reference = StockConsumer::new(db.clone(), Strategy::NaturalKey, consumer_label);
+            let one_statement = match args.natural_handler {
+                NaturalHandlerArg::OneStatement => PgNaturalKey::new(reference.clone()),
+                NaturalHandlerArg::Orm => None,
             };
+            match one_statement {
+                Some(handler) => {
+                    let worker = Worker::new(handler, dead_letters, settings);
+                    run(&consumer, worker, db, shutdown, timeout).await?
+                }
+                None => {
+                    let worker = Worker::new(reference, dead_letters, settings);
+                    run(&consumer, worker, db, shutdown, timeout).await?
+                }
+            }
+        }
+        StrategyArg::Inbox => {
+            let strategy = Strategy::Inbox(args.inbox_detect.into());
             let handler = StockConsumer::new(db.clone(), strategy, consumer_label);
             let worker = Worker::new(handler, dead_letters, settings);
             run(&consumer, worker, db, shutdown, timeout).await?

@@ -8,6 +8,7 @@ mod inbox;
 mod migrations;
 mod naive;
 mod natural;
+mod natural_pg;
 mod outages;
 mod retention;
 mod serve;

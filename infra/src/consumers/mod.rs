@@ -14,6 +14,7 @@
 pub mod email;
 mod inbox;
 mod natural;
+pub mod natural_pg;
 pub mod study;
 mod work;
 

@@ -1,0 +1,164 @@
+//! The one-statement natural key on PostgreSQL keeps the reference handler's promises.
+
+use inventory_domain::{
+    BookId, CrashPoint, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
+};
+use inventory_infra::consumers::natural_pg::PgNaturalKey;
+use inventory_infra::{Faults, HandleError, MessageHandler, Strategy};
+use inventory_tests::{Backend, TestDb, cancelled, placed, placed_for, with_new_id};
+
+async fn fixture() -> (TestDb, PgNaturalKey) {
+    let db = TestDb::new(Backend::Postgres).await;
+    let handler = PgNaturalKey::new(db.consumer(Strategy::NaturalKey)).expect("PostgreSQL");
+    (db, handler)
+}
+
+fn reason(outcome: &Outcome) -> Option<DeadLetterReason> {
+    match outcome {
+        Outcome::Refused(refusal) => Some(refusal.reason),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_refuses_redelivery_new_ids_and_other_quantities() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(10).await;
+    let message = placed(book, 2);
+    assert!(handler.handle(&message).await.unwrap().processed());
+    assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(
+        handler.handle(&with_new_id(&message)).await.unwrap(),
+        Outcome::Duplicate
+    );
+    let other = placed_for(message.event.order_id(), book, 3);
+    assert_eq!(
+        reason(&handler.handle(&other).await.unwrap()),
+        Some(DeadLetterReason::ConflictingReservation)
+    );
+    assert_eq!(db.reserved(book).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_keeps_a_rejection_and_refuses_an_unknown_book() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(1).await;
+    let message = placed(book, 2);
+    assert!(matches!(
+        handler.handle(&message).await.unwrap(),
+        Outcome::Processed(Effect::Rejected { available: 1, .. })
+    ));
+    db.stock
+        .put(&StockItem::new(book, "Dune", 10).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(db.reserved(book).await, 0);
+    let order = message.event.order_id();
+    let status = db
+        .stock
+        .reservation(order, book)
+        .await
+        .unwrap()
+        .unwrap()
+        .status;
+    assert_eq!(status, ReservationStatus::Rejected);
+
+    let stranger = placed(BookId::new_v7(), 1);
+    assert_eq!(
+        reason(&handler.handle(&stranger).await.unwrap()),
+        Some(DeadLetterReason::UnknownBook)
+    );
+    let nothing = db
+        .stock
+        .reservation(stranger.event.order_id(), BookId::new_v7())
+        .await
+        .unwrap();
+    assert_eq!(nothing, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_lets_a_cancellation_that_came_first_win() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(10).await;
+    let message = placed(book, 2);
+    let order = message.event.order_id();
+    handler.handle(&cancelled(order)).await.unwrap();
+    assert_eq!(
+        handler.handle(&message).await.unwrap(),
+        Outcome::Processed(Effect::ArrivedAfterCancellation)
+    );
+    assert_eq!(db.reserved(book).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_lanes_with_copies_of_one_order_reserve_it_once() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(1_000).await;
+    let message = placed(book, 2);
+    let copies: Vec<_> = (0..12)
+        .map(|i| {
+            let lane = handler.clone();
+            let copy = if i % 2 == 0 {
+                message.clone()
+            } else {
+                with_new_id(&message)
+            };
+            tokio::spawn(async move { lane.handle(&copy).await })
+        })
+        .collect();
+    let mut processed = 0;
+    for copy in copies {
+        let outcome = copy.await.unwrap().unwrap();
+        processed += usize::from(outcome.processed());
+        assert!(outcome.processed() || outcome == Outcome::Duplicate);
+    }
+    assert_eq!(processed, 1);
+    assert_eq!(db.reserved(book).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_racing_its_placement_always_wins() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(10_000).await;
+    for round in 0..30 {
+        let order = OrderId::new_v7();
+        let place = placed_for(order, book, 3);
+        let cancel = cancelled(order);
+        let (a, b) = (handler.clone(), handler.clone());
+        let (placed, cancelled) = if round % 2 == 0 {
+            tokio::join!(a.handle(&place), b.handle(&cancel))
+        } else {
+            let (c, p) = tokio::join!(b.handle(&cancel), a.handle(&place));
+            (p, c)
+        };
+        placed.unwrap();
+        cancelled.unwrap();
+        let status = db
+            .stock
+            .reservation(order, book)
+            .await
+            .unwrap()
+            .unwrap()
+            .status;
+        assert_eq!(status, ReservationStatus::Released, "round {round}");
+    }
+    assert_eq!(db.reserved(book).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_statement_is_a_duplicate_on_redelivery() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(10).await;
+    let message = placed(book, 2);
+    let crashed = handler
+        .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+        .handle(&message)
+        .await;
+    assert!(matches!(
+        crashed,
+        Err(HandleError::Crashed(CrashPoint::AfterCommit))
+    ));
+    assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(db.reserved(book).await, 2);
+}
