@@ -15,7 +15,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::MessagesError as PullError;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
 use inventory_infra::consumers::natural_pg::PgNaturalKey;
 use inventory_infra::db::{self, DatabaseConnection};
@@ -34,6 +34,8 @@ use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
 #[derive(Debug, Clone)]
 pub struct ServeSettings {
     pub concurrency: usize,
+    /// Messages a lane hands the handler at once (committed together where it supports it).
+    pub batch_size: usize,
     pub max_body_bytes: usize,
     /// The consumer's `max_deliver` as the server has it; -1 for unlimited.
     pub max_deliver: i64,
@@ -91,7 +93,23 @@ impl Stats {
     }
 }
 
-/// Everything one delivery needs; cloned into each message's task.
+/// A delivery after decoding: ready for the handler, or already settled (dead-lettered).
+enum Admitted {
+    Decoded(Origin, Message),
+    Settled(Disposition),
+}
+
+fn message_span() -> tracing::Span {
+    tracing::info_span!(
+        "message",
+        message_id = field::Empty,
+        stream_seq = field::Empty,
+        delivered = field::Empty,
+        disposition = field::Empty,
+    )
+}
+
+/// Everything one delivery needs; cloned into each lane.
 #[derive(Clone)]
 pub struct Worker<H> {
     pub handler: H,
@@ -116,13 +134,66 @@ impl<H: MessageHandler> Worker<H> {
     /// Handles one delivery to its end: the step the loop runs for every message, public so a
     /// test can drive the consumer one message at a time.
     pub async fn process(&self, message: &async_nats::jetstream::Message) -> Disposition {
-        let disposition = self.dispose(message).await;
+        let disposition = match self.admit(message).await {
+            Admitted::Settled(disposition) => disposition,
+            Admitted::Decoded(origin, decoded) => {
+                let result = self.handler.handle(&decoded).await;
+                self.settle(message, &origin, result).await
+            }
+        };
         self.stats.record(&disposition);
         tracing::Span::current().record("disposition", field::debug(&disposition));
         disposition
     }
 
-    async fn dispose(&self, message: &async_nats::jetstream::Message) -> Disposition {
+    /// Handles deliveries as one batch: the handler may commit them in one transaction; each
+    /// is then acked, dead-lettered or nak'ed on its own outcome.
+    pub async fn process_batch(
+        &self,
+        messages: &[async_nats::jetstream::Message],
+    ) -> Vec<Disposition> {
+        let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
+        let mut decoded = Vec::new();
+        let mut origins = Vec::new();
+        for message in messages {
+            let span = message_span();
+            match self.admit(message).instrument(span).await {
+                Admitted::Settled(disposition) => dispositions.push(Some(disposition)),
+                Admitted::Decoded(origin, message) => {
+                    dispositions.push(None);
+                    decoded.push(message);
+                    origins.push(origin);
+                }
+            }
+        }
+        let mut results = self.handler.handle_batch(&decoded).await.into_iter();
+        let mut origins = origins.into_iter();
+        let mut settled = Vec::with_capacity(messages.len());
+        for (message, disposition) in messages.iter().zip(dispositions) {
+            let span = message_span();
+            let disposition = match (disposition, results.next(), origins.next()) {
+                (Some(disposition), _, _) => disposition,
+                (None, Some(result), Some(origin)) => {
+                    span.record("stream_seq", origin.stream_sequence);
+                    span.record("delivered", origin.deliveries);
+                    self.settle(message, &origin, result)
+                        .instrument(span.clone())
+                        .await
+                }
+                // A handler that returned fewer results than messages: leave the rest for
+                // redelivery rather than guess.
+                (None, _, _) => Disposition::LeftForRedelivery,
+            };
+            span.record("disposition", field::debug(&disposition));
+            self.stats.record(&disposition);
+            settled.push(disposition);
+        }
+        settled
+    }
+
+    /// Reads where a delivery came from and decodes it; a body that cannot be decoded is
+    /// dead-lettered here.
+    async fn admit(&self, message: &async_nats::jetstream::Message) -> Admitted {
         let origin = match message.info() {
             Ok(info) => Origin {
                 subject: message.subject.to_string(),
@@ -133,24 +204,33 @@ impl<H: MessageHandler> Worker<H> {
             Err(error) => {
                 // Not a JetStream delivery: there is nothing to ack, so nothing to do.
                 tracing::error!(%error, subject = %message.subject, "message without JetStream metadata");
-                return Disposition::LeftForRedelivery;
+                return Admitted::Settled(Disposition::LeftForRedelivery);
             }
         };
         let span = tracing::Span::current();
         span.record("stream_seq", origin.stream_sequence);
         span.record("delivered", origin.deliveries);
-
-        let decoded = match self.decode(message) {
-            Ok(decoded) => decoded,
-            Err((reason, detail)) => {
-                return self.dead_letter(message, &origin, reason, &detail).await;
+        match self.decode(message) {
+            Ok(decoded) => {
+                span.record("message_id", field::display(&decoded.key));
+                Admitted::Decoded(origin, decoded)
             }
-        };
-        span.record("message_id", field::display(&decoded.key));
+            Err((reason, detail)) => {
+                Admitted::Settled(self.dead_letter(message, &origin, reason, &detail).await)
+            }
+        }
+    }
 
-        match self.handler.handle(&decoded).await {
+    /// Acts on the handler's answer: ack, dead letter, or nak.
+    async fn settle(
+        &self,
+        message: &async_nats::jetstream::Message,
+        origin: &Origin,
+        result: Result<Outcome, inventory_infra::HandleError>,
+    ) -> Disposition {
+        match result {
             Ok(Outcome::Refused(refusal)) => {
-                self.dead_letter(message, &origin, refusal.reason, &refusal.detail)
+                self.dead_letter(message, origin, refusal.reason, &refusal.detail)
                     .await
             }
             Ok(outcome) => match message.ack().await {
@@ -180,7 +260,7 @@ impl<H: MessageHandler> Worker<H> {
                     let detail =
                         format!("last of {} deliveries failed: {error}", origin.deliveries);
                     return self
-                        .dead_letter(message, &origin, DeadLetterReason::MaxDeliveries, &detail)
+                        .dead_letter(message, origin, DeadLetterReason::MaxDeliveries, &detail)
                         .await;
                 }
                 let delay = self.settings.retry_delay_after(origin.deliveries);
@@ -290,7 +370,7 @@ pub async fn run<H: MessageHandler>(
     let lanes = worker.settings.concurrency.max(1);
     let messages = consumer
         .stream()
-        .max_messages_per_batch(lanes)
+        .max_messages_per_batch(lanes * worker.settings.batch_size.max(1))
         .heartbeat(Duration::from_secs(5))
         .expires(Duration::from_secs(30))
         .messages()
@@ -332,40 +412,50 @@ async fn lane<H: MessageHandler, S>(
 ) where
     S: futures::Stream<Item = Result<async_nats::jetstream::Message, PullError>> + Unpin,
 {
+    let batch_size = worker.settings.batch_size.max(1);
     loop {
         if worker.database_suspect.swap(false, Ordering::Relaxed)
             && !wait_for_database(&db, &stop).await
         {
             return;
         }
-        let next = {
+        let mut batch = Vec::with_capacity(batch_size);
+        {
             let mut stream = messages.lock().await;
-            tokio::select! {
+            let next = tokio::select! {
                 () = stop.cancelled() => return,
                 next = stream.next() => next,
+            };
+            let mut next = Some(next);
+            // After the first message, take what is already fetched, up to the batch size;
+            // a batch never waits for messages that have not arrived.
+            while let Some(item) = next.take() {
+                match item {
+                    Some(Ok(message)) => batch.push(message),
+                    Some(Err(error)) => {
+                        // Missed heartbeats and the like while NATS reconnects; it goes on.
+                        tracing::warn!(%error, "pulling messages");
+                    }
+                    None => {
+                        stream_ended.store(true, Ordering::Relaxed);
+                        stop.cancel();
+                        break;
+                    }
+                }
+                if batch.len() < batch_size {
+                    next = stream.next().now_or_never();
+                }
             }
-        };
-        let message = match next {
-            Some(Ok(message)) => message,
-            Some(Err(error)) => {
-                // Missed heartbeats and the like while NATS reconnects; the stream goes on.
-                tracing::warn!(%error, "pulling messages");
-                continue;
+        }
+        match batch.as_slice() {
+            [] => {}
+            [message] => {
+                worker.process(message).instrument(message_span()).await;
             }
-            None => {
-                stream_ended.store(true, Ordering::Relaxed);
-                stop.cancel();
-                return;
+            messages => {
+                worker.process_batch(messages).await;
             }
-        };
-        let span = tracing::info_span!(
-            "message",
-            message_id = field::Empty,
-            stream_seq = field::Empty,
-            delivered = field::Empty,
-            disposition = field::Empty,
-        );
-        worker.process(&message).instrument(span).await;
+        }
     }
 }
 
@@ -473,6 +563,11 @@ pub struct ServeArgs {
     pub nats: NatsArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
+    /// Messages a lane hands the handler at once. The natural key on PostgreSQL commits a batch
+    /// in one statement and acks each message after that commit; other handlers take them one
+    /// by one. 1 (no batching) by default.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub batch_size: u16,
     /// Messages handled at once; the pool size by default.
     #[arg(long)]
     pub concurrency: Option<usize>,
@@ -563,6 +658,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let max_deliver = consumer.info().await?.config.max_deliver;
 
     let settings = ServeSettings {
+        batch_size: usize::from(args.batch_size),
         concurrency: args
             .concurrency
             .unwrap_or(usize::try_from(args.db_pool_size).unwrap_or(1)),

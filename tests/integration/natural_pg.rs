@@ -162,3 +162,121 @@ async fn a_crash_after_the_statement_is_a_duplicate_on_redelivery() {
     assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(db.reserved(book).await, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_decides_each_message_as_one_by_one_handling_would() {
+    let (db, handler) = fixture().await;
+    let plenty = db.dune(1_000).await;
+    let short = db.dune(4).await;
+    let earlier = placed(plenty, 2);
+    handler.handle(&earlier).await.unwrap();
+    let cancelled_first = placed(plenty, 1);
+    handler
+        .handle(&cancelled(cancelled_first.event.order_id()))
+        .await
+        .unwrap();
+
+    let fresh = placed(plenty, 3);
+    let short_a = placed(short, 3);
+    let short_b = placed(short, 3);
+    let batch = vec![
+        fresh.clone(),
+        with_new_id(&earlier),                         // already reserved
+        with_new_id(&fresh),                           // a copy inside the batch
+        placed_for(fresh.event.order_id(), plenty, 5), // the same key, another quantity
+        placed(BookId::new_v7(), 1),                   // unknown book
+        cancelled_first.clone(),                       // its cancellation came first
+        short_a.clone(),                               // 3 of 4: fits
+        short_b.clone(),                               // 3 more: rejected, as one by one
+        cancelled(fresh.event.order_id()),             // releases the fresh order
+    ];
+    let results: Vec<Outcome> = handler
+        .handle_batch(&batch)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(matches!(
+        results[0],
+        Outcome::Processed(Effect::Reserved { .. })
+    ));
+    assert_eq!(results[1], Outcome::Duplicate);
+    assert_eq!(results[2], Outcome::Duplicate);
+    assert_eq!(
+        reason(&results[3]),
+        Some(DeadLetterReason::ConflictingReservation)
+    );
+    assert_eq!(reason(&results[4]), Some(DeadLetterReason::UnknownBook));
+    assert_eq!(
+        results[5],
+        Outcome::Processed(Effect::ArrivedAfterCancellation)
+    );
+    assert!(matches!(
+        results[6],
+        Outcome::Processed(Effect::Reserved { .. })
+    ));
+    assert!(matches!(
+        results[7],
+        Outcome::Processed(Effect::Rejected { available: 1, .. })
+    ));
+    assert_eq!(
+        results[8],
+        Outcome::Processed(Effect::Released { copies: 3 })
+    );
+    assert_eq!(db.reserved(plenty).await, 2);
+    assert_eq!(db.reserved(short).await, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
+    use inventory_tests::broker::{Broker, RunningService, eventually};
+    use std::sync::atomic::Ordering;
+
+    let (db, handler) = fixture().await;
+    let book = db.dune(1_000_000).await;
+    let broker = Broker::new().await;
+    let publisher = broker.publisher();
+    let mut expected = 0;
+    for i in 0..400 {
+        let order = placed(book, 1 + i % 3);
+        expected += 1 + i % 3;
+        publisher.publish(&order).await.unwrap();
+        if i % 10 == 0 {
+            publisher.publish(&with_new_id(&order)).await.unwrap();
+        }
+        if i % 7 == 0 {
+            // The same body again under another Nats-Msg-Id: a broker-side replay.
+            broker
+                .publish_raw(
+                    "placed",
+                    order.to_plain_json().unwrap(),
+                    Some(&format!("replay-{i}")),
+                )
+                .await;
+        }
+    }
+    let mut settings = inventory_tests::broker::test_settings(4, 10);
+    settings.batch_size = 16;
+    let service = RunningService::start(
+        &broker,
+        broker.consumer(10).await,
+        handler,
+        db.conn.clone(),
+        settings,
+    );
+    eventually("every order reserved once", || async {
+        db.reserved(book).await == expected
+    })
+    .await;
+    eventually("nothing pending", || async {
+        let state = broker.consumer_state().await;
+        state.pending == 0 && state.ack_pending == 0
+    })
+    .await;
+    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 400);
+    // 40 resends under new ids and 58 replays; more only if one outwaited the 1 s ack wait.
+    assert!(service.stats.duplicates.load(Ordering::Relaxed) >= 40 + 58);
+    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    service.stop().await;
+    assert_eq!(db.reserved(book).await, expected);
+}

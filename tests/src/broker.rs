@@ -160,6 +160,7 @@ impl Drop for Broker {
 pub fn test_settings(concurrency: usize, max_deliver: i64) -> ServeSettings {
     ServeSettings {
         concurrency,
+        batch_size: 1,
         max_body_bytes: 64 * 1024,
         max_deliver,
         retry_delay: Duration::from_millis(50),

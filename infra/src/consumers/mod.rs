@@ -59,6 +59,21 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
         &self,
         message: &Message,
     ) -> impl Future<Output = Result<Outcome, HandleError>> + Send;
+
+    /// Several messages at once, one result each, in order. By default one after another; a
+    /// handler that can commit them together overrides it.
+    fn handle_batch(
+        &self,
+        messages: &[Message],
+    ) -> impl Future<Output = Vec<Result<Outcome, HandleError>>> + Send {
+        async move {
+            let mut results = Vec::with_capacity(messages.len());
+            for message in messages {
+                results.push(self.handle(message).await);
+            }
+            results
+        }
+    }
 }
 
 impl MessageHandler for StockConsumer {

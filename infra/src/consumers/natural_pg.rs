@@ -18,6 +18,8 @@ use sea_orm::sqlx::{self, ConnectOptions, Row};
 use sea_orm::{DbErr, RuntimeErr};
 use tokio::sync::Mutex;
 
+use inventory_domain::stock::second_request_for_reservation as second_request;
+
 use super::work::unknown_book;
 use super::{HandleError, MessageHandler, StockConsumer};
 use crate::faults::Faults;
@@ -54,6 +56,69 @@ SELECT EXISTS (SELECT 1 FROM stock) AS book_found,
        (SELECT available FROM decided) AS available,
        (SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2)
            AS existing_quantity";
+
+/// A batch of placements in one statement, so one commit. Orders for a book whose stock cannot
+/// cover the whole batch's requests are left undecided here and decided one by one after, so a
+/// batch never rejects what one-by-one handling would have reserved.
+pub const RESERVE_BATCH_SQL: &str = "\
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[])
+        AS input(order_id, book_id, quantity, message_id, idx)
+), books AS (
+    SELECT book_id, on_hand - reserved AS available
+    FROM stock_items
+    WHERE book_id IN (SELECT book_id FROM input)
+    ORDER BY book_id
+    FOR UPDATE
+), fresh AS (
+    SELECT DISTINCT ON (input.order_id, input.book_id) input.*
+    FROM input JOIN books USING (book_id)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM stock_reservations r
+        WHERE r.order_id = input.order_id AND r.book_id = input.book_id
+    )
+    ORDER BY input.order_id, input.book_id, input.idx
+), guard AS (
+    INSERT INTO order_states (order_id)
+    SELECT DISTINCT order_id FROM fresh
+    ON CONFLICT (order_id) DO UPDATE SET order_id = EXCLUDED.order_id
+    RETURNING order_id, cancelled_at IS NOT NULL AS cancelled
+), wanted AS (
+    SELECT fresh.book_id, sum(fresh.quantity) AS copies
+    FROM fresh JOIN guard USING (order_id)
+    WHERE NOT guard.cancelled
+    GROUP BY fresh.book_id
+), decided AS (
+    SELECT fresh.*, CASE WHEN guard.cancelled THEN 'released' ELSE 'reserved' END AS status
+    FROM fresh
+    JOIN guard USING (order_id)
+    JOIN books USING (book_id)
+    LEFT JOIN wanted USING (book_id)
+    WHERE guard.cancelled OR wanted.copies <= books.available
+), inserted AS (
+    INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
+    SELECT order_id, book_id, quantity, status, message_id, now() FROM decided
+    ON CONFLICT (order_id, book_id) DO NOTHING
+    RETURNING order_id, book_id, status
+), moved AS (
+    UPDATE stock_items SET reserved = stock_items.reserved + won.copies
+    FROM (
+        SELECT inserted.book_id, sum(decided.quantity) AS copies
+        FROM inserted JOIN decided USING (order_id, book_id)
+        WHERE inserted.status = 'reserved'
+        GROUP BY inserted.book_id
+    ) won
+    WHERE stock_items.book_id = won.book_id
+)
+SELECT input.idx,
+       books.book_id IS NOT NULL AS book_found,
+       (SELECT inserted.status FROM inserted JOIN decided USING (order_id, book_id)
+        WHERE decided.idx = input.idx) AS inserted_status,
+       r.quantity AS existing_quantity
+FROM input
+LEFT JOIN books USING (book_id)
+LEFT JOIN stock_reservations r ON r.order_id = input.order_id AND r.book_id = input.book_id
+ORDER BY input.idx";
 
 /// The statement's snapshot predates a concurrent copy that committed while this one waited
 /// for the stock row; this fresh read finds the reservation that copy wrote.
@@ -116,21 +181,110 @@ impl PgNaturalKey {
         }
     }
 
-    async fn reserve(&self, key: &str, placed: &OrderPlaced) -> Result<Outcome, HandleError> {
+    /// Runs `work` on this lane's connection, opening it first if need be; a failure drops
+    /// the connection, which may be broken, and the next call opens a new one.
+    async fn with_connection<T>(
+        &self,
+        work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, HandleError>,
+    ) -> Result<T, HandleError> {
         let mut slot = self.connection.lock().await;
-        if slot.is_none() {
-            *slot = Some(self.options.connect().await.map_err(database_error)?);
-        }
-        let Some(connection) = slot.as_mut() else {
-            return Err(HandleError::Database(DbErr::Custom("no connection".into())));
+        let connection = match slot.as_mut() {
+            Some(connection) => connection,
+            None => slot.insert(self.options.connect().await.map_err(database_error)?),
         };
-        let result = decide(connection, key, placed).await;
+        let result = work(connection).await;
         if result.is_err() {
-            // The connection may be broken; the next message opens a new one.
             *slot = None;
         }
         result
     }
+
+    /// Placements through the batch statement, one result per placement in order.
+    async fn reserve_batch(
+        &self,
+        placements: &[(String, &OrderPlaced)],
+    ) -> Result<Vec<Outcome>, HandleError> {
+        self.with_connection(async |connection| {
+            let mut orders = Vec::with_capacity(placements.len());
+            let mut books = Vec::with_capacity(placements.len());
+            let mut quantities = Vec::with_capacity(placements.len());
+            let mut keys = Vec::with_capacity(placements.len());
+            let mut indexes = Vec::with_capacity(placements.len());
+            for (index, (key, placed)) in placements.iter().enumerate() {
+                orders.push(placed.order_id.as_uuid());
+                books.push(placed.book_id.as_uuid());
+                quantities.push(stored(
+                    i32::try_from(placed.quantity.get()).ok(),
+                    "quantity",
+                )?);
+                keys.push(key.clone());
+                indexes.push(stored(i32::try_from(index).ok(), "batch index")?);
+            }
+            let rows = sqlx::query(RESERVE_BATCH_SQL)
+                .bind(&orders)
+                .bind(&books)
+                .bind(&quantities)
+                .bind(&keys)
+                .bind(&indexes)
+                .fetch_all(&mut *connection)
+                .await
+                .map_err(database_error)?;
+            let mut outcomes: Vec<Outcome> = Vec::with_capacity(placements.len());
+            for ((key, placed), row) in placements.iter().zip(&rows) {
+                let book_found: bool = row.try_get("book_found").map_err(database_error)?;
+                let inserted: Option<String> =
+                    row.try_get("inserted_status").map_err(database_error)?;
+                let existing: Option<i32> =
+                    row.try_get("existing_quantity").map_err(database_error)?;
+                let earlier_in_batch = placements
+                    .iter()
+                    .zip(&outcomes)
+                    .find(|((_, other), outcome)| {
+                        other.order_id == placed.order_id
+                            && other.book_id == placed.book_id
+                            && outcome.processed()
+                    })
+                    .map(|((_, other), _)| other.quantity);
+                let outcome = if !book_found {
+                    unknown_book(placed.book_id)
+                } else if let Some(status) = inserted {
+                    placement_effect(&status, placed, None)?
+                } else if let Some(existing) = existing {
+                    second_request(
+                        stored(Quantity::new(existing.into()).ok(), "quantity")?,
+                        placed.quantity,
+                    )
+                } else if let Some(earlier) = earlier_in_batch {
+                    second_request(earlier, placed.quantity)
+                } else {
+                    // Stock too short for the whole batch, or a copy another lane committed
+                    // meanwhile: decided on its own, exactly as without batching.
+                    decide(connection, key, placed).await?
+                };
+                outcomes.push(outcome);
+            }
+            Ok(outcomes)
+        })
+        .await
+    }
+}
+
+fn placement_effect(
+    status: &str,
+    placed: &OrderPlaced,
+    available: Option<i32>,
+) -> Result<Outcome, HandleError> {
+    let status = stored(ReservationStatus::parse(status), "reservation status")?;
+    Ok(Outcome::Processed(match status {
+        ReservationStatus::Reserved => Effect::Reserved {
+            quantity: placed.quantity,
+        },
+        ReservationStatus::Released => Effect::ArrivedAfterCancellation,
+        ReservationStatus::Rejected => Effect::Rejected {
+            requested: placed.quantity,
+            available: available.map_or(0, i64::from),
+        },
+    }))
 }
 
 async fn decide(
@@ -157,17 +311,7 @@ async fn decide(
         return Ok(unknown_book(placed.book_id));
     }
     if let Some(status) = inserted {
-        let status = stored(ReservationStatus::parse(&status), "reservation status")?;
-        return Ok(Outcome::Processed(match status {
-            ReservationStatus::Reserved => Effect::Reserved {
-                quantity: placed.quantity,
-            },
-            ReservationStatus::Released => Effect::ArrivedAfterCancellation,
-            ReservationStatus::Rejected => Effect::Rejected {
-                requested: placed.quantity,
-                available: available.map_or(0, i64::from),
-            },
-        }));
+        return placement_effect(&status, placed, available);
     }
     if existing.is_none() {
         existing = sqlx::query(EXISTING_SQL)
@@ -182,21 +326,74 @@ async fn decide(
     }
     let existing = stored(existing, "reservation after a conflict")?;
     let existing = stored(Quantity::new(existing.into()).ok(), "quantity")?;
-    Ok(inventory_domain::stock::second_request_for_reservation(
-        existing,
-        placed.quantity,
-    ))
+    Ok(second_request(existing, placed.quantity))
 }
 
 impl MessageHandler for PgNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match &message.event {
             Event::Placed(placed) => {
-                let outcome = self.reserve(&message.key.storage_key(), placed).await?;
+                let key = message.key.storage_key();
+                let outcome = self
+                    .with_connection(async |connection| decide(connection, &key, placed).await)
+                    .await?;
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }
             Event::Cancelled(_) => self.reference.handle(message).await,
         }
+    }
+
+    /// The placements in one statement, then the cancellations one by one (a cancellation
+    /// wins whichever comes first, so their order against the placements does not matter).
+    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let placements: Vec<(String, &OrderPlaced)> = messages
+            .iter()
+            .filter_map(|message| match &message.event {
+                Event::Placed(placed) => Some((message.key.storage_key(), placed)),
+                Event::Cancelled(_) => None,
+            })
+            .collect();
+        let mut placed_outcomes = match self.reserve_batch(&placements).await {
+            Ok(outcomes) => match self.faults.pass(CrashPoint::AfterCommit).await {
+                Ok(()) => outcomes.into_iter().map(Ok).collect::<Vec<_>>(),
+                Err(crash) => {
+                    // The whole batch died after its commit: nothing of it is acked.
+                    let point = crash_point(&crash);
+                    outcomes
+                        .iter()
+                        .map(|_| Err(HandleError::Crashed(point)))
+                        .collect()
+                }
+            },
+            Err(error) => {
+                // Nothing of the batch committed: every placement in it is retried.
+                let text = error.to_string();
+                placements
+                    .iter()
+                    .map(|_| Err(HandleError::Database(DbErr::Custom(text.clone()))))
+                    .collect()
+            }
+        }
+        .into_iter();
+        let mut results = Vec::with_capacity(messages.len());
+        for message in messages {
+            results.push(match &message.event {
+                Event::Placed(_) => placed_outcomes.next().unwrap_or_else(|| {
+                    Err(HandleError::Database(DbErr::Custom(
+                        "batch statement returned too few rows".into(),
+                    )))
+                }),
+                Event::Cancelled(_) => self.reference.handle(message).await,
+            });
+        }
+        results
+    }
+}
+
+fn crash_point(error: &HandleError) -> CrashPoint {
+    match error {
+        HandleError::Crashed(point) => *point,
+        _ => CrashPoint::AfterCommit,
     }
 }
