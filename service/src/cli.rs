@@ -12,7 +12,7 @@ use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::DatabaseArgs;
-use crate::{demo, publish, serve};
+use crate::{bench_e2e, demo, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -50,10 +50,31 @@ pub enum Command {
         #[command(subcommand)]
         command: InboxCommand,
     },
+    /// Benchmarks that run against the real servers.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
     Serve(serve::ServeArgs),
     /// Publishes OrderPlaced or OrderCancelled, one or many.
     Publish(publish::PublishArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// OrderPlaced through JetStream into PostgreSQL by the real consumer loop, acked after
+    /// commit: messages per second.
+    EndToEnd(bench_e2e::EndToEndArgs),
+    /// Prints the pgbench script (the one-statement handler's SQL) and the SQL that seeds its
+    /// books, for scripts/bench-vs-pgbench.sh.
+    PgbenchScript {
+        #[arg(long, default_value_t = 1_000)]
+        books: usize,
+        /// Prints the seeding SQL instead of the script.
+        #[arg(long)]
+        seed: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -123,6 +144,16 @@ pub async fn run(cli: Cli) -> Result<bool> {
             println!("migrations applied");
             Ok(true)
         }
+        Command::Bench {
+            command: BenchCommand::PgbenchScript { books, seed },
+        } => {
+            if seed {
+                println!("{}", bench_e2e::pgbench_seed_sql(books));
+            } else {
+                print!("{}", bench_e2e::pgbench_script(books));
+            }
+            Ok(true)
+        }
         Command::Stock { command } => run_stock(command).await.map(|()| true),
         Command::Inbox {
             command:
@@ -154,6 +185,27 @@ pub async fn run(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Command::Serve(args) => serve::start(args).await,
+        Command::Bench {
+            command: BenchCommand::EndToEnd(args),
+        } => {
+            let report = bench_e2e::run(&args).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "{} messages ({} processed, {} duplicates) through {} lanes, batch {}, {} handler: {:.2} s, {:.0} messages/s",
+                    report.messages,
+                    report.processed,
+                    report.duplicates,
+                    report.concurrency,
+                    report.batch_size,
+                    report.handler,
+                    report.seconds,
+                    report.messages_per_second
+                );
+            }
+            Ok(true)
+        }
         Command::Publish(args) => publish::run(args).await.map(|()| true),
     }
 }

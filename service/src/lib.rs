@@ -8,6 +8,7 @@
 //! - [`telemetry`]: the tracing subscriber.
 
 pub mod args;
+pub mod bench_e2e;
 pub mod cli;
 pub mod demo;
 pub mod publish;

@@ -368,9 +368,12 @@ pub async fn run<H: MessageHandler>(
     shutdown_timeout: Duration,
 ) -> anyhow::Result<Ending> {
     let lanes = worker.settings.concurrency.max(1);
+    // The client asks for more once half a pull is used up: pulling twice what the lanes hold
+    // keeps the next messages on their way while the lanes work.
+    let prefetch = (2 * lanes * worker.settings.batch_size.max(1)).max(32);
     let messages = consumer
         .stream()
-        .max_messages_per_batch(lanes * worker.settings.batch_size.max(1))
+        .max_messages_per_batch(prefetch)
         .heartbeat(Duration::from_secs(5))
         .expires(Duration::from_secs(30))
         .messages()
