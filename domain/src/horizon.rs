@@ -103,7 +103,7 @@ mod tests {
 
     fn policy(ack_wait: u64, backoff: &[u64], max_deliver: i64, nak: u64) -> RedeliveryPolicy {
         RedeliveryPolicy {
-            ack_wait: SECOND * u32::try_from(ack_wait).unwrap(),
+            ack_wait: Duration::from_secs(ack_wait),
             backoff: backoff.iter().map(|&s| Duration::from_secs(s)).collect(),
             max_deliver,
             longest_nak_delay: Duration::from_secs(nak),
@@ -139,8 +139,14 @@ mod tests {
         assert_eq!(policy(30, &[], -1, 0).redelivery_span(), None);
         let horizon = Horizon::new(&policy(30, &[], -1, 0), SECOND, SECOND);
         assert_eq!(horizon.total(), None);
-        let refusal = horizon.check(Duration::from_secs(u64::MAX)).unwrap_err();
-        assert_eq!(refusal.horizon, None);
+        let forever = Duration::from_secs(u64::MAX);
+        assert_eq!(
+            horizon.check(forever),
+            Err(RetentionTooShort {
+                retention: forever,
+                horizon: None
+            })
+        );
     }
 
     #[test]

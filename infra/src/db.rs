@@ -173,7 +173,10 @@ mod tests {
         );
         let asked = "postgresql://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem";
         assert_eq!(with_default_sslmode(asked, false), asked);
-        assert_eq!(with_default_sslmode("postgres://u@h/db", true), "postgres://u@h/db");
+        assert_eq!(
+            with_default_sslmode("postgres://u@h/db", true),
+            "postgres://u@h/db"
+        );
         let sqlite = "sqlite://inventory.db?mode=rwc";
         assert_eq!(with_default_sslmode(sqlite, false), sqlite);
     }

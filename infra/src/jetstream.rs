@@ -576,9 +576,10 @@ pub async fn connect_with(
     let mut options = async_nats::ConnectOptions::new();
     if let Some(path) = &security.credentials_file {
         options = options.credentials_file(path).await.map_err(|error| {
-            nats_error(format!("reading the NATS credentials file {}", path.display()))(boxed(
-                error,
-            ))
+            nats_error(format!(
+                "reading the NATS credentials file {}",
+                path.display()
+            ))(boxed(error))
         })?;
     }
     if let Some(user) = &security.user {
