@@ -10,6 +10,7 @@ mod naive;
 mod natural;
 mod outages;
 mod retention;
+mod secure;
 mod serve;
 
 use inventory_domain::{CrashPoint, Message, Outcome};
