@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod demo;
+mod dlq;
 mod email;
 mod harness;
 mod inbox;
