@@ -50,13 +50,25 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     let letter = &unknown_books[0];
     assert_eq!(
         letter.original_subject.as_deref(),
-        Some(broker.topology.subject(inventory_domain::EventKind::Placed).as_str())
+        Some(
+            broker
+                .topology
+                .subject(inventory_domain::EventKind::Placed)
+                .as_str()
+        )
     );
     assert_eq!(letter.original_sequence, Some(unknown_receipt.sequence));
     let original_id = for_unknown.key.storage_key();
-    assert_eq!(letter.original_message_id.as_deref(), Some(original_id.as_str()));
+    assert_eq!(
+        letter.original_message_id.as_deref(),
+        Some(original_id.as_str())
+    );
     assert_eq!(letter.consumer, broker.consumer_name);
-    assert!(letter.detail.contains(&unknown.to_string()), "{}", letter.detail);
+    assert!(
+        letter.detail.contains(&unknown.to_string()),
+        "{}",
+        letter.detail
+    );
     let json = serde_json::to_value(&unknown_books).unwrap();
     assert_eq!(json[0]["reason"], "unknown-book");
     assert_eq!(json[0]["original_sequence"], unknown_receipt.sequence);
@@ -96,7 +108,10 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     // A dead letter of a message that was in fact handled (its commit made it, its ack did
     // not): the replay is a duplicate to the consumer and reserves nothing more.
     let mut headers = HeaderMap::new();
-    headers.insert(async_nats::header::NATS_MESSAGE_ID, good.key.storage_key().as_str());
+    headers.insert(
+        async_nats::header::NATS_MESSAGE_ID,
+        good.key.storage_key().as_str(),
+    );
     let origin = Origin {
         subject: broker.topology.subject(inventory_domain::EventKind::Placed),
         stream: broker.topology.stream.clone(),

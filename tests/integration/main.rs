@@ -10,6 +10,7 @@ mod migrations;
 mod naive;
 mod natural;
 mod outages;
+mod purge_load;
 mod retention;
 mod secure;
 mod serve;
