@@ -561,7 +561,7 @@ pub async fn connect_with(
     name: &str,
     security: &NatsSecurity,
 ) -> Result<async_nats::Client, NatsError> {
-    let servers: Vec<async_nats::ServerAddr> = url
+    let parsed: Vec<async_nats::ServerAddr> = url
         .split(',')
         .map(str::trim)
         .filter(|server| !server.is_empty())
@@ -573,7 +573,37 @@ pub async fn connect_with(
                 crate::redact::redact_url(url)
             ))(boxed(error))
         })?;
+    // Credentials in a URL move into the options: async-nats logs the server addresses it
+    // dials at debug, password and all.
+    let mut url_credentials = None;
+    let servers: Vec<async_nats::ServerAddr> = parsed
+        .into_iter()
+        .map(|server| {
+            let username = server.username().unwrap_or_default().to_owned();
+            let password = server.password().map(str::to_owned);
+            if url_credentials.is_none() && !username.is_empty() {
+                url_credentials = Some((username, password));
+            }
+            let mut bare = server.into_inner();
+            // Fails only for URLs that cannot have credentials, which then have none.
+            let _ = bare.set_password(None);
+            let _ = bare.set_username("");
+            async_nats::ServerAddr::from_url(bare)
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|error| {
+            nats_error(format!(
+                "reading the NATS URL {}",
+                crate::redact::redact_url(url)
+            ))(boxed(error))
+        })?;
     let mut options = async_nats::ConnectOptions::new();
+    match url_credentials {
+        Some((user, Some(password))) => options = options.user_and_password(user, password),
+        // nats://<token>@host
+        Some((token, None)) => options = options.token(token),
+        None => {}
+    }
     if let Some(path) = &security.credentials_file {
         options = options.credentials_file(path).await.map_err(|error| {
             nats_error(format!(

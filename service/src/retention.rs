@@ -104,12 +104,17 @@ pub fn spawn_purge(
                     tracing::info!("inbox purge: another instance is purging; skipped");
                 }
                 Ok(report) => {
-                    tracing::info!(
-                        deleted = report.deleted,
-                        batches = report.batches,
-                        took = ?started.elapsed(),
-                        "inbox purge"
-                    );
+                    // An empty purge every interval is not news.
+                    if report.deleted > 0 {
+                        tracing::info!(
+                            deleted = report.deleted,
+                            batches = report.batches,
+                            took = ?started.elapsed(),
+                            "inbox purge"
+                        );
+                    } else {
+                        tracing::debug!("inbox purge: nothing older than the retention");
+                    }
                     if report.processing_older > 0 {
                         tracing::warn!(
                             rows = report.processing_older,

@@ -44,6 +44,11 @@ async fn nats_with_a_token() {
         ..NatsSecurity::default()
     };
     jetstream_works(&server.url(), &right).await.unwrap();
+    // The token in the URL, as nats://<token>@host.
+    let in_url = server.url().replace("nats://", "nats://t0ken-for-test@");
+    jetstream_works(&in_url, &NatsSecurity::default())
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,6 +67,12 @@ async fn nats_with_a_user_and_password() {
         "the password leaked into: {refused}"
     );
     jetstream_works(&server.url(), &with("pa55word"))
+        .await
+        .unwrap();
+    let in_url = server
+        .url()
+        .replace("nats://", "nats://inventory:pa55word@");
+    jetstream_works(&in_url, &NatsSecurity::default())
         .await
         .unwrap();
 }
