@@ -8,15 +8,19 @@
 //! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`, the payload hash.
 //! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
 //! - [`outcome`]: what handling a message came to, and the contract's dead-letter reasons.
+//! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
+//!   the guard against a shorter retention.
 //! - [`ports`]: the email provider trait (send, and lookup by idempotency key) and the crash
 //!   points a handler passes through.
 
+pub mod horizon;
 pub mod ids;
 pub mod message;
 pub mod outcome;
 pub mod ports;
 pub mod stock;
 
+pub use horizon::{Horizon, RedeliveryPolicy, RetentionTooShort};
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
 pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,

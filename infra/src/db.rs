@@ -18,7 +18,12 @@ const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Statements are logged at DEBUG, not sea-orm's default INFO, so a busy consumer's log stays
 /// about messages. SQLite runs in WAL mode with a busy timeout, so concurrent writers queue
 /// instead of failing at once.
+///
+/// PostgreSQL over TLS is opt-in through the URL (`?sslmode=verify-full&sslrootcert=ca.pem`):
+/// a URL that names no `sslmode` (and no `PGSSLMODE` in the environment) gets `disable`, not the
+/// driver's `prefer`, which would quietly negotiate TLS with any local server that offers it.
 pub async fn connect(url: &str, max_connections: u32) -> Result<DatabaseConnection, DbErr> {
+    let url = with_default_sslmode(url, std::env::var_os("PGSSLMODE").is_some());
     let mut options = ConnectOptions::new(url);
     options
         .max_connections(max_connections)
@@ -74,7 +79,7 @@ impl FreshDatabase {
         let name = format!("{label}_{}", uuid::Uuid::new_v4().simple());
         let (url, place) = match base_url {
             Some(base) if is_postgres(base) => {
-                let server = sea_orm::Database::connect(base).await?;
+                let server = connect(base, 1).await?;
                 server
                     .execute_unprepared(&format!("CREATE DATABASE \"{name}\""))
                     .await?;
@@ -108,7 +113,7 @@ impl FreshDatabase {
                 }
             }
             Place::Postgres { server_url, name } => {
-                let server = sea_orm::Database::connect(&server_url).await?;
+                let server = connect(&server_url, 1).await?;
                 server
                     .execute_unprepared(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                     .await?;
@@ -117,6 +122,18 @@ impl FreshDatabase {
         }
         Ok(())
     }
+}
+
+/// `url` with `sslmode=disable` added when it is PostgreSQL and says nothing of TLS.
+fn with_default_sslmode(url: &str, sslmode_in_environment: bool) -> String {
+    let names_sslmode = url
+        .split_once('?')
+        .is_some_and(|(_, query)| query.split('&').any(|pair| pair.starts_with("sslmode=")));
+    if !is_postgres(url) || names_sslmode || sslmode_in_environment {
+        return url.to_owned();
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}sslmode=disable")
 }
 
 pub fn is_postgres(url: &str) -> bool {
@@ -142,7 +159,27 @@ fn with_database_name(url: &str, name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::with_database_name;
+    use super::{with_database_name, with_default_sslmode};
+
+    #[test]
+    fn tls_is_off_unless_the_url_or_environment_asks() {
+        assert_eq!(
+            with_default_sslmode("postgres://u@h/db", false),
+            "postgres://u@h/db?sslmode=disable"
+        );
+        assert_eq!(
+            with_default_sslmode("postgres://u@h/db?application_name=x", false),
+            "postgres://u@h/db?application_name=x&sslmode=disable"
+        );
+        let asked = "postgresql://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem";
+        assert_eq!(with_default_sslmode(asked, false), asked);
+        assert_eq!(
+            with_default_sslmode("postgres://u@h/db", true),
+            "postgres://u@h/db"
+        );
+        let sqlite = "sqlite://inventory.db?mode=rwc";
+        assert_eq!(with_default_sslmode(sqlite, false), sqlite);
+    }
 
     #[test]
     fn database_name_is_replaced_and_options_kept() {

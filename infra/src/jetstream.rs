@@ -2,6 +2,7 @@
 //! that keeps its message id across retries, and the dead-letter publisher.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -515,10 +516,52 @@ pub fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
+/// How to authenticate to NATS and secure the connection; all empty by default (no auth, TLS
+/// only if the URL says `tls://` or the server requires it). Secrets are never printed: `Debug`
+/// shows only which ones are set.
+#[derive(Clone, Default)]
+pub struct NatsSecurity {
+    /// A `.creds` file (JWT and NKey seed).
+    pub credentials_file: Option<PathBuf>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    /// PEM file of the CA that signed the server's certificate.
+    pub tls_ca: Option<PathBuf>,
+    /// PEM client certificate and key, for servers that verify clients.
+    pub tls_client_cert: Option<(PathBuf, PathBuf)>,
+    /// Refuse a connection without TLS.
+    pub require_tls: bool,
+}
+
+impl std::fmt::Debug for NatsSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |present: bool| if present { "<set>" } else { "<unset>" };
+        f.debug_struct("NatsSecurity")
+            .field("credentials_file", &self.credentials_file)
+            .field("user", &self.user)
+            .field("password", &set(self.password.is_some()))
+            .field("token", &set(self.token.is_some()))
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_client_cert", &self.tls_client_cert)
+            .field("require_tls", &self.require_tls)
+            .finish()
+    }
+}
+
 /// Connects to NATS under `name`, reconnecting for as long as the process runs; connection
 /// events are logged. `url` may list several servers of a cluster, comma separated.
 pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
-    let servers: Vec<async_nats::ServerAddr> = url
+    connect_with(url, name, &NatsSecurity::default()).await
+}
+
+/// [`connect`] with credentials and TLS.
+pub async fn connect_with(
+    url: &str,
+    name: &str,
+    security: &NatsSecurity,
+) -> Result<async_nats::Client, NatsError> {
+    let parsed: Vec<async_nats::ServerAddr> = url
         .split(',')
         .map(str::trim)
         .filter(|server| !server.is_empty())
@@ -530,7 +573,62 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
                 crate::redact::redact_url(url)
             ))(boxed(error))
         })?;
-    async_nats::ConnectOptions::new()
+    // Credentials in a URL move into the options: async-nats logs the server addresses it
+    // dials at debug, password and all.
+    let mut url_credentials = None;
+    let servers: Vec<async_nats::ServerAddr> = parsed
+        .into_iter()
+        .map(|server| {
+            let username = server.username().unwrap_or_default().to_owned();
+            let password = server.password().map(str::to_owned);
+            if url_credentials.is_none() && !username.is_empty() {
+                url_credentials = Some((username, password));
+            }
+            let mut bare = server.into_inner();
+            // Fails only for URLs that cannot have credentials, which then have none.
+            let _ = bare.set_password(None);
+            let _ = bare.set_username("");
+            async_nats::ServerAddr::from_url(bare)
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|error| {
+            nats_error(format!(
+                "reading the NATS URL {}",
+                crate::redact::redact_url(url)
+            ))(boxed(error))
+        })?;
+    let mut options = async_nats::ConnectOptions::new();
+    match url_credentials {
+        Some((user, Some(password))) => options = options.user_and_password(user, password),
+        // nats://<token>@host
+        Some((token, None)) => options = options.token(token),
+        None => {}
+    }
+    if let Some(path) = &security.credentials_file {
+        options = options.credentials_file(path).await.map_err(|error| {
+            nats_error(format!(
+                "reading the NATS credentials file {}",
+                path.display()
+            ))(boxed(error))
+        })?;
+    }
+    if let Some(user) = &security.user {
+        options =
+            options.user_and_password(user.clone(), security.password.clone().unwrap_or_default());
+    }
+    if let Some(token) = &security.token {
+        options = options.token(token.clone());
+    }
+    if let Some(ca) = &security.tls_ca {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let Some((cert, key)) = &security.tls_client_cert {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    if security.require_tls {
+        options = options.require_tls(true);
+    }
+    options
         .name(name)
         .max_reconnects(None)
         .connection_timeout(Duration::from_secs(5))

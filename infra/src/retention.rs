@@ -89,24 +89,42 @@ async fn delete_batch(
         }
     }
     // The oldest completed rows first, through the completed_at index.
-    let oldest = Query::select()
-        .columns([inbox::Column::MessageId, inbox::Column::Consumer])
-        .from(inbox::Entity)
-        .and_where(Expr::col(inbox::Column::CompletedAt).lt(cutoff))
-        .order_by(inbox::Column::CompletedAt, sea_orm::Order::Asc)
-        .limit(batch_size)
-        .to_owned();
-    let deleted = inbox::Entity::delete_many()
-        .filter(
-            Expr::tuple([
-                Expr::col(inbox::Column::MessageId),
-                Expr::col(inbox::Column::Consumer),
-            ])
-            .in_subquery(oldest),
-        )
-        .exec(&txn)
+    let deleted = if db.get_database_backend() == DbBackend::Postgres {
+        // By physical row id: PostgreSQL plans the portable form below as a hash join over a
+        // scan of the whole table (1.6 s per batch at a million rows); this is a TID scan
+        // (10 ms). Completed rows are never updated, so their ids hold for the statement.
+        txn.execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "DELETE FROM inbox WHERE ctid = ANY(ARRAY(\
+               SELECT ctid FROM inbox WHERE completed_at < $1 \
+               ORDER BY completed_at LIMIT $2))",
+            [
+                cutoff.into(),
+                i64::try_from(batch_size).unwrap_or(i64::MAX).into(),
+            ],
+        ))
         .await?
-        .rows_affected;
+        .rows_affected()
+    } else {
+        let oldest = Query::select()
+            .columns([inbox::Column::MessageId, inbox::Column::Consumer])
+            .from(inbox::Entity)
+            .and_where(Expr::col(inbox::Column::CompletedAt).lt(cutoff))
+            .order_by(inbox::Column::CompletedAt, sea_orm::Order::Asc)
+            .limit(batch_size)
+            .to_owned();
+        inbox::Entity::delete_many()
+            .filter(
+                Expr::tuple([
+                    Expr::col(inbox::Column::MessageId),
+                    Expr::col(inbox::Column::Consumer),
+                ])
+                .in_subquery(oldest),
+            )
+            .exec(&txn)
+            .await?
+            .rows_affected
+    };
     txn.commit().await?;
     Ok(Some(deleted))
 }

@@ -1,18 +1,21 @@
 //! Flags shared by several commands.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use inventory_infra::db::DEFAULT_DATABASE_URL;
-use inventory_infra::jetstream::Topology;
+use inventory_infra::jetstream::{self, NatsSecurity, Topology};
 
-#[derive(Debug, Clone, clap::Args)]
+/// `Debug` masks the URL's password.
+#[derive(Clone, clap::Args)]
 pub struct DatabaseArgs {
     /// Database URL: postgres://… or sqlite://….
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, default_value = DEFAULT_DATABASE_URL)]
     pub database_url: String,
 }
 
-#[derive(Debug, Clone, clap::Args)]
+/// The NATS server and how to reach it. `Debug` is not derived: it would print the secrets.
+#[derive(Clone, clap::Args)]
 pub struct NatsArgs {
     /// NATS server URL.
     #[arg(
@@ -22,6 +25,67 @@ pub struct NatsArgs {
         default_value = "nats://127.0.0.1:4222"
     )]
     pub nats_url: String,
+    /// NATS credentials file (JWT and NKey seed).
+    #[arg(long, env = "NATS_CREDS", hide_env_values = true)]
+    pub nats_creds: Option<PathBuf>,
+    /// NATS user, with --nats-password.
+    #[arg(long, env = "NATS_USER", hide_env_values = true)]
+    pub nats_user: Option<String>,
+    /// NATS password; prefer the environment variable to the flag, which `ps` shows.
+    #[arg(
+        long,
+        env = "NATS_PASSWORD",
+        hide_env_values = true,
+        requires = "nats_user"
+    )]
+    pub nats_password: Option<String>,
+    /// NATS token; prefer the environment variable to the flag, which `ps` shows.
+    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// PEM file of the CA that signed the NATS server's certificate.
+    #[arg(long, env = "NATS_TLS_CA", hide_env_values = true)]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate, for a NATS server that verifies clients (with --nats-tls-key).
+    #[arg(
+        long,
+        env = "NATS_TLS_CERT",
+        hide_env_values = true,
+        requires = "nats_tls_key"
+    )]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM key of the client certificate.
+    #[arg(
+        long,
+        env = "NATS_TLS_KEY",
+        hide_env_values = true,
+        requires = "nats_tls_cert"
+    )]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse to connect to NATS without TLS.
+    #[arg(long, env = "NATS_REQUIRE_TLS", hide_env_values = true)]
+    pub nats_require_tls: bool,
+}
+
+impl NatsArgs {
+    pub fn security(&self) -> NatsSecurity {
+        NatsSecurity {
+            credentials_file: self.nats_creds.clone(),
+            user: self.nats_user.clone(),
+            password: self.nats_password.clone(),
+            token: self.nats_token.clone(),
+            tls_ca: self.nats_tls_ca.clone(),
+            tls_client_cert: self.nats_tls_cert.clone().zip(self.nats_tls_key.clone()),
+            require_tls: self.nats_require_tls,
+        }
+    }
+
+    /// Connects with these flags' URL, credentials and TLS.
+    pub async fn connect(
+        &self,
+        name: &str,
+    ) -> Result<async_nats::Client, inventory_infra::jetstream::NatsError> {
+        jetstream::connect_with(&self.nats_url, name, &self.security()).await
+    }
 }
 
 /// Stream and subject names; the contract's by default.
@@ -58,5 +122,28 @@ impl TopologyArgs {
             duplicate_window: self.duplicate_window,
             replicas: self.replicas,
         }
+    }
+}
+
+impl std::fmt::Debug for NatsArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsArgs")
+            .field(
+                "nats_url",
+                &inventory_infra::redact::redact_url(&self.nats_url),
+            )
+            .field("security", &self.security())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for DatabaseArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseArgs")
+            .field(
+                "database_url",
+                &inventory_infra::redact::redact_url(&self.database_url),
+            )
+            .finish()
     }
 }

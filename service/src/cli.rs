@@ -11,8 +11,8 @@ use inventory_infra::StockRepository;
 use inventory_infra::{db, retention};
 use serde::Serialize;
 
-use crate::args::DatabaseArgs;
-use crate::{bench_e2e, demo, publish, serve};
+use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
+use crate::{bench_e2e, demo, dlq, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -55,6 +55,11 @@ pub enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// Dead letters in ORDERS_DLQ: list them, replay them to their original subject.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
     Serve(serve::ServeArgs),
     /// Publishes OrderPlaced or OrderCancelled, one or many.
@@ -65,7 +70,7 @@ pub enum Command {
 pub enum BenchCommand {
     /// OrderPlaced through JetStream into PostgreSQL by the real consumer loop, acked after
     /// commit: messages per second.
-    EndToEnd(bench_e2e::EndToEndArgs),
+    EndToEnd(Box<bench_e2e::EndToEndArgs>),
     /// Prints the pgbench script (the one-statement handler's SQL) and the SQL that seeds its
     /// books, for scripts/bench-vs-pgbench.sh.
     PgbenchScript {
@@ -93,6 +98,37 @@ pub enum InboxCommand {
         dry_run: bool,
         #[command(flatten)]
         database: DatabaseArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Lists the dead letters: reason, detail, original subject and sequence, age.
+    List {
+        /// Prints JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Only dead letters with this Dlq-Reason (e.g. unknown-book).
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        nats: NatsArgs,
+        #[command(flatten)]
+        topology: TopologyArgs,
+    },
+    /// Republishes dead letters to their original subject with their original body (the
+    /// consumer's dedup applies: a duplicate is skipped), then deletes them from the DLQ.
+    Replay {
+        /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
+        #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
+        seq: Vec<u64>,
+        /// Every dead letter with this Dlq-Reason.
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        nats: NatsArgs,
+        #[command(flatten)]
+        topology: TopologyArgs,
     },
 }
 
@@ -184,6 +220,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
             }
             Ok(true)
         }
+        Command::Dlq { command } => run_dlq(command).await.map(|()| true),
         Command::Serve(args) => serve::start(args).await,
         Command::Bench {
             command: BenchCommand::EndToEnd(args),
@@ -269,6 +306,84 @@ async fn run_stock(command: StockCommand) -> Result<()> {
                         row.book_id, row.title, row.on_hand, row.reserved, row.available
                     )?;
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn run_dlq(command: DlqCommand) -> Result<()> {
+    match command {
+        DlqCommand::List {
+            json,
+            reason,
+            nats,
+            topology,
+        } => {
+            let client = nats.connect("inventory dlq").await?;
+            let js = inventory_infra::jetstream::context(client);
+            let letters = dlq::list(&js, &topology.topology(), reason.as_deref()).await?;
+            let mut out = std::io::stdout().lock();
+            if json {
+                serde_json::to_writer_pretty(&mut out, &letters)?;
+                writeln!(out)?;
+                return Ok(());
+            }
+            writeln!(
+                out,
+                "{:>6}  {:<24}  {:<28}  {:>8}  {:>5}  detail",
+                "seq", "reason", "original subject", "orig seq", "age"
+            )?;
+            for letter in &letters {
+                writeln!(
+                    out,
+                    "{:>6}  {:<24}  {:<28}  {:>8}  {:>5}  {}",
+                    letter.seq,
+                    letter.reason,
+                    letter.original_subject.as_deref().unwrap_or("?"),
+                    letter
+                        .original_sequence
+                        .map_or_else(|| "?".into(), |seq| seq.to_string()),
+                    dlq::short_age(letter.age_seconds),
+                    letter.detail
+                )?;
+            }
+        }
+        DlqCommand::Replay {
+            seq,
+            reason,
+            nats,
+            topology,
+        } => {
+            let client = nats.connect("inventory dlq").await?;
+            let js = inventory_infra::jetstream::context(client);
+            let selection = match reason {
+                Some(reason) => dlq::Selection::Reason(reason),
+                None => dlq::Selection::Sequences(seq),
+            };
+            let report = dlq::replay_selected(&js, &topology.topology(), &selection).await?;
+            for r in &report.replayed {
+                println!(
+                    "replayed dead letter {} to {} as {} -> stored as sequence {}{}",
+                    r.seq,
+                    r.subject,
+                    r.message_id,
+                    r.stream_sequence,
+                    if r.duplicate {
+                        " (already there: a retried replay)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            if !report.missing.is_empty() {
+                anyhow::bail!(
+                    "no dead letter with sequence {:?} in the DLQ",
+                    report.missing
+                );
+            }
+            if report.replayed.is_empty() {
+                println!("no dead letter matched");
             }
         }
     }

@@ -2,7 +2,9 @@
 //!
 //! # Layout
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands.
-//! - [`serve`]: the JetStream subscriber loop and its wiring.
+//! - [`serve`]: the JetStream subscriber loop and its wiring; [`metrics`]: its Prometheus
+//!   metrics and health check; [`retention`]: its background purge and the horizon guard.
+//! - [`dlq`]: listing and replaying dead letters.
 //! - [`publish`]: the producer command.
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
 //! - [`telemetry`]: the tracing subscriber.
@@ -11,6 +13,9 @@ pub mod args;
 pub mod bench_e2e;
 pub mod cli;
 pub mod demo;
+pub mod dlq;
+pub mod metrics;
 pub mod publish;
+pub mod retention;
 pub mod serve;
 pub mod telemetry;

@@ -156,7 +156,7 @@ struct Tally {
 
 pub async fn run(args: PublishArgs) -> Result<()> {
     let (messages, resend) = messages(&args.event)?;
-    let client = jetstream::connect(&args.nats.nats_url, "inventory publish").await?;
+    let client = args.nats.connect("inventory publish").await?;
     let js = jetstream::context(client.clone());
     let topology = args.topology.topology();
     jetstream::ensure_streams(&js, &topology)

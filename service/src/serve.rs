@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use async_nats::jetstream::AckKind;
@@ -29,6 +29,8 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, field};
 
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
+use crate::metrics::{ConsumerMetrics, Metrics};
+use crate::retention::{self, PurgeSettings};
 
 /// How the loop treats messages; see the `serve` flags for the defaults.
 #[derive(Debug, Clone)]
@@ -118,6 +120,8 @@ pub struct Worker<H> {
     pub stats: Arc<Stats>,
     /// Set when a handler hit a database error: the loop checks the database before fetching.
     database_suspect: Arc<AtomicBool>,
+    /// Prometheus counters, when `--metrics-addr` is set.
+    metrics: Option<ConsumerMetrics>,
 }
 
 impl<H: MessageHandler> Worker<H> {
@@ -128,12 +132,21 @@ impl<H: MessageHandler> Worker<H> {
             settings: Arc::new(settings),
             stats: Arc::new(Stats::default()),
             database_suspect: Arc::new(AtomicBool::new(false)),
+            metrics: None,
         }
+    }
+
+    /// Records every delivery in `metrics` too.
+    pub fn with_metrics(mut self, metrics: ConsumerMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Handles one delivery to its end: the step the loop runs for every message, public so a
     /// test can drive the consumer one message at a time.
     pub async fn process(&self, message: &async_nats::jetstream::Message) -> Disposition {
+        let started = Instant::now();
+        let in_flight = self.metrics.as_ref().map(ConsumerMetrics::start);
         let disposition = match self.admit(message).await {
             Admitted::Settled(disposition) => disposition,
             Admitted::Decoded(origin, decoded) => {
@@ -141,9 +154,17 @@ impl<H: MessageHandler> Worker<H> {
                 self.settle(message, &origin, result).await
             }
         };
-        self.stats.record(&disposition);
+        self.record(&disposition, started);
+        drop(in_flight);
         tracing::Span::current().record("disposition", field::debug(&disposition));
         disposition
+    }
+
+    fn record(&self, disposition: &Disposition, started: Instant) {
+        self.stats.record(disposition);
+        if let Some(metrics) = &self.metrics {
+            metrics.record(disposition, started.elapsed());
+        }
     }
 
     /// Handles deliveries as one batch: the handler may commit them in one transaction; each
@@ -152,6 +173,11 @@ impl<H: MessageHandler> Worker<H> {
         &self,
         messages: &[async_nats::jetstream::Message],
     ) -> Vec<Disposition> {
+        let started = Instant::now();
+        let in_flight: Vec<_> = messages
+            .iter()
+            .filter_map(|_| self.metrics.as_ref().map(ConsumerMetrics::start))
+            .collect();
         let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
         let mut decoded = Vec::new();
         let mut origins = Vec::new();
@@ -185,9 +211,10 @@ impl<H: MessageHandler> Worker<H> {
                 (None, _, _) => Disposition::LeftForRedelivery,
             };
             span.record("disposition", field::debug(&disposition));
-            self.stats.record(&disposition);
+            self.record(&disposition, started);
             settled.push(disposition);
         }
+        drop(in_flight);
         settled
     }
 
@@ -600,6 +627,27 @@ pub struct ServeArgs {
     /// How long shutdown waits for in-flight messages before leaving them for redelivery.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
+    /// Completed inbox rows older than this are purged in the background. Must cover the
+    /// redelivery horizon (redeliveries + duplicate window + replay allowance).
+    #[arg(long, env = "INBOX_RETENTION", default_value = "14days", value_parser = humantime::parse_duration)]
+    pub inbox_retention: Duration,
+    /// Time between background purges; 0s turns the purge (and its horizon check) off.
+    #[arg(long, env = "PURGE_INTERVAL", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub purge_interval: Duration,
+    /// Rows per purge batch; each batch is one short transaction.
+    #[arg(long, default_value_t = 1_000)]
+    pub purge_batch_size: u64,
+    /// How long after a dead letter operators may still replay it; part of the horizon.
+    #[arg(long, env = "REPLAY_ALLOWANCE", default_value = "7days", value_parser = humantime::parse_duration)]
+    pub replay_allowance: Duration,
+    /// Starts even when --inbox-retention is shorter than the redelivery horizon (a warning
+    /// instead of a refusal).
+    #[arg(long)]
+    pub accept_short_retention: bool,
+    /// Serves Prometheus metrics on /metrics and a health check on /healthz at this address
+    /// (e.g. 0.0.0.0:9090); off when absent.
+    #[arg(long, env = "METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
@@ -623,6 +671,27 @@ fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What every strategy's loop is wired to; only the handler differs.
+struct Wiring<'a> {
+    consumer: &'a PullConsumer,
+    db: DatabaseConnection,
+    dead_letters: DeadLetters,
+    settings: ServeSettings,
+    metrics: Option<ConsumerMetrics>,
+    shutdown: Shutdown,
+    timeout: Duration,
+}
+
+impl Wiring<'_> {
+    async fn consume<H: MessageHandler>(self, handler: H) -> anyhow::Result<Ending> {
+        let mut worker = Worker::new(handler, self.dead_letters, self.settings);
+        if let Some(metrics) = self.metrics {
+            worker = worker.with_metrics(metrics);
+        }
+        run(self.consumer, worker, self.db, self.shutdown, self.timeout).await
+    }
+}
+
 /// `inventory serve`: wiring, then [`run`]. Ok(true) when it drained cleanly.
 pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
@@ -636,7 +705,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
                 redact_url(&args.database.database_url)
             )
         })?;
-    let client = jetstream::connect(&args.nats.nats_url, "inventory serve").await?;
+    let client = args.nats.connect("inventory serve").await?;
     let js = jetstream::context(client.clone());
     let topology = args.topology.topology();
     let (stream, drifts) = jetstream::ensure_streams(&js, &topology).await?;
@@ -657,8 +726,58 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     for drift in drifts.iter().chain(&consumer_drifts) {
         tracing::warn!("{drift}");
     }
-    // The server's value rules, whatever this process would have set.
-    let max_deliver = consumer.info().await?.config.max_deliver;
+    // The server's values rule, whatever this process would have set.
+    let consumer_config = consumer.info().await?.config.clone();
+    let max_deliver = consumer_config.max_deliver;
+
+    let background = CancellationToken::new();
+    // Stops the purge and the metrics server however start() returns.
+    let _stop_background = background.clone().drop_guard();
+    let mut purge_guard = None;
+    if !args.purge_interval.is_zero() {
+        let horizon = inventory_domain::Horizon::new(
+            &inventory_domain::RedeliveryPolicy {
+                ack_wait: consumer_config.ack_wait,
+                backoff: consumer_config.backoff.clone(),
+                max_deliver,
+                longest_nak_delay: args.max_retry_delay,
+            },
+            stream.cached_info().config.duplicate_window,
+            args.replay_allowance,
+        );
+        retention::guard(
+            &consumer_name,
+            &horizon,
+            args.inbox_retention,
+            args.accept_short_retention,
+        )?;
+    }
+    let metrics = match args.metrics_addr {
+        Some(addr) => {
+            let metrics = Metrics::new()?;
+            crate::metrics::serve(
+                addr,
+                metrics.clone(),
+                client.clone(),
+                db.clone(),
+                background.clone(),
+            )
+            .await?;
+            Some(metrics)
+        }
+        None => None,
+    };
+    if !args.purge_interval.is_zero() {
+        let settings = PurgeSettings {
+            retention: args.inbox_retention,
+            interval: args.purge_interval,
+            batch_size: args.purge_batch_size,
+        };
+        // The purge stops with the first signal: it must not hold the database while draining.
+        let stop = shutdown.graceful.child_token();
+        retention::spawn_purge(db.clone(), settings, metrics.clone(), stop.clone())?;
+        purge_guard = Some(stop.drop_guard());
+    }
 
     let settings = ServeSettings {
         batch_size: usize::from(args.batch_size),
@@ -679,7 +798,17 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         concurrency = settings.concurrency,
         "consuming"
     );
-    let timeout = args.shutdown_timeout;
+    let wiring = Wiring {
+        consumer: &consumer,
+        db: db.clone(),
+        dead_letters,
+        settings,
+        metrics: metrics
+            .as_ref()
+            .map(|metrics| metrics.consumer(&consumer_name)),
+        shutdown,
+        timeout: args.shutdown_timeout,
+    };
     let ending = match args.strategy {
         StrategyArg::Natural => {
             let reference = StockConsumer::new(db.clone(), Strategy::NaturalKey, consumer_label);
@@ -688,31 +817,26 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
                 NaturalHandlerArg::Orm => None,
             };
             match one_statement {
-                Some(handler) => {
-                    let worker = Worker::new(handler, dead_letters, settings);
-                    run(&consumer, worker, db, shutdown, timeout).await?
-                }
-                None => {
-                    let worker = Worker::new(reference, dead_letters, settings);
-                    run(&consumer, worker, db, shutdown, timeout).await?
-                }
+                Some(handler) => wiring.consume(handler).await?,
+                None => wiring.consume(reference).await?,
             }
         }
         StrategyArg::Inbox => {
             let strategy = Strategy::Inbox(args.inbox_detect.into());
-            let handler = StockConsumer::new(db.clone(), strategy, consumer_label);
-            let worker = Worker::new(handler, dead_letters, settings);
-            run(&consumer, worker, db, shutdown, timeout).await?
+            wiring
+                .consume(StockConsumer::new(db.clone(), strategy, consumer_label))
+                .await?
         }
         StrategyArg::Email => {
             let mailbox = FileMailbox::open(&args.mailbox)
                 .await
                 .with_context(|| format!("opening the mailbox {}", args.mailbox.display()))?;
-            let handler = EmailConsumer::new(db.clone(), consumer_label, mailbox);
-            let worker = Worker::new(handler, dead_letters, settings);
-            run(&consumer, worker, db, shutdown, timeout).await?
+            wiring
+                .consume(EmailConsumer::new(db.clone(), consumer_label, mailbox))
+                .await?
         }
     };
+    drop(purge_guard);
     match ending {
         Ending::Drained => {
             // Flushes the acks of the last messages before the process ends.

@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod demo;
+mod dlq;
 mod email;
 mod harness;
 mod inbox;
@@ -10,7 +11,9 @@ mod naive;
 mod natural;
 mod natural_pg;
 mod outages;
+mod purge_load;
 mod retention;
+mod secure;
 mod serve;
 
 use inventory_domain::{CrashPoint, Message, Outcome};

@@ -9,6 +9,7 @@
 //!   restart; the shared NATS server; per-test stream and subject names.
 //! - [`broker`]: a test's own streams on a shared NATS server, and the service loop running
 //!   in-process on them.
+//! - [`tls`]: a throwaway CA and server certificates for TLS tests.
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -17,6 +18,7 @@ pub mod nats;
 pub mod pg_server;
 pub mod postgres;
 mod process;
+pub mod tls;
 
 use std::time::Duration;
 

@@ -79,17 +79,25 @@ pub struct NatsServer {
     port: u16,
     monitor_port: u16,
     cluster: Option<ClusterArgs>,
+    /// More command-line options, e.g. `--auth TOKEN` or `--tls …`.
+    extra_args: Vec<String>,
     child: Option<Child>,
 }
 
 impl NatsServer {
     /// Starts a server and waits until it accepts clients and JetStream answers.
     pub async fn start() -> Self {
+        Self::start_with_args(&[]).await
+    }
+
+    /// [`NatsServer::start`] with more nats-server options (authentication, TLS).
+    pub async fn start_with_args(args: &[&str]) -> Self {
         let mut failure = String::new();
         for _ in 0..START_ATTEMPTS {
             let [port, monitor_port] = free_ports();
             let name = format!("inventory-test-{port}");
             let mut server = Self::new(name, port, monitor_port, None);
+            server.extra_args = args.iter().map(|arg| (*arg).to_owned()).collect();
             server.spawn();
             match server.wait_until(Ready::JetStream).await {
                 Ok(()) => return server,
@@ -108,6 +116,7 @@ impl NatsServer {
             port,
             monitor_port,
             cluster,
+            extra_args: Vec::new(),
             child: None,
         }
     }
@@ -196,6 +205,7 @@ impl NatsServer {
                 .args(["--routes", &routes.join(",")]);
         }
         command
+            .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone().expect("the log file, again")))
             .stderr(Stdio::from(log));

@@ -1,0 +1,248 @@
+//! `inventory dlq list` and `inventory dlq replay`: what is in the dead-letter stream, and
+//! putting a dead letter back on its original subject once its cause is fixed.
+//!
+//! A replay republishes the original body to the subject in `Dlq-Subject`, so the consumer's
+//! dedup applies as to any copy: the dedup key is the message id in the body (or the
+//! CloudEvents source and id), which the replay leaves untouched. A copy already handled is
+//! acked as a duplicate; one refused before (an unknown book since added) is processed.
+//!
+//! The replay's `Nats-Msg-Id` is `<original id>:replay:<dead letter sequence>`, not the
+//! original id: the orders stream would drop the original id as a duplicate while it is inside
+//! its duplicate window, and a message dead-lettered seconds ago is. The id is still stable per
+//! dead letter, so a replay retried after a crash (published, not yet deleted from the DLQ) is
+//! stored once. Only after the orders stream stored it is the dead letter deleted.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context as _, bail};
+use async_nats::HeaderMap;
+use async_nats::jetstream::Context;
+use async_nats::jetstream::message::{PublishMessage, StreamMessage};
+use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
+use bytes::Bytes;
+use inventory_infra::jetstream::{Topology, dlq_headers, header_map};
+use serde::Serialize;
+
+/// A dead letter as `dlq list` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeadLetter {
+    /// Its sequence in the dead-letter stream: what `dlq replay --seq` takes.
+    pub seq: u64,
+    pub reason: String,
+    pub detail: String,
+    /// The consumer that gave up on it (the last token of its DLQ subject).
+    pub consumer: String,
+    pub original_subject: Option<String>,
+    pub original_stream: Option<String>,
+    pub original_sequence: Option<u64>,
+    pub original_message_id: Option<String>,
+    pub deliveries: Option<i64>,
+    /// When the DLQ stored it, Unix seconds; and how long ago that was.
+    pub stored_at: i64,
+    pub age_seconds: i64,
+    #[serde(skip)]
+    pub headers: BTreeMap<String, String>,
+    #[serde(skip)]
+    pub body: Bytes,
+}
+
+impl DeadLetter {
+    fn from_stored(message: StreamMessage, now: i64) -> Self {
+        let headers = header_map(Some(&message.headers));
+        let get = |name: &str| headers.get(name).cloned();
+        let stored_at = message.time.unix_timestamp();
+        Self {
+            seq: message.sequence,
+            reason: get(dlq_headers::REASON).unwrap_or_default(),
+            detail: get(dlq_headers::DETAIL).unwrap_or_default(),
+            consumer: message
+                .subject
+                .rsplit('.')
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+            original_subject: get(dlq_headers::SUBJECT),
+            original_stream: get(dlq_headers::STREAM),
+            original_sequence: get(dlq_headers::STREAM_SEQUENCE).and_then(|s| s.parse().ok()),
+            original_message_id: get(dlq_headers::ORIGINAL_MSG_ID),
+            deliveries: get(dlq_headers::DELIVERIES).and_then(|s| s.parse().ok()),
+            stored_at,
+            age_seconds: (now - stored_at).max(0),
+            headers,
+            body: message.payload,
+        }
+    }
+
+    /// The `Nats-Msg-Id` of its replay: stable per dead letter, unlike the original id.
+    pub fn replay_message_id(&self) -> String {
+        match &self.original_message_id {
+            Some(id) => format!("{id}:replay:{}", self.seq),
+            None => format!("replay:{}", self.seq),
+        }
+    }
+}
+
+async fn dlq_stream(js: &Context, topology: &Topology) -> anyhow::Result<Stream> {
+    js.get_stream(&topology.dlq_stream)
+        .await
+        .with_context(|| format!("opening the dead-letter stream {}", topology.dlq_stream))
+}
+
+/// The dead letters in the DLQ stream, oldest first; only those with `reason` if given.
+pub async fn list(
+    js: &Context,
+    topology: &Topology,
+    reason: Option<&str>,
+) -> anyhow::Result<Vec<DeadLetter>> {
+    let mut stream = dlq_stream(js, topology).await?;
+    let state = stream.info().await?.state.clone();
+    let now = chrono::Utc::now().timestamp();
+    let mut letters = Vec::new();
+    if state.messages == 0 {
+        return Ok(letters);
+    }
+    for seq in state.first_sequence..=state.last_sequence {
+        let message = match stream.get_raw_message(seq).await {
+            Ok(message) => message,
+            // Replayed (deleted) ones leave gaps in the sequence.
+            Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => continue,
+            Err(error) => {
+                return Err(error).with_context(|| format!("reading dead letter {seq}"));
+            }
+        };
+        let letter = DeadLetter::from_stored(message, now);
+        if reason.is_none_or(|reason| letter.reason == reason) {
+            letters.push(letter);
+        }
+    }
+    Ok(letters)
+}
+
+/// One dead letter put back.
+#[derive(Debug, Clone, Serialize)]
+pub struct Replayed {
+    pub seq: u64,
+    pub subject: String,
+    pub message_id: String,
+    /// Its sequence in the orders stream.
+    pub stream_sequence: u64,
+    /// The orders stream had stored this replay already (a retried replay).
+    pub duplicate: bool,
+}
+
+/// Headers the replay carries: the original's, without the dead letter's own.
+fn replay_headers(letter: &DeadLetter) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, value) in &letter.headers {
+        let dead_letter_header = name.to_ascii_lowercase().starts_with("dlq-")
+            || name.eq_ignore_ascii_case(async_nats::header::NATS_MESSAGE_ID.as_ref());
+        if !dead_letter_header {
+            headers.insert(name.as_str(), value.as_str());
+        }
+    }
+    headers
+}
+
+/// Republishes `letter` to its original subject, then deletes it from the DLQ.
+pub async fn replay(
+    js: &Context,
+    topology: &Topology,
+    letter: &DeadLetter,
+) -> anyhow::Result<Replayed> {
+    let Some(subject) = letter.original_subject.clone() else {
+        bail!(
+            "dead letter {} has no {} header: its original subject is unknown",
+            letter.seq,
+            dlq_headers::SUBJECT
+        );
+    };
+    let message_id = letter.replay_message_id();
+    let publish = PublishMessage::build()
+        .message_id(&message_id)
+        .headers(replay_headers(letter))
+        .payload(letter.body.clone());
+    let ack = js
+        .send_publish(subject.clone(), publish)
+        .await
+        .with_context(|| format!("replaying dead letter {} to {subject}", letter.seq))?
+        .await
+        .with_context(|| format!("replaying dead letter {} to {subject}", letter.seq))?;
+    let stream = dlq_stream(js, topology).await?;
+    stream
+        .delete_message(letter.seq)
+        .await
+        .with_context(|| format!("deleting replayed dead letter {}", letter.seq))?;
+    Ok(Replayed {
+        seq: letter.seq,
+        subject,
+        message_id,
+        stream_sequence: ack.sequence,
+        duplicate: ack.duplicate,
+    })
+}
+
+/// Which dead letters `dlq replay` takes.
+#[derive(Debug, Clone)]
+pub enum Selection {
+    Sequences(Vec<u64>),
+    Reason(String),
+}
+
+/// What `dlq replay` did.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayReport {
+    pub replayed: Vec<Replayed>,
+    /// Sequences asked for that are not in the DLQ (replayed already, or never there).
+    pub missing: Vec<u64>,
+}
+
+/// Replays the selected dead letters, oldest first.
+pub async fn replay_selected(
+    js: &Context,
+    topology: &Topology,
+    selection: &Selection,
+) -> anyhow::Result<ReplayReport> {
+    let mut report = ReplayReport::default();
+    let chosen = match selection {
+        Selection::Reason(reason) => list(js, topology, Some(reason)).await?,
+        Selection::Sequences(wanted) => {
+            let letters = list(js, topology, None).await?;
+            report.missing = wanted
+                .iter()
+                .copied()
+                .filter(|seq| !letters.iter().any(|letter| letter.seq == *seq))
+                .collect();
+            letters
+                .into_iter()
+                .filter(|letter| wanted.contains(&letter.seq))
+                .collect()
+        }
+    };
+    for letter in &chosen {
+        report.replayed.push(replay(js, topology, letter).await?);
+    }
+    Ok(report)
+}
+
+/// How long ago, for the table: `42s`, `5m`, `3h`, `2d`.
+pub fn short_age(seconds: i64) -> String {
+    match seconds {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3_600 => format!("{}m", s / 60),
+        s if s < 86_400 => format!("{}h", s / 3_600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_age;
+
+    #[test]
+    fn ages_are_short() {
+        assert_eq!(short_age(5), "5s");
+        assert_eq!(short_age(125), "2m");
+        assert_eq!(short_age(7_200), "2h");
+        assert_eq!(short_age(200_000), "2d");
+    }
+}

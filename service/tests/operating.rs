@@ -1,0 +1,542 @@
+//! Operating `inventory serve` as a process: the horizon guard, the background purge, metrics
+//! and health while messages flow, the dead-letter commands, and secrets kept out of every log.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use inventory_infra::db::FreshDatabase;
+use inventory_infra::jetstream;
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
+
+const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
+const UNKNOWN_BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-cccccccccccc";
+
+fn postgres_server() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|url| url.starts_with("postgres"))
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A test's database and stream names, passed to every command.
+struct Setup {
+    db: FreshDatabase,
+    suffix: String,
+    database_url: String,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        let db = FreshDatabase::create(Some(&postgres_server()), "inventory_ops", 4)
+            .await
+            .unwrap();
+        let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        Self {
+            database_url: db.url.clone(),
+            db,
+            suffix,
+        }
+    }
+
+    fn topology_args(&self) -> Vec<String> {
+        let upper = self.suffix.to_uppercase();
+        [
+            "--stream".to_owned(),
+            format!("ORDERS_{upper}"),
+            "--subject-prefix".to_owned(),
+            format!("o{}.orders", self.suffix),
+            "--dlq-stream".to_owned(),
+            format!("ORDERS_DLQ_{upper}"),
+            "--dlq-subject-prefix".to_owned(),
+            format!("o{}.dlq", self.suffix),
+        ]
+        .into()
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_inventory"));
+        command.args(args);
+        let first = args.first().copied().unwrap_or_default();
+        if ["serve", "publish", "dlq"].contains(&first) {
+            command.args(self.topology_args());
+        }
+        command
+            .env("DATABASE_URL", &self.database_url)
+            .env("NATS_URL", nats_url())
+            .env("RUST_LOG", "info,sqlx=warn");
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let output = self.command(args).output().unwrap();
+        assert!(output.status.success(), "{args:?}: {output:?}");
+        output
+    }
+
+    fn serve(&self, args: &[&str]) -> Child {
+        let mut all = vec!["serve"];
+        all.extend_from_slice(args);
+        self.command(&all)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    async fn scalar(&self, sql: &str) -> i64 {
+        let row = self
+            .db
+            .conn
+            .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get_by_index::<i64>(0).unwrap()
+    }
+
+    async fn cleanup(self) {
+        let client = jetstream::connect(&nats_url(), "test cleanup")
+            .await
+            .unwrap();
+        let js = jetstream::context(client);
+        let upper = self.suffix.to_uppercase();
+        for name in [format!("ORDERS_{upper}"), format!("ORDERS_DLQ_{upper}")] {
+            let _ = js.delete_stream(name).await;
+        }
+        self.db.remove().await.unwrap();
+    }
+}
+
+fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    (output.status, text)
+}
+
+/// A plain HTTP/1.0 GET: (status, body); `None` while nothing listens.
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_owned();
+    Some((status, body))
+}
+
+/// The value of the sample `name{labels}` in a scrape, 0 when absent.
+fn sample(scrape: &str, name_and_labels: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_shorter_than_the_redelivery_horizon_is_refused() {
+    let setup = Setup::new().await;
+    let output = setup
+        .command(&[
+            "serve",
+            "--strategy",
+            "inbox",
+            "--ack-wait",
+            "30s",
+            "--max-deliver",
+            "10",
+            "--duplicate-window",
+            "2m",
+            "--replay-allowance",
+            "1day",
+            "--inbox-retention",
+            "1day",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    // 10 deliveries × 30 s + the 2 min window + the 1 day allowance: both durations named.
+    assert!(
+        stderr.contains("--inbox-retention 1day is shorter than the redelivery horizon 1day 7m"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("redeliveries 5m, duplicate window 2m, replay allowance 1day"),
+        "{stderr}"
+    );
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlimited_deliveries_refuse_any_retention_unless_accepted() {
+    let setup = Setup::new().await;
+    let args = [
+        "serve",
+        "--strategy",
+        "inbox",
+        "--consumer",
+        "unlimited",
+        "--max-deliver=-1",
+        "--inbox-retention",
+        "3650days",
+    ];
+    let refused = setup.command(&args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("which is unbounded"), "{stderr}");
+
+    let mut accepted = args.to_vec();
+    accepted.push("--accept-short-retention");
+    let service = setup.serve(&accepted[1..]);
+    std::thread::sleep(Duration::from_secs(2));
+    let (status, logs) = stop(service);
+    assert!(status.success(), "{logs}");
+    assert!(
+        logs.contains("going on as --accept-short-retention says"),
+        "{logs}"
+    );
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
+    let setup = Setup::new().await;
+    setup.run(&[
+        "stock",
+        "put",
+        "--book-id",
+        BOOK,
+        "--title",
+        "Dune",
+        "--on-hand",
+        "1000",
+    ]);
+    // 300 completed rows from two days ago, and one older row still "processing".
+    setup
+        .db
+        .conn
+        .execute_unprepared(
+            "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
+             SELECT 'old-' || g, 'inventory-reserve-stock-inbox', now() - interval '2 days', \
+                    now() - interval '2 days', repeat('0', 64) FROM generate_series(1, 300) g; \
+             INSERT INTO inbox VALUES ('stuck', 'notifications-stock-reserved-email', \
+                    now() - interval '3 days', NULL, repeat('0', 64))",
+        )
+        .await
+        .unwrap();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let service = setup.serve(&[
+        "--strategy",
+        "inbox",
+        "--metrics-addr",
+        &addr,
+        "--inbox-retention",
+        "1day",
+        "--replay-allowance",
+        "1h",
+        "--purge-interval",
+        "1s",
+        "--purge-batch-size",
+        "100",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http_get(port, "/healthz").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the metrics server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, health) = http_get(port, "/healthz").unwrap();
+    assert_eq!(status, 200, "{health}");
+    let health: serde_json::Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(health["nats"], "connected");
+    assert_eq!(health["database"], "reachable");
+
+    // Messages flow from a publisher process while the test scrapes.
+    let publisher = setup
+        .command(&[
+            "publish",
+            "placed",
+            "--book-id",
+            BOOK,
+            "--quantity",
+            "1",
+            "--count",
+            "200",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    setup.run(&[
+        "publish",
+        "placed",
+        "--book-id",
+        UNKNOWN_BOOK,
+        "--quantity",
+        "1",
+        "--message-id",
+        "for-a-book-not-yet-stocked",
+    ]);
+    let consumer = "consumer=\"inventory-reserve-stock-inbox\"";
+    let processed = format!("inventory_messages_total{{{consumer},outcome=\"processed\"}}");
+    let mut scrapes_while_flowing = 0;
+    let scrape = loop {
+        let (status, scrape) = http_get(port, "/metrics").unwrap();
+        assert_eq!(status, 200);
+        let done = sample(&scrape, &processed);
+        if done > 0.0 && done < 200.0 {
+            scrapes_while_flowing += 1;
+            assert_eq!(http_get(port, "/healthz").unwrap().0, 200);
+        }
+        if done >= 200.0 && sample(&scrape, "inventory_inbox_rows_purged_total") >= 300.0 {
+            break scrape;
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(60),
+            "{scrape}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let publisher = publisher.wait_with_output().unwrap();
+    assert!(publisher.status.success());
+    assert!(scrapes_while_flowing > 0, "no scrape saw messages in flow");
+    assert_eq!(sample(&scrape, &processed), 200.0, "{scrape}");
+    assert_eq!(
+        sample(
+            &scrape,
+            &format!("inventory_dead_letters_total{{{consumer},reason=\"unknown-book\"}}")
+        ),
+        1.0,
+        "{scrape}"
+    );
+    assert_eq!(
+        sample(
+            &scrape,
+            &format!("inventory_messages_total{{{consumer},outcome=\"dead_lettered\"}}")
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &scrape,
+            &format!("inventory_message_handling_seconds_count{{{consumer}}}")
+        ),
+        201.0
+    );
+    assert!(scrape.contains(&format!("inventory_messages_in_flight{{{consumer}}}")));
+    assert_eq!(
+        sample(&scrape, "inventory_inbox_processing_older_than_retention"),
+        1.0
+    );
+    // The old completed rows are gone; the new ones and the processing row are kept.
+    assert_eq!(
+        setup
+            .scalar("SELECT count(*) FROM inbox WHERE message_id LIKE 'old-%'")
+            .await,
+        0
+    );
+    assert_eq!(
+        setup
+            .scalar("SELECT count(*) FROM inbox WHERE message_id = 'stuck'")
+            .await,
+        1
+    );
+
+    // The dead letter, listed by the CLI, then replayed once the book is stocked.
+    let listed = setup.run(&["dlq", "list", "--json", "--reason", "unknown-book"]);
+    let letters: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(letters.as_array().unwrap().len(), 1, "{letters}");
+    assert_eq!(
+        letters[0]["original_message_id"],
+        "for-a-book-not-yet-stocked"
+    );
+    let none = setup.run(&["dlq", "list", "--json", "--reason", "malformed"]);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&none.stdout).unwrap(),
+        serde_json::json!([])
+    );
+    let table = setup.run(&["dlq", "list"]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("unknown-book"));
+    setup.run(&[
+        "stock",
+        "put",
+        "--book-id",
+        UNKNOWN_BOOK,
+        "--title",
+        "Arrakis",
+        "--on-hand",
+        "5",
+    ]);
+    let seq = letters[0]["seq"].to_string();
+    let replayed = setup.run(&["dlq", "replay", "--seq", &seq]);
+    assert!(String::from_utf8_lossy(&replayed.stdout).contains("replayed dead letter"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while setup
+        .scalar(&format!(
+            "SELECT reserved::bigint FROM stock_items WHERE book_id = '{UNKNOWN_BOOK}'"
+        ))
+        .await
+        != 1
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the replayed order was never reserved"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let empty = setup.run(&["dlq", "list", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&empty.stdout).unwrap(),
+        serde_json::json!([])
+    );
+
+    let (status, logs) = stop(service);
+    assert!(status.success(), "{logs}");
+    assert!(
+        logs.contains("inbox rows still processing past the retention"),
+        "{logs}"
+    );
+    setup.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_never_reach_the_logs_or_help() {
+    let mut setup = Setup::new().await;
+    let nonce = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let db_password = format!("DbPw-{nonce}");
+    let nats_password = format!("NatsPw-{nonce}");
+    let nats_token = format!("NatsTok-{nonce}");
+    // A role of the test's own with a password and rights on the test's database, so the
+    // password is real whatever the server's authentication (trust here, scram on a fresh
+    // Debian).
+    let role = format!("inventory_secret_{nonce}");
+    setup
+        .db
+        .conn
+        .execute_unprepared(&format!(
+            "CREATE ROLE {role} LOGIN PASSWORD '{db_password}'; \
+             GRANT ALL ON SCHEMA public TO {role}; \
+             GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}; \
+             GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"
+        ))
+        .await
+        .unwrap();
+    let server = setup.db.url.split('@').nth(1).unwrap().to_owned();
+    setup.database_url = format!("postgres://{role}:{db_password}@{server}");
+    let secrets = [
+        db_password.as_str(),
+        nats_password.as_str(),
+        nats_token.as_str(),
+    ];
+    let with_secrets = |command: &mut Command| {
+        command
+            .env("NATS_USER", "inventory")
+            .env("NATS_PASSWORD", &nats_password)
+            .env("NATS_TOKEN", &nats_token)
+            .env("RUST_LOG", "debug");
+    };
+
+    let mut help = setup.command(&["serve", "--help"]);
+    with_secrets(&mut help);
+    let help = help.output().unwrap();
+    let mut seen = String::from_utf8_lossy(&help.stdout).into_owned();
+    assert!(seen.contains("--nats-password"), "{seen}");
+
+    let mut serve = setup.command(&["serve", "--strategy", "natural"]);
+    with_secrets(&mut serve);
+    let service = serve
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    setup.run(&[
+        "stock",
+        "put",
+        "--book-id",
+        BOOK,
+        "--title",
+        "Dune",
+        "--on-hand",
+        "10",
+    ]);
+    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while setup
+        .scalar(&format!(
+            "SELECT reserved::bigint FROM stock_items WHERE book_id = '{BOOK}'"
+        ))
+        .await
+        != 2
+    {
+        assert!(Instant::now() < deadline, "the order was never reserved");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, logs) = stop(service);
+    assert!(status.success(), "{logs}");
+    assert!(logs.contains("DEBUG"), "not a debug log: {logs}");
+    seen.push_str(&logs);
+
+    // Failures print the URLs they could not reach: with the credentials masked.
+    let mut unreachable =
+        setup.command(&["publish", "placed", "--book-id", BOOK, "--quantity", "1"]);
+    with_secrets(&mut unreachable);
+    let unreachable = unreachable
+        .env(
+            "NATS_URL",
+            format!("nats://inventory:{nats_password}@127.0.0.1:1"),
+        )
+        .output()
+        .unwrap();
+    assert!(!unreachable.status.success());
+    seen.push_str(&String::from_utf8_lossy(&unreachable.stderr));
+    let mut bad_db = setup.command(&["stock", "list"]);
+    with_secrets(&mut bad_db);
+    let bad_db = bad_db
+        .env(
+            "DATABASE_URL",
+            format!("postgres://{role}:{db_password}@127.0.0.1:1/x"),
+        )
+        .output()
+        .unwrap();
+    assert!(!bad_db.status.success());
+    seen.push_str(&String::from_utf8_lossy(&bad_db.stderr));
+
+    for secret in secrets {
+        assert!(!seen.contains(secret), "{secret} appeared in:\n{seen}");
+    }
+    setup.cleanup().await;
+    let admin = inventory_infra::db::connect(&postgres_server(), 1)
+        .await
+        .unwrap();
+    admin
+        .execute_unprepared(&format!("DROP ROLE IF EXISTS {role}"))
+        .await
+        .unwrap();
+}
