@@ -15,6 +15,10 @@ pub enum FieldError {
         max: usize,
         len: usize,
     },
+    /// PostgreSQL cannot store NUL in text at all, and control characters have no business in
+    /// an identifier that ends up in logs and headers.
+    #[error("{field} must not contain control characters")]
+    ControlCharacter { field: &'static str },
     #[error("{field} must be an integer from {min} to {max}, got {value}")]
     Range {
         field: &'static str,
@@ -30,6 +34,9 @@ fn bounded_text(field: &'static str, max: usize, value: String) -> Result<String
     let len = value.chars().count();
     if len == 0 || len > max || value.trim().is_empty() {
         return Err(FieldError::Length { field, max, len });
+    }
+    if value.chars().any(char::is_control) {
+        return Err(FieldError::ControlCharacter { field });
     }
     Ok(value)
 }
@@ -215,6 +222,20 @@ mod tests {
         assert!(MessageId::parse("").is_err());
         assert!(MessageId::parse("   ").is_err());
         assert!(MessageId::parse("x".repeat(101)).is_err());
+    }
+
+    #[test]
+    fn message_id_refuses_control_characters() {
+        for id in ["m\0", "m\n1", "\u{7f}", "m\u{9b}"] {
+            assert_eq!(
+                MessageId::parse(id),
+                Err(FieldError::ControlCharacter {
+                    field: "message_id"
+                }),
+                "{id:?}"
+            );
+        }
+        assert!(MessageId::parse("m-1 ü ☃").is_ok());
     }
 
     #[test]

@@ -192,6 +192,10 @@ impl Message {
     /// Decodes a body that arrived on a subject of `kind`. Unknown fields are ignored; a field
     /// given twice is malformed, since which copy a reader honours would be a guess.
     pub fn decode(kind: EventKind, body: &[u8]) -> Result<Self, DecodeError> {
+        // serde_json skips an ignored field's string without checking its UTF-8, so invalid
+        // bytes in an unknown field would otherwise pass.
+        std::str::from_utf8(body)
+            .map_err(|error| DecodeError::Malformed(format!("body is not UTF-8: {error}")))?;
         let probe: EnvelopeProbe = serde_json::from_slice(body).map_err(malformed)?;
         if probe.specversion.is_some() {
             return Self::decode_cloud_event(kind, body);
@@ -376,6 +380,15 @@ mod tests {
             let error = Message::decode(EventKind::Placed, body).expect_err("malformed");
             assert_eq!(error.reason(), DeadLetterReason::Malformed, "{body:?}");
         }
+    }
+
+    #[test]
+    fn invalid_utf8_in_an_unknown_field_is_malformed() {
+        let mut body = placed_body(r#","title":"B"#);
+        body.truncate(body.len() - 1);
+        body.extend_from_slice(b"\xfccher\"}");
+        let error = Message::decode(EventKind::Placed, &body).expect_err("not UTF-8");
+        assert_eq!(error.reason(), DeadLetterReason::Malformed);
     }
 
     #[test]

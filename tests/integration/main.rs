@@ -1,6 +1,8 @@
 //! One integration-test binary: every test owns a fresh database, on SQLite and PostgreSQL.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod corpus;
+mod crash_points;
 mod demo;
 mod dlq;
 mod email;

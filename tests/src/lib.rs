@@ -10,15 +10,20 @@
 //! - [`broker`]: a test's own streams on a shared NATS server, and the service loop running
 //!   in-process on them.
 //! - [`tls`]: a throwaway CA and server certificates for TLS tests.
+//! - [`workload`]: orders with the producer's duplicates mixed in, published at a pace, and
+//!   the check of the promise after a fault scenario.
+//! - [`corpus`]: the hostile-input corpus under `tests/corpus/`, files and generated bodies.
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod broker;
+pub mod corpus;
 pub mod nats;
 pub mod pg_server;
 pub mod postgres;
 mod process;
 pub mod tls;
+pub mod workload;
 
 use std::time::Duration;
 

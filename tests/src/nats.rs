@@ -81,23 +81,41 @@ pub struct NatsServer {
     cluster: Option<ClusterArgs>,
     /// More command-line options, e.g. `--auth TOKEN` or `--tls …`.
     extra_args: Vec<String>,
+    /// A configuration file given with `-c`.
+    config: Option<PathBuf>,
     child: Option<Child>,
 }
 
 impl NatsServer {
     /// Starts a server and waits until it accepts clients and JetStream answers.
     pub async fn start() -> Self {
-        Self::start_with_args(&[]).await
+        Self::start_configured(None, &[]).await
     }
 
     /// [`NatsServer::start`] with more nats-server options (authentication, TLS).
     pub async fn start_with_args(args: &[&str]) -> Self {
+        Self::start_configured(None, args).await
+    }
+
+    /// Like [`start`](Self::start), with lines of nats-server configuration given to it as a
+    /// file (`-c`), for settings that have no flag, e.g. `max_payload: 8MB`. The harness's
+    /// flags (ports, name, store) take precedence.
+    pub async fn start_with_config(config: &str) -> Self {
+        Self::start_configured(Some(config), &[]).await
+    }
+
+    async fn start_configured(config: Option<&str>, args: &[&str]) -> Self {
         let mut failure = String::new();
         for _ in 0..START_ATTEMPTS {
             let [port, monitor_port] = free_ports();
             let name = format!("inventory-test-{port}");
             let mut server = Self::new(name, port, monitor_port, None);
             server.extra_args = args.iter().map(|arg| (*arg).to_owned()).collect();
+            if let Some(config) = config {
+                let path = server.dir.join("server.conf");
+                std::fs::write(&path, config).expect("the server's configuration file");
+                server.config = Some(path);
+            }
             server.spawn();
             match server.wait_until(Ready::JetStream).await {
                 Ok(()) => return server,
@@ -117,6 +135,7 @@ impl NatsServer {
             monitor_port,
             cluster,
             extra_args: Vec::new(),
+            config: None,
             child: None,
         }
     }
@@ -188,6 +207,9 @@ impl NatsServer {
             .open(self.log_path())
             .expect("the server's log file");
         let mut command = Command::new(&self.bin);
+        if let Some(config) = &self.config {
+            command.arg("-c").arg(config);
+        }
         command
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
             .args(["-m", &self.monitor_port.to_string()])

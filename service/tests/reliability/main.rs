@@ -1,0 +1,19 @@
+//! The slow tier: the real `inventory` binary against real servers under faults and load.
+//!
+//! Every test here is `#[ignore]`d so a plain `cargo test` stays quick; `scripts/test.sh` runs
+//! them after the fast suite (`cargo test --workspace --test reliability -- --ignored`). Each
+//! prints its figures (seed, kills, counts, throughput, memory) to stderr: add `--nocapture`.
+//!
+//! # Layout
+//! - `support`: running `inventory serve` as a process, killing and restarting it.
+//! - `kill9`: two instances SIGKILLed and restarted at random moments under a producer.
+//! - `outages`: PostgreSQL and NATS stopped or killed and restarted mid-stream.
+//! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
+//! - `load`: 100,000 messages through one instance; throughput and memory.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod cluster;
+mod kill9;
+mod load;
+mod outages;
+mod support;

@@ -1,0 +1,162 @@
+//! PostgreSQL and NATS going away mid-stream under two running instances of the binary: the
+//! service rides them out without intervention, and the promise holds afterwards.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::Context;
+use inventory_domain::StockItem;
+use inventory_infra::StockRepository;
+use inventory_infra::db::FreshDatabase;
+use inventory_tests::nats::NatsServer;
+use inventory_tests::pg_server::PostgresServer;
+use inventory_tests::workload::{self, Workload, stream_state};
+use inventory_tests::{Backend, TestDb};
+
+use crate::support::{Instance, Scenario};
+
+const ORDERS: usize = 3_000;
+
+/// Waits until at least `fraction` of `total` messages are acked (or until two minutes pass,
+/// which fails the test).
+async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
+    let target = (total as f64 * fraction) as u64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(state) = stream_state(js, &scenario.topology, &scenario.names.consumer).await
+            && state.ack_floor >= target
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never reached {target} acked");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn finish(
+    scenario: &Scenario,
+    js: &Context,
+    db: &inventory_infra::db::DatabaseConnection,
+    workload: &Workload,
+    instances: [Instance; 2],
+    what: &str,
+    felt: &str,
+) {
+    let total = workload.sends.len() as u64;
+    let state = workload::settle(
+        js,
+        &scenario.topology,
+        &scenario.names.consumer,
+        total,
+        Duration::from_secs(300),
+    )
+    .await;
+    for mut instance in instances {
+        assert!(instance.is_running(), "{}", scenario.log_tails());
+        let status = instance.terminate();
+        assert!(status.success(), "{status}\n{}", scenario.log_tails());
+    }
+    let report = workload::check(db, workload, state).await;
+    let felt_lines = scenario.log_lines_with(felt);
+    eprintln!(
+        "[{what}] {felt_lines} log lines \"{felt}\"; {}",
+        report.summary()
+    );
+    assert!(felt_lines > 0, "the instances never noticed the outage");
+    report.assert_holds();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: run by scripts/test.sh"]
+async fn postgres_restarted_twice_mid_stream_under_two_instances() {
+    let mut server = PostgresServer::start().await;
+    let fresh = FreshDatabase::create(Some(&server.url()), "inventory_pg_outage", 4)
+        .await
+        .unwrap();
+    let books: Vec<_> = (0..4).map(|_| inventory_domain::BookId::new_v7()).collect();
+    let stock = StockRepository::new(fresh.conn.clone());
+    for &book in &books {
+        stock
+            .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
+            .await
+            .unwrap();
+    }
+    let nats = inventory_tests::nats::shared_url().await;
+    let scenario = Scenario::new("pgout", &fresh.url, &nats, 1);
+    let (_client, js) = scenario.connect().await;
+    let workload = Workload::new(&books, ORDERS, ORDERS / 5, ORDERS / 10, 7);
+    let total = workload.sends.len() as u64;
+    let instances = [scenario.spawn("a"), scenario.spawn("b")];
+    let producer = tokio::spawn({
+        let js = js.clone();
+        let topology = scenario.topology.clone();
+        let sends = workload.sends.clone();
+        async move {
+            workload::publish(&js, &topology, &sends, 64, 300, Duration::from_millis(200)).await
+        }
+    });
+
+    until_acked(&js, &scenario, total, 0.2).await;
+    server.stop().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    server.start_again().await;
+    until_acked(&js, &scenario, total, 0.6).await;
+    server.stop().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.start_again().await;
+    producer.await.unwrap();
+
+    finish(
+        &scenario,
+        &js,
+        &fresh.conn,
+        &workload,
+        instances,
+        "PostgreSQL stopped twice",
+        // "database error", "database unreachable": worded loosely, logs are not a contract.
+        "database",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: run by scripts/test.sh"]
+async fn nats_stopped_then_killed_mid_stream_under_two_instances() {
+    let mut server = NatsServer::start().await;
+    let db = TestDb::new(Backend::Postgres).await;
+    let books = [db.dune(1_000_000).await, db.dune(1_000_000).await];
+    let scenario = Scenario::new("natsout", &db.url, &server.url(), 1);
+    let (_client, js) = scenario.connect().await;
+    let workload = Workload::new(&books, ORDERS, ORDERS / 5, ORDERS / 10, 11);
+    let total = workload.sends.len() as u64;
+    let instances = [scenario.spawn("a"), scenario.spawn("b")];
+    let producer = tokio::spawn({
+        let js = js.clone();
+        let topology = scenario.topology.clone();
+        let sends = workload.sends.clone();
+        async move {
+            workload::publish(&js, &topology, &sends, 64, 300, Duration::from_millis(200)).await
+        }
+    });
+
+    until_acked(&js, &scenario, total, 0.2).await;
+    // A clean shutdown, then a crash: SIGKILL loses whatever the server had not written.
+    server.stop().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.start_again().await;
+    until_acked(&js, &scenario, total, 0.6).await;
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.start_again().await;
+    producer.await.unwrap();
+
+    finish(
+        &scenario,
+        &js,
+        &db.conn,
+        &workload,
+        instances,
+        "NATS stopped, then killed",
+        "disconnected",
+    )
+    .await;
+}

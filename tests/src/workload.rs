@@ -1,0 +1,386 @@
+//! Workloads for the fault scenarios and the checks of the promise after them.
+//!
+//! A [`Workload`] is a run of distinct orders with the producer's faults mixed in: some resent
+//! under a new message id (the natural key's catch), some resent with the same id. [`settle`]
+//! waits until the consumer has nothing left, and [`check`] computes the [`Report`] whose
+//! [`Report::assert_holds`] is the promise: every order exactly one reservation row with its
+//! quantity, `reserved` the sum of the distinct orders' quantities, and every stream message
+//! accounted for.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::context::Context;
+use async_nats::jetstream::message::PublishMessage;
+use futures::StreamExt;
+use inventory_domain::{BookId, Message, OrderId};
+use inventory_infra::db::DatabaseConnection;
+use inventory_infra::jetstream::{OrderPublisher, Topology};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
+
+use crate::{placed, with_new_id};
+
+/// How one message of a workload is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendKind {
+    /// The order's first message.
+    Original,
+    /// The same order under a new message id: a producer that retried without keeping its id.
+    NewId,
+    /// The same message, same id, published without `Nats-Msg-Id` so the stream keeps it, as
+    /// a resend arriving after the duplicate window would be: the consumer must catch it.
+    SameId,
+}
+
+#[derive(Debug, Clone)]
+pub struct Send {
+    pub message: Message,
+    pub kind: SendKind,
+}
+
+/// Distinct orders spread over some books, plus the producer's duplicates, in publishing
+/// order.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub books: Vec<BookId>,
+    /// Each distinct order's book and quantity.
+    pub orders: HashMap<OrderId, (BookId, i64)>,
+    pub sends: Vec<Send>,
+}
+
+impl Workload {
+    /// `orders` OrderPlaced, round robin over `books` (quantities 1 to 4); exactly `new_ids`
+    /// of the orders are resent under a new message id and `same_ids` with the same id, each
+    /// resend 1 to 50 messages after its original. The same seed gives the same choices.
+    pub fn new(
+        books: &[BookId],
+        orders: usize,
+        new_ids: usize,
+        same_ids: usize,
+        seed: u64,
+    ) -> Self {
+        assert!(new_ids + same_ids <= orders, "more resends than orders");
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut indices: Vec<usize> = (0..orders).collect();
+        indices.shuffle(&mut rng);
+        let mut resend = vec![None; orders];
+        for &i in &indices[..new_ids] {
+            resend[i] = Some(SendKind::NewId);
+        }
+        for &i in &indices[new_ids..new_ids + same_ids] {
+            resend[i] = Some(SendKind::SameId);
+        }
+
+        let mut sends = Vec::with_capacity(orders + new_ids + same_ids);
+        let mut due: Vec<(usize, Send)> = Vec::new();
+        let mut quantities = HashMap::with_capacity(orders);
+        for (i, kind) in resend.into_iter().enumerate() {
+            let quantity = 1 + (i % 4) as i64;
+            let book = books[i % books.len()];
+            let message = placed(book, quantity);
+            quantities.insert(message.event.order_id(), (book, quantity));
+            if let Some(kind) = kind {
+                let copy = match kind {
+                    SendKind::NewId => with_new_id(&message),
+                    _ => message.clone(),
+                };
+                due.push((
+                    i + rng.random_range(1..=50),
+                    Send {
+                        message: copy,
+                        kind,
+                    },
+                ));
+            }
+            sends.push(Send {
+                message,
+                kind: SendKind::Original,
+            });
+            let (ready, later): (Vec<_>, Vec<_>) = due.into_iter().partition(|(at, _)| *at <= i);
+            sends.extend(ready.into_iter().map(|(_, send)| send));
+            due = later;
+        }
+        sends.extend(due.into_iter().map(|(_, send)| send));
+        Self {
+            books: books.to_vec(),
+            orders: quantities,
+            sends,
+        }
+    }
+
+    /// Copies each book must have reserved: the sum of its distinct orders' quantities.
+    pub fn expected_reserved(&self) -> HashMap<BookId, i64> {
+        let mut reserved: HashMap<BookId, i64> = self.books.iter().map(|&book| (book, 0)).collect();
+        for &(book, quantity) in self.orders.values() {
+            *reserved.entry(book).or_default() += quantity;
+        }
+        reserved
+    }
+
+    pub fn count(&self, kind: SendKind) -> usize {
+        self.sends.iter().filter(|send| send.kind == kind).count()
+    }
+}
+
+/// Publishes every send, `in_flight` at a time, pausing `pause` after each `chunk` messages
+/// so a run lasts long enough for faults to land mid-stream. A publish that fails (the broker
+/// restarting) is retried with the same message id until it is stored, for up to two minutes.
+pub async fn publish(
+    js: &Context,
+    topology: &Topology,
+    sends: &[Send],
+    in_flight: usize,
+    chunk: usize,
+    pause: Duration,
+) {
+    let publisher = OrderPublisher::new(js.clone(), topology.clone());
+    for part in sends.chunks(chunk.max(1)) {
+        // Owned per publish: a future borrowing across `buffer_unordered` is not `Send` enough
+        // for `tokio::spawn`.
+        futures::stream::iter(part.to_vec())
+            .map(|send| {
+                let (js, publisher, topology) = (js.clone(), publisher.clone(), topology.clone());
+                async move { publish_one(&js, &publisher, &topology, &send).await }
+            })
+            .buffer_unordered(in_flight.max(1))
+            .collect::<Vec<()>>()
+            .await;
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+async fn publish_one(js: &Context, publisher: &OrderPublisher, topology: &Topology, send: &Send) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let result = match send.kind {
+            SendKind::Original | SendKind::NewId => publisher
+                .publish(&send.message)
+                .await
+                .map(drop)
+                .map_err(|error| error.to_string()),
+            SendKind::SameId => {
+                let body = send.message.to_plain_json().expect("a plain JSON body");
+                let subject = topology.subject(send.message.event.kind());
+                match js
+                    .send_publish(subject, PublishMessage::build().payload(body.into()))
+                    .await
+                {
+                    Ok(ack) => ack.await.map(drop).map_err(|error| error.to_string()),
+                    Err(error) => Err(error.to_string()),
+                }
+            }
+        };
+        match result {
+            Ok(()) => return,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(error) => panic!("publish never succeeded: {error}"),
+        }
+    }
+}
+
+/// Where the consumer and its streams stand.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamState {
+    pub stream_messages: u64,
+    pub stream_last_seq: u64,
+    /// The highest stream sequence below which every message was acked or terminated.
+    pub ack_floor: u64,
+    pub pending: u64,
+    pub ack_pending: usize,
+    pub redelivered: usize,
+    pub dead_letters: u64,
+}
+
+impl StreamState {
+    /// Every message acked or terminated and nothing waiting.
+    pub fn settled(&self) -> bool {
+        self.pending == 0 && self.ack_pending == 0 && self.ack_floor == self.stream_last_seq
+    }
+}
+
+/// Reads the consumer's and streams' state; `None` while the broker cannot answer (a node or
+/// the server restarting).
+pub async fn stream_state(
+    js: &Context,
+    topology: &Topology,
+    consumer: &str,
+) -> Option<StreamState> {
+    let read = async {
+        let mut stream = js.get_stream(&topology.stream).await.ok()?;
+        let stream_info = stream.info().await.ok()?.state.clone();
+        let mut consumer: PullConsumer = stream.get_consumer(consumer).await.ok()?;
+        let info = consumer.info().await.ok()?.clone();
+        let mut dlq = js.get_stream(&topology.dlq_stream).await.ok()?;
+        let dead_letters = dlq.info().await.ok()?.state.messages;
+        Some(StreamState {
+            stream_messages: stream_info.messages,
+            stream_last_seq: stream_info.last_sequence,
+            ack_floor: info.ack_floor.stream_sequence,
+            pending: info.num_pending,
+            ack_pending: info.num_ack_pending,
+            redelivered: info.num_redelivered,
+            dead_letters,
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Waits until the consumer has settled with at least `min_messages` in the stream; panics
+/// with the last state seen after `limit`.
+pub async fn settle(
+    js: &Context,
+    topology: &Topology,
+    consumer: &str,
+    min_messages: u64,
+    limit: Duration,
+) -> StreamState {
+    let deadline = Instant::now() + limit;
+    let mut last = None;
+    loop {
+        if let Some(state) = stream_state(js, topology, consumer).await {
+            if state.settled() && state.stream_last_seq >= min_messages {
+                return state;
+            }
+            last = Some(state);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the consumer did not settle within {limit:?}; last state: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What a fault scenario left behind, against what the workload asked for.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub orders: usize,
+    /// Orders with exactly one `reserved` row of the right quantity.
+    pub orders_exact: usize,
+    pub orders_missing: usize,
+    /// Rows whose quantity or status is not the order's.
+    pub rows_wrong: usize,
+    /// Rows for orders the workload never placed.
+    pub rows_unknown: usize,
+    /// Books whose `reserved` is not the sum of their distinct orders' quantities.
+    pub books_wrong: Vec<String>,
+    pub reserved: i64,
+    pub expected_reserved: i64,
+    pub stream: StreamState,
+}
+
+impl Report {
+    pub fn summary(&self) -> String {
+        format!(
+            "{} orders, {} exactly once; reserved {} of {}; stream {} messages (last seq {}), \
+             ack floor {}, pending {}, unacked {}, redelivered {}, dead letters {}",
+            self.orders,
+            self.orders_exact,
+            self.reserved,
+            self.expected_reserved,
+            self.stream.stream_messages,
+            self.stream.stream_last_seq,
+            self.stream.ack_floor,
+            self.stream.pending,
+            self.stream.ack_pending,
+            self.stream.redelivered,
+            self.stream.dead_letters
+        )
+    }
+
+    /// The promise: exactly one reservation per order, `reserved` their sum, and every message
+    /// processed or skipped as a duplicate (acked: the ack floor is the stream's last
+    /// sequence, nothing pending or unacked) with none dead-lettered.
+    pub fn assert_holds(&self) {
+        let summary = self.summary();
+        assert_eq!(self.orders_exact, self.orders, "{summary}");
+        assert_eq!(self.orders_missing, 0, "{summary}");
+        assert_eq!(self.rows_wrong, 0, "{summary}");
+        assert_eq!(self.rows_unknown, 0, "{summary}");
+        assert_eq!(self.reserved, self.expected_reserved, "{summary}");
+        assert!(
+            self.books_wrong.is_empty(),
+            "{:?}; {summary}",
+            self.books_wrong
+        );
+        assert!(self.stream.settled(), "{summary}");
+        assert_eq!(self.stream.dead_letters, 0, "{summary}");
+    }
+}
+
+/// Compares the database (PostgreSQL, the scenario's own) and the consumer with what
+/// `workload` asked for. Every reservation row in the database is looked at, so a row for an
+/// order the workload never placed shows up too.
+pub async fn check(db: &DatabaseConnection, workload: &Workload, stream: StreamState) -> Report {
+    let rows = db
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT order_id, book_id, count(*) AS n, min(quantity) AS quantity, \
+             bool_and(status = 'reserved') AS reserved \
+             FROM stock_reservations GROUP BY order_id, book_id",
+        ))
+        .await
+        .expect("the reservation rows");
+    let expected = workload.expected_reserved();
+    let mut report = Report {
+        orders: workload.orders.len(),
+        orders_exact: 0,
+        orders_missing: 0,
+        rows_wrong: 0,
+        rows_unknown: 0,
+        books_wrong: Vec::new(),
+        reserved: 0,
+        expected_reserved: expected.values().sum(),
+        stream,
+    };
+    let mut seen = 0;
+    for row in rows {
+        let order: uuid::Uuid = row.try_get("", "order_id").expect("order_id");
+        let book: uuid::Uuid = row.try_get("", "book_id").expect("book_id");
+        let count: i64 = row.try_get("", "n").expect("count");
+        let quantity: i32 = row.try_get("", "quantity").expect("quantity");
+        let reserved: bool = row.try_get("", "reserved").expect("status");
+        match workload.orders.get(&OrderId::from(order)) {
+            Some(&(wanted_book, wanted)) if wanted_book.as_uuid() == book => {
+                seen += 1;
+                if count == 1 && i64::from(quantity) == wanted && reserved {
+                    report.orders_exact += 1;
+                } else {
+                    report.rows_wrong += 1;
+                }
+            }
+            _ => report.rows_unknown += 1,
+        }
+    }
+    report.orders_missing = workload.orders.len() - seen;
+    for (book, wanted) in expected {
+        let row = db
+            .query_one_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "SELECT reserved FROM stock_items WHERE book_id = $1",
+                [book.as_uuid().into()],
+            ))
+            .await
+            .expect("the stock row")
+            .expect("the book");
+        let reserved: i64 = row.try_get::<i32>("", "reserved").expect("reserved").into();
+        report.reserved += reserved;
+        if reserved != wanted {
+            report
+                .books_wrong
+                .push(format!("{book}: reserved {reserved}, expected {wanted}"));
+        }
+    }
+    report
+}
