@@ -12,7 +12,7 @@ use inventory_infra::db;
 use serde::Serialize;
 
 use crate::args::DatabaseArgs;
-use crate::{demo, publish, serve};
+use crate::{compare, demo, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -49,6 +49,10 @@ pub enum Command {
     Serve(serve::ServeArgs),
     /// Publishes OrderPlaced or OrderCancelled, one or many.
     Publish(publish::PublishArgs),
+    /// Runs one workload with every kind of duplicate through JetStream into each strategy and
+    /// prints expected versus actual reserved copies. Exits 0 only if the inbox and the natural
+    /// key came out as the workload predicts.
+    Compare(compare::CompareArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -102,6 +106,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Stock { command } => run_stock(command).await.map(|()| true),
         Command::Serve(args) => serve::start(args).await,
         Command::Publish(args) => publish::run(args).await.map(|()| true),
+        Command::Compare(args) => compare::start(args).await,
     }
 }
 

@@ -5,10 +5,12 @@
 //! - [`serve`]: the JetStream subscriber loop and its wiring.
 //! - [`publish`]: the producer command.
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
+//! - [`compare`]: the end-to-end comparison of the strategies through JetStream.
 //! - [`telemetry`]: the tracing subscriber.
 
 pub mod args;
 pub mod cli;
+pub mod compare;
 pub mod demo;
 pub mod publish;
 pub mod serve;
