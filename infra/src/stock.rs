@@ -1,10 +1,10 @@
 //! Reading and setting stock, and reading back what the consumers recorded.
 
 use inventory_domain::{BookId, OrderId, Quantity, ReservationStatus, StockItem};
-use sea_orm::sea_query::OnConflict;
+use sea_orm::sea_query::{ExprTrait, OnConflict};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
-    Set,
+    QuerySelect, Set,
 };
 
 use crate::entities::{inbox, reservation_log, stock_items, stock_reservations};
@@ -155,6 +155,49 @@ impl StockRepository {
                 )
             })
             .collect()
+    }
+
+    /// Copies reserved over all books: what the stock rows say, whichever strategy wrote them.
+    pub async fn total_reserved(&self) -> Result<i64, DbErr> {
+        let total: Option<Option<i64>> = stock_items::Entity::find()
+            .select_only()
+            .column_as(stock_items::Column::Reserved.sum(), "total")
+            .into_tuple()
+            .one(&self.db)
+            .await?;
+        // SUM over no rows is NULL.
+        Ok(total.flatten().unwrap_or(0))
+    }
+
+    /// Orders holding more than one reservation of the same book (status `reserved`), counted
+    /// per (order, book). In `reservation_log` the strategies without a natural key can reserve
+    /// an order twice; in `stock_reservations` the primary key `(order_id, book_id)` forbids it,
+    /// and the count is read all the same rather than assumed.
+    pub async fn orders_reserved_more_than_once(&self) -> Result<u64, DbErr> {
+        let reserved = ReservationStatus::Reserved.as_str();
+        let logged: Vec<(uuid::Uuid, uuid::Uuid)> = reservation_log::Entity::find()
+            .select_only()
+            .column(reservation_log::Column::OrderId)
+            .column(reservation_log::Column::BookId)
+            .filter(reservation_log::Column::Status.eq(reserved))
+            .group_by(reservation_log::Column::OrderId)
+            .group_by(reservation_log::Column::BookId)
+            .having(reservation_log::Column::Id.count().gt(1))
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        let keyed: Vec<(uuid::Uuid, uuid::Uuid)> = stock_reservations::Entity::find()
+            .select_only()
+            .column(stock_reservations::Column::OrderId)
+            .column(stock_reservations::Column::BookId)
+            .filter(stock_reservations::Column::Status.eq(reserved))
+            .group_by(stock_reservations::Column::OrderId)
+            .group_by(stock_reservations::Column::BookId)
+            .having(stock_reservations::Column::OrderId.count().gt(1))
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        Ok((logged.len() + keyed.len()) as u64)
     }
 
     pub async fn inbox_entry(

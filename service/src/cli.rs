@@ -12,7 +12,7 @@ use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
-use crate::{bench_e2e, demo, dlq, publish, serve};
+use crate::{bench_e2e, compare, demo, dlq, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -64,6 +64,10 @@ pub enum Command {
     Serve(serve::ServeArgs),
     /// Publishes OrderPlaced or OrderCancelled, one or many.
     Publish(publish::PublishArgs),
+    /// Runs one workload with every kind of duplicate through JetStream into each strategy and
+    /// prints expected versus actual reserved copies. Exits 0 only if the inbox and the natural
+    /// key came out as the workload predicts.
+    Compare(compare::CompareArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -244,6 +248,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Command::Publish(args) => publish::run(args).await.map(|()| true),
+        Command::Compare(args) => compare::start(args).await,
     }
 }
 

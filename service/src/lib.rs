@@ -7,11 +7,13 @@
 //! - [`dlq`]: listing and replaying dead letters.
 //! - [`publish`]: the producer command.
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
+//! - [`compare`]: the end-to-end comparison of the strategies through JetStream.
 //! - [`telemetry`]: the tracing subscriber.
 
 pub mod args;
 pub mod bench_e2e;
 pub mod cli;
+pub mod compare;
 pub mod demo;
 pub mod dlq;
 pub mod metrics;

@@ -1,6 +1,7 @@
 //! One integration-test binary: every test owns a fresh database, on SQLite and PostgreSQL.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod compare;
 mod corpus;
 mod crash_points;
 mod demo;
