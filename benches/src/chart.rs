@@ -180,6 +180,54 @@ fn parameters(series: &[Series]) -> Vec<f64> {
     all
 }
 
+/// A straight line through a series' medians against the duplicate ratio: what a fresh message
+/// costs (the line at 0 %) and what a duplicate costs (the line at 100 %). A mode's cost at
+/// ratio `r` is `fresh × (1 − r) + duplicate × r`, if the cost of each kind of message does not
+/// depend on the mix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    pub name: String,
+    pub fresh: f64,
+    pub duplicate: f64,
+}
+
+/// The least-squares line through `series` (parameter in percent); `None` with fewer than two
+/// distinct ratios.
+pub fn fit(series: &Series) -> Option<Fit> {
+    let n = series.points.len() as f64;
+    let xs = || series.points.iter().map(|point| point.parameter / 100.0);
+    let mean_x = xs().sum::<f64>() / n;
+    let mean_y = series.points.iter().map(|point| point.micros).sum::<f64>() / n;
+    let spread: f64 = xs().map(|x| (x - mean_x).powi(2)).sum();
+    if series.points.len() < 2 || spread <= f64::EPSILON {
+        return None;
+    }
+    let covariance: f64 = series
+        .points
+        .iter()
+        .map(|point| (point.parameter / 100.0 - mean_x) * (point.micros - mean_y))
+        .sum();
+    let slope = covariance / spread;
+    let fresh = mean_y - slope * mean_x;
+    Some(Fit {
+        name: series.name.clone(),
+        fresh,
+        duplicate: fresh + slope,
+    })
+}
+
+/// The duplicate ratio, in percent, at which `a` and `b` cost the same; `None` if their lines
+/// are parallel. Below it the mode cheaper on fresh messages wins. A value outside 0–100 means
+/// one mode is cheaper at every ratio.
+pub fn break_even(a: &Fit, b: &Fit) -> Option<f64> {
+    // fresh_a + (dup_a - fresh_a) r = fresh_b + (dup_b - fresh_b) r
+    let slope_difference = (b.duplicate - b.fresh) - (a.duplicate - a.fresh);
+    if slope_difference.abs() <= f64::EPSILON {
+        return None;
+    }
+    Some((a.fresh - b.fresh) / slope_difference * 100.0)
+}
+
 /// Labels of the chart.
 #[derive(Debug, Clone)]
 pub struct Labels {
@@ -382,6 +430,40 @@ mod tests {
                 }],
             },
         ]
+    }
+
+    #[test]
+    fn a_fit_recovers_fresh_and_duplicate_costs_and_their_break_even() {
+        let line = |name: &str, fresh: f64, duplicate: f64| Series {
+            name: name.into(),
+            points: [0.0, 10.0, 50.0, 90.0]
+                .into_iter()
+                .map(|parameter| Point {
+                    parameter,
+                    micros: fresh + (duplicate - fresh) * parameter / 100.0,
+                })
+                .collect(),
+        };
+        let catch = fit(&line("catch", 1000.0, 1400.0)).unwrap_or_else(|| panic!("a fit"));
+        let pre = fit(&line("pre", 1100.0, 300.0)).unwrap_or_else(|| panic!("a fit"));
+        assert!((catch.fresh - 1000.0).abs() < 1e-6 && (catch.duplicate - 1400.0).abs() < 1e-6);
+        // 1000 + 400 r = 1100 - 800 r  =>  r = 100 / 1200
+        let even = break_even(&pre, &catch).unwrap_or_else(|| panic!("a break-even"));
+        assert!((even - 100.0 / 12.0).abs() < 1e-6, "{even}");
+        assert_eq!(
+            fit(&line("one", 1.0, 1.0)).map(|f| f.name),
+            Some("one".into())
+        );
+        assert!(
+            fit(&Series {
+                name: "flat".into(),
+                points: vec![Point {
+                    parameter: 10.0,
+                    micros: 1.0
+                }]
+            })
+            .is_none()
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::DatabaseArgs;
-use crate::{demo, publish, serve};
+use crate::{bench, demo, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -54,6 +54,11 @@ pub enum Command {
     Serve(serve::ServeArgs),
     /// Publishes OrderPlaced or OrderCancelled, one or many.
     Publish(publish::PublishArgs),
+    /// Measurements: what each dedup mode costs PostgreSQL; criterion's results as a chart.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -155,6 +160,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
         }
         Command::Serve(args) => serve::start(args).await,
         Command::Publish(args) => publish::run(args).await.map(|()| true),
+        Command::Bench { command } => bench::run(command).await,
     }
 }
 
