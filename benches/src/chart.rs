@@ -139,8 +139,17 @@ pub fn read_group(criterion_dir: &Path, group: &str) -> Result<Vec<Series>, Char
     Ok(series)
 }
 
+/// How a table shows a median.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// Microseconds per message.
+    Micros,
+    /// Messages per second: one over the time per message.
+    PerSecond,
+}
+
 /// The medians as a Markdown table: one row per series, one column per parameter value.
-pub fn markdown_table(series: &[Series], parameter_label: &str) -> String {
+pub fn markdown_table(series: &[Series], parameter_label: &str, unit: Unit) -> String {
     let parameters = parameters(series);
     let mut out = format!("| mode \\ {parameter_label} |");
     for parameter in &parameters {
@@ -160,7 +169,11 @@ pub fn markdown_table(series: &[Series], parameter_label: &str) -> String {
                 .find(|point| point.parameter == *parameter)
             {
                 Some(point) => {
-                    let _ = write!(out, " {:.0} |", point.micros);
+                    let value = match unit {
+                        Unit::Micros => point.micros,
+                        Unit::PerSecond => 1e6 / point.micros,
+                    };
+                    let _ = write!(out, " {value:.0} |");
                 }
                 None => out.push_str(" – |"),
             }
@@ -491,9 +504,11 @@ mod tests {
 
     #[test]
     fn the_table_has_a_column_per_parameter_and_a_dash_for_gaps() {
-        let table = markdown_table(&sample(), "duplicates %");
+        let table = markdown_table(&sample(), "duplicates %", Unit::Micros);
         assert!(table.starts_with("| mode \\ duplicates % | 0 | 50 |"));
         assert!(table.contains("| c | – | 80 |"));
+        let rates = markdown_table(&sample(), "connections", Unit::PerSecond);
+        assert!(rates.contains("| c | – | 12500 |"), "{rates}");
     }
 
     #[test]

@@ -95,6 +95,9 @@ pub struct ChartArgs {
     /// What the benchmark parameter is.
     #[arg(long, default_value = "duplicate ratio (%)")]
     pub x_label: String,
+    /// The table shows messages per second instead of microseconds per message.
+    #[arg(long)]
+    pub per_second: bool,
 }
 
 pub async fn run(command: BenchCommand) -> Result<bool> {
@@ -122,7 +125,12 @@ fn draw_chart(args: &ChartArgs) -> Result<()> {
         std::fs::write(output, svg).with_context(|| format!("writing {}", output.display()))?;
         eprintln!("wrote {}", output.display());
     }
-    print!("{}", chart::markdown_table(&series, &args.x_label));
+    let unit = if args.per_second {
+        chart::Unit::PerSecond
+    } else {
+        chart::Unit::Micros
+    };
+    print!("{}", chart::markdown_table(&series, &args.x_label, unit));
     print!("{}", break_even_report(&series));
     Ok(())
 }
@@ -150,8 +158,8 @@ fn break_even_report(series: &[chart::Series]) -> String {
         .iter()
         .filter(|fit| fit.name.starts_with("inbox-") && fit.name != pre_check.name)
     {
-        let extra = pre_check.fresh - other.fresh;
-        let saved = other.duplicate - pre_check.duplicate;
+        let on_fresh = pre_check.fresh - other.fresh;
+        let on_duplicate = pre_check.duplicate - other.duplicate;
         let verdict = match chart::break_even(pre_check, other) {
             Some(ratio) if (0.0..=100.0).contains(&ratio) => {
                 format!("the pre-check pays above {ratio:.0}% duplicates")
@@ -162,7 +170,7 @@ fn break_even_report(series: &[chart::Series]) -> String {
             _ => "the pre-check never pays".to_owned(),
         };
         out.push_str(&format!(
-            "pre-check against {}: {extra:+.0} µs per fresh message, {saved:+.0} µs saved per duplicate: {verdict}\n",
+            "pre-check minus {}: {on_fresh:+.0} µs per fresh message, {on_duplicate:+.0} µs per duplicate: {verdict}\n",
             other.name
         ));
     }
