@@ -44,7 +44,7 @@ use serde::Serialize;
 pub enum BenchCommand {
     /// Runs each dedup mode on PostgreSQL at each duplicate ratio, in a fresh database per
     /// run, and prints what the server spent: transactions, rollbacks, transaction ids, dead
-    /// tuples left, WAL bytes and server-log bytes.
+    /// tuples made and left, WAL bytes and server-log bytes.
     Costs(CostsArgs),
     /// Draws criterion's median time per message of one benchmark group as an SVG line chart
     /// (one line per mode) and prints the medians as a Markdown table.
