@@ -12,7 +12,7 @@ use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
-use crate::{bench_e2e, compare, demo, dlq, publish, serve};
+use crate::{bench, compare, demo, dlq, publish, serve};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -50,11 +50,6 @@ pub enum Command {
         #[command(subcommand)]
         command: InboxCommand,
     },
-    /// Benchmarks that run against the real servers.
-    Bench {
-        #[command(subcommand)]
-        command: BenchCommand,
-    },
     /// Dead letters in ORDERS_DLQ: list them, replay them to their original subject.
     Dlq {
         #[command(subcommand)]
@@ -68,21 +63,11 @@ pub enum Command {
     /// prints expected versus actual reserved copies. Exits 0 only if the inbox and the natural
     /// key came out as the workload predicts.
     Compare(compare::CompareArgs),
-}
-
-#[derive(Debug, Subcommand)]
-pub enum BenchCommand {
-    /// OrderPlaced through JetStream into PostgreSQL by the real consumer loop, acked after
-    /// commit: messages per second.
-    EndToEnd(Box<bench_e2e::EndToEndArgs>),
-    /// Prints the pgbench script (the one-statement handler's SQL) and the SQL that seeds its
-    /// books, for scripts/bench-vs-pgbench.sh.
-    PgbenchScript {
-        #[arg(long, default_value_t = 1_000)]
-        books: usize,
-        /// Prints the seeding SQL instead of the script.
-        #[arg(long)]
-        seed: bool,
+    /// Measurements: end to end through JetStream, what each dedup mode costs PostgreSQL,
+    /// criterion's results as a chart.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
     },
 }
 
@@ -184,16 +169,6 @@ pub async fn run(cli: Cli) -> Result<bool> {
             println!("migrations applied");
             Ok(true)
         }
-        Command::Bench {
-            command: BenchCommand::PgbenchScript { books, seed },
-        } => {
-            if seed {
-                println!("{}", bench_e2e::pgbench_seed_sql(books));
-            } else {
-                print!("{}", bench_e2e::pgbench_script(books));
-            }
-            Ok(true)
-        }
         Command::Stock { command } => run_stock(command).await.map(|()| true),
         Command::Inbox {
             command:
@@ -226,29 +201,9 @@ pub async fn run(cli: Cli) -> Result<bool> {
         }
         Command::Dlq { command } => run_dlq(command).await.map(|()| true),
         Command::Serve(args) => serve::start(args).await,
-        Command::Bench {
-            command: BenchCommand::EndToEnd(args),
-        } => {
-            let report = bench_e2e::run(&args).await?;
-            if args.json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                println!(
-                    "{} messages ({} processed, {} duplicates) through {} lanes, batch {}, {} handler: {:.2} s, {:.0} messages/s",
-                    report.messages,
-                    report.processed,
-                    report.duplicates,
-                    report.concurrency,
-                    report.batch_size,
-                    report.handler,
-                    report.seconds,
-                    report.messages_per_second
-                );
-            }
-            Ok(true)
-        }
         Command::Publish(args) => publish::run(args).await.map(|()| true),
         Command::Compare(args) => compare::start(args).await,
+        Command::Bench { command } => bench::run(command).await,
     }
 }
 

@@ -8,9 +8,12 @@
 //! - [`publish`]: the producer command.
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
 //! - [`compare`]: the end-to-end comparison of the strategies through JetStream.
+//! - [`bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
+//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench script beside it.
 //! - [`telemetry`]: the tracing subscriber.
 
 pub mod args;
+pub mod bench;
 pub mod bench_e2e;
 pub mod cli;
 pub mod compare;

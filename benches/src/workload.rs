@@ -1,0 +1,358 @@
+//! The modes a benchmark compares, each as a [`MessageHandler`], and the messages they handle.
+//!
+//! A [`DuplicateStream`] yields `OrderPlaced` messages of which an exact, evenly spread fraction
+//! are copies of messages it yielded before: the same message (same id) for the inbox, the same
+//! order and book under a new message id for the natural key, as a producer that resent it would.
+//! Which earlier message a copy repeats is drawn from a seeded generator, so the sequence of
+//! fresh messages and copies is the same on every run.
+
+use inventory_domain::{
+    BookId, ConsumerName, DedupKey, Effect, Event, FieldError, Message, MessageId, OrderId,
+    OrderPlaced, Outcome, Quantity, StockItem,
+};
+use inventory_infra::consumers::natural_pg::PgNaturalKey;
+use inventory_infra::db::{self, DatabaseConnection};
+use inventory_infra::{
+    DetectMode, HandleError, MessageHandler, StockConsumer, StockRepository, Strategy,
+};
+use sea_orm::DbErr;
+
+/// The server when `DATABASE_URL` names none: the local one the tests use too.
+pub const DEFAULT_POSTGRES_SERVER: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// Copies on hand of every benchmark book: enough that no reservation is ever rejected.
+pub const ON_HAND: i64 = 1_000_000_000;
+
+/// The consumer name the benchmark handlers record in the inbox.
+pub const CONSUMER: &str = "inventory-reserve-stock-bench";
+
+/// The PostgreSQL server to create benchmark databases on: `DATABASE_URL` when it is a postgres
+/// URL, else [`DEFAULT_POSTGRES_SERVER`].
+pub fn postgres_server() -> String {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if db::is_postgres(&url) => url,
+        _ => DEFAULT_POSTGRES_SERVER.to_owned(),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("{0} runs on PostgreSQL only")]
+    PostgresOnly(&'static str),
+    #[error("database error: {0}")]
+    Database(#[from] DbErr),
+    #[error(transparent)]
+    Field(#[from] FieldError),
+    #[error("a duplicate stream needs at least one book")]
+    NoBooks,
+}
+
+/// What a benchmark measures: a consumer strategy, or one of the inbox's detection modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// No dedup: every delivery reserves.
+    Naive,
+    /// The inbox, detecting a claimed key as [`DetectMode`] says.
+    Inbox(DetectMode),
+    /// The natural key through sea-orm, one transaction of several statements
+    /// ([`Strategy::NaturalKey`]).
+    NaturalKey,
+    /// The natural key on PostgreSQL as one statement on a lane-held connection
+    /// ([`PgNaturalKey`]).
+    NaturalKeyOneStatement,
+}
+
+/// How a copy of an earlier message is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// The very same message, id included: a redelivery, what the inbox catches.
+    SameMessage,
+    /// The same order and book under a new message id: a producer's resend, which only the
+    /// natural key catches.
+    SameOrderNewId,
+}
+
+impl Mode {
+    /// The modes of the dedup-cost comparison.
+    pub const DEDUP: [Self; 5] = [
+        Self::Inbox(DetectMode::CatchViolation),
+        Self::Inbox(DetectMode::PreCheck),
+        Self::Inbox(DetectMode::OnConflict),
+        Self::NaturalKey,
+        Self::NaturalKeyOneStatement,
+    ];
+
+    /// The strategies compared on fresh messages.
+    pub const STRATEGIES: [Self; 4] = [
+        Self::Naive,
+        Self::Inbox(DetectMode::OnConflict),
+        Self::NaturalKey,
+        Self::NaturalKeyOneStatement,
+    ];
+
+    /// A name fit for a benchmark id and a directory.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Naive => "naive",
+            Self::Inbox(DetectMode::CatchViolation) => "inbox-catch-violation",
+            Self::Inbox(DetectMode::PreCheck) => "inbox-pre-check",
+            Self::Inbox(DetectMode::OnConflict) => "inbox-on-conflict",
+            Self::NaturalKey => "natural-key",
+            Self::NaturalKeyOneStatement => "natural-key-one-statement",
+        }
+    }
+
+    pub fn postgres_only(self) -> bool {
+        self == Self::NaturalKeyOneStatement
+    }
+
+    /// The duplicate this mode is there to catch.
+    pub fn copy_kind(self) -> CopyKind {
+        match self {
+            Self::Naive | Self::Inbox(_) => CopyKind::SameMessage,
+            Self::NaturalKey | Self::NaturalKeyOneStatement => CopyKind::SameOrderNewId,
+        }
+    }
+
+    /// A handler of this mode on `db`. Clones of a [`Handler::OneStatement`] each open a
+    /// connection of their own on first use; the others share `db`'s pool.
+    pub fn handler(self, db: &DatabaseConnection) -> Result<Handler, WorkloadError> {
+        let consumer = ConsumerName::parse(CONSUMER)?;
+        let strategy = match self {
+            Self::Naive => Strategy::Naive,
+            Self::Inbox(detect) => Strategy::Inbox(detect),
+            Self::NaturalKey | Self::NaturalKeyOneStatement => Strategy::NaturalKey,
+        };
+        let reference = StockConsumer::new(db.clone(), strategy, consumer);
+        if self == Self::NaturalKeyOneStatement {
+            PgNaturalKey::new(reference)
+                .map(Handler::OneStatement)
+                .ok_or(WorkloadError::PostgresOnly(self.label()))
+        } else {
+            Ok(Handler::Orm(reference))
+        }
+    }
+}
+
+/// One of the handlers, whichever its type.
+#[derive(Clone)]
+pub enum Handler {
+    Orm(StockConsumer),
+    OneStatement(PgNaturalKey),
+}
+
+impl MessageHandler for Handler {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        match self {
+            Self::Orm(consumer) => consumer.handle(message).await,
+            Self::OneStatement(handler) => MessageHandler::handle(handler, message).await,
+        }
+    }
+}
+
+/// Puts `count` new books with [`ON_HAND`] copies each.
+pub async fn stock_books(
+    db: &DatabaseConnection,
+    count: usize,
+) -> Result<Vec<BookId>, WorkloadError> {
+    let repository = StockRepository::new(db.clone());
+    let mut books = Vec::with_capacity(count);
+    for index in 0..count {
+        let book_id = BookId::new_v7();
+        let item = StockItem::new(book_id, &format!("Benchmark book {index}"), ON_HAND)?;
+        repository.put(&item).await?;
+        books.push(book_id);
+    }
+    Ok(books)
+}
+
+/// A new order for `quantity` copies of `book_id`, under a new message id.
+pub fn fresh_placed(book_id: BookId, quantity: Quantity) -> Message {
+    Message {
+        key: DedupKey::MessageId(MessageId::generate()),
+        correlation_id: None,
+        occurred_at: None,
+        event: Event::Placed(OrderPlaced {
+            order_id: OrderId::new_v7(),
+            book_id,
+            quantity,
+        }),
+    }
+}
+
+/// A message to handle, and whether it repeats one handled before.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub message: Message,
+    pub is_copy: bool,
+}
+
+impl Delivery {
+    /// A fresh message reserves; a copy is a duplicate. Anything else means the benchmark
+    /// measured something other than what it claims.
+    pub fn as_expected(&self, outcome: &Outcome) -> bool {
+        if self.is_copy {
+            matches!(outcome, Outcome::Duplicate)
+        } else {
+            matches!(outcome, Outcome::Processed(Effect::Reserved { .. }))
+        }
+    }
+}
+
+/// Fresh messages and copies of earlier ones, `percent` in a hundred of them copies.
+pub struct DuplicateStream {
+    percent: u64,
+    copy: CopyKind,
+    books: Vec<BookId>,
+    quantity: Quantity,
+    yielded: u64,
+    fresh: Vec<Message>,
+    random: SplitMix64,
+}
+
+impl DuplicateStream {
+    /// `percent` is capped at 100; fresh messages, each an order for one copy, take the
+    /// `books` in turn.
+    pub fn new(
+        percent: u32,
+        copy: CopyKind,
+        books: Vec<BookId>,
+        seed: u64,
+    ) -> Result<Self, WorkloadError> {
+        if books.is_empty() {
+            return Err(WorkloadError::NoBooks);
+        }
+        Ok(Self {
+            percent: u64::from(percent.min(100)),
+            copy,
+            books,
+            quantity: Quantity::new(1)?,
+            yielded: 0,
+            fresh: Vec::new(),
+            random: SplitMix64(seed),
+        })
+    }
+
+    /// The next delivery. Copies are spread evenly: after `n` deliveries exactly
+    /// `floor(n * percent / 100)` were copies (the first is fresh even at 100 %, as there is
+    /// nothing to copy yet).
+    pub fn next_delivery(&mut self) -> Delivery {
+        let index = self.yielded;
+        self.yielded += 1;
+        let is_copy = (index + 1) * self.percent / 100 > index * self.percent / 100;
+        if is_copy && !self.fresh.is_empty() {
+            let len = self.fresh.len() as u64;
+            let pick = usize::try_from(self.random.next() % len).unwrap_or(0);
+            let original = &self.fresh[pick];
+            let message = match self.copy {
+                CopyKind::SameMessage => original.clone(),
+                CopyKind::SameOrderNewId => Message {
+                    key: DedupKey::MessageId(MessageId::generate()),
+                    ..original.clone()
+                },
+            };
+            return Delivery {
+                message,
+                is_copy: true,
+            };
+        }
+        let book = self.books[self.fresh.len() % self.books.len()];
+        let message = fresh_placed(book, self.quantity);
+        self.fresh.push(message.clone());
+        Delivery {
+            message,
+            is_copy: false,
+        }
+    }
+
+    /// The next `count` deliveries.
+    pub fn take(&mut self, count: u64) -> Vec<Delivery> {
+        (0..count).map(|_| self.next_delivery()).collect()
+    }
+}
+
+/// SplitMix64: a small generator, seeded, the same on every platform.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(percent: u32, copy: CopyKind) -> DuplicateStream {
+        let Ok(stream) = DuplicateStream::new(percent, copy, vec![BookId::new_v7()], 7) else {
+            panic!("a stream on one book");
+        };
+        stream
+    }
+
+    #[test]
+    fn copies_are_the_exact_fraction() {
+        for percent in [0, 10, 50, 90] {
+            let copies = stream(percent, CopyKind::SameMessage)
+                .take(1_000)
+                .iter()
+                .filter(|delivery| delivery.is_copy)
+                .count();
+            assert_eq!(copies, usize::try_from(percent).unwrap_or(0) * 10);
+        }
+    }
+
+    #[test]
+    fn a_copy_repeats_an_earlier_message_as_its_kind_says() {
+        for copy in [CopyKind::SameMessage, CopyKind::SameOrderNewId] {
+            let deliveries = stream(50, copy).take(200);
+            for (at, delivery) in deliveries.iter().enumerate() {
+                if !delivery.is_copy {
+                    continue;
+                }
+                let original = deliveries[..at]
+                    .iter()
+                    .find(|earlier| {
+                        !earlier.is_copy && earlier.message.event == delivery.message.event
+                    })
+                    .map(|earlier| &earlier.message);
+                let Some(original) = original else {
+                    panic!("copy {at} repeats nothing before it");
+                };
+                assert_eq!(
+                    original.key == delivery.message.key,
+                    copy == CopyKind::SameMessage
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_sequence() {
+        let shape = |mut stream: DuplicateStream| {
+            let deliveries = stream.take(100);
+            let firsts: Vec<&Message> = deliveries
+                .iter()
+                .filter(|delivery| !delivery.is_copy)
+                .map(|delivery| &delivery.message)
+                .collect();
+            deliveries
+                .iter()
+                .map(|delivery| {
+                    firsts
+                        .iter()
+                        .position(|first| first.event == delivery.message.event)
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            shape(stream(50, CopyKind::SameMessage)),
+            shape(stream(50, CopyKind::SameMessage))
+        );
+    }
+}
