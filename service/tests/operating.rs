@@ -4,90 +4,48 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use inventory_infra::db::FreshDatabase;
-use inventory_infra::jetstream;
+use inventory_tests::binary::BinaryRun;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
 const UNKNOWN_BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-cccccccccccc";
 
-fn postgres_server() -> String {
-    std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|url| url.starts_with("postgres"))
-        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
+/// The shared process fixture, plus what these tests ask of the service.
+struct Setup(BinaryRun);
+
+impl std::ops::Deref for Setup {
+    type Target = BinaryRun;
+
+    fn deref(&self) -> &BinaryRun {
+        &self.0
+    }
 }
 
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-/// A test's database and stream names, passed to every command.
-struct Setup {
-    db: FreshDatabase,
-    suffix: String,
-    database_url: String,
+impl std::ops::DerefMut for Setup {
+    fn deref_mut(&mut self) -> &mut BinaryRun {
+        &mut self.0
+    }
 }
 
 impl Setup {
     async fn new() -> Self {
-        let db = FreshDatabase::create(Some(&postgres_server()), "inventory_ops", 4)
-            .await
-            .unwrap();
-        let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-        Self {
-            database_url: db.url.clone(),
-            db,
-            suffix,
-        }
-    }
-
-    fn topology_args(&self) -> Vec<String> {
-        let upper = self.suffix.to_uppercase();
-        [
-            "--stream".to_owned(),
-            format!("ORDERS_{upper}"),
-            "--subject-prefix".to_owned(),
-            format!("o{}.orders", self.suffix),
-            "--dlq-stream".to_owned(),
-            format!("ORDERS_DLQ_{upper}"),
-            "--dlq-subject-prefix".to_owned(),
-            format!("o{}.dlq", self.suffix),
-        ]
-        .into()
-    }
-
-    fn command(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_inventory"));
-        command.args(args);
-        let first = args.first().copied().unwrap_or_default();
-        if ["serve", "publish", "dlq"].contains(&first) {
-            command.args(self.topology_args());
-        }
-        command
-            .env("DATABASE_URL", &self.database_url)
-            .env("NATS_URL", nats_url())
-            .env("RUST_LOG", "info,sqlx=warn");
-        command
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        let output = self.command(args).output().unwrap();
-        assert!(output.status.success(), "{args:?}: {output:?}");
-        output
+        Self(
+            BinaryRun::new(
+                env!("CARGO_BIN_EXE_inventory"),
+                "inventory_ops",
+                "info,sqlx=warn",
+            )
+            .await,
+        )
     }
 
     fn serve(&self, args: &[&str]) -> Child {
         let mut all = vec!["serve"];
         all.extend_from_slice(args);
-        self.command(&all)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        self.spawn(&all)
     }
 
     async fn scalar(&self, sql: &str) -> i64 {
@@ -102,15 +60,7 @@ impl Setup {
     }
 
     async fn cleanup(self) {
-        let client = jetstream::connect(&nats_url(), "test cleanup")
-            .await
-            .unwrap();
-        let js = jetstream::context(client);
-        let upper = self.suffix.to_uppercase();
-        for name in [format!("ORDERS_{upper}"), format!("ORDERS_DLQ_{upper}")] {
-            let _ = js.delete_stream(name).await;
-        }
-        self.db.remove().await.unwrap();
+        self.0.cleanup().await;
     }
 }
 
@@ -532,7 +482,7 @@ async fn secrets_never_reach_the_logs_or_help() {
         assert!(!seen.contains(secret), "{secret} appeared in:\n{seen}");
     }
     setup.cleanup().await;
-    let admin = inventory_infra::db::connect(&postgres_server(), 1)
+    let admin = inventory_infra::db::connect(&inventory_tests::postgres::server_url().await, 1)
         .await
         .unwrap();
     admin

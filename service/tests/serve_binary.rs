@@ -1,68 +1,36 @@
 //! `inventory serve` and `inventory publish` as processes: signals, drain, abandon, logs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
-use inventory_infra::db::FreshDatabase;
-use inventory_infra::jetstream;
+use inventory_tests::binary::BinaryRun;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
 
-fn postgres_server() -> String {
-    std::env::var("DATABASE_URL")
-        .ok()
-        .filter(|url| url.starts_with("postgres"))
-        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
+/// The shared process fixture, plus what these tests ask of the service.
+struct Setup(BinaryRun);
 
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+impl std::ops::Deref for Setup {
+    type Target = BinaryRun;
 
-/// A test's database and stream names, passed to every command.
-struct Setup {
-    db: FreshDatabase,
-    suffix: String,
+    fn deref(&self) -> &BinaryRun {
+        &self.0
+    }
 }
 
 impl Setup {
     async fn new() -> Self {
-        let db = FreshDatabase::create(Some(&postgres_server()), "inventory_cli", 4)
-            .await
-            .unwrap();
-        let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-        Self { db, suffix }
-    }
-
-    fn command(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_inventory"));
-        command.args(args);
-        let first = args.first().copied().unwrap_or_default();
-        if first == "serve" || first == "publish" {
-            command.args([
-                "--stream",
-                &format!("ORDERS_{}", self.suffix.to_uppercase()),
-                "--subject-prefix",
-                &format!("b{}.orders", self.suffix),
-                "--dlq-stream",
-                &format!("ORDERS_DLQ_{}", self.suffix.to_uppercase()),
-                "--dlq-subject-prefix",
-                &format!("b{}.dlq", self.suffix),
-            ]);
-        }
-        command
-            .env("DATABASE_URL", &self.db.url)
-            .env("NATS_URL", nats_url())
-            .env("RUST_LOG", "info,sqlx=warn,inventory_service=debug");
-        command
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        let output = self.command(args).output().unwrap();
-        assert!(output.status.success(), "{args:?}: {output:?}");
-        output
+        Self(
+            BinaryRun::new(
+                env!("CARGO_BIN_EXE_inventory"),
+                "inventory_cli",
+                // Duplicates are logged at debug; the first test looks for them.
+                "info,sqlx=warn,inventory_service=debug",
+            )
+            .await,
+        )
     }
 
     fn serve(&self) -> Child {
@@ -72,11 +40,7 @@ impl Setup {
     fn serve_with(&self, extra: &[&str]) -> Child {
         let mut args = vec!["serve", "--ack-wait", "2s", "--shutdown-timeout", "60s"];
         args.extend_from_slice(extra);
-        self.command(&args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        self.spawn(&args)
     }
 
     async fn reserved(&self) -> i64 {
@@ -104,17 +68,7 @@ impl Setup {
     }
 
     async fn cleanup(self) {
-        let client = jetstream::connect(&nats_url(), "test cleanup")
-            .await
-            .unwrap();
-        let js = jetstream::context(client);
-        for name in [
-            format!("ORDERS_{}", self.suffix.to_uppercase()),
-            format!("ORDERS_DLQ_{}", self.suffix.to_uppercase()),
-        ] {
-            let _ = js.delete_stream(name).await;
-        }
-        self.db.remove().await.unwrap();
+        self.0.cleanup().await;
     }
 }
 
@@ -278,7 +232,8 @@ async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_email_strategy_mails_each_placed_order_once() {
     let setup = Setup::new().await;
-    let mailbox = std::env::temp_dir().join(format!("inventory-mailbox-{}.jsonl", setup.suffix));
+    let mailbox =
+        std::env::temp_dir().join(format!("inventory-mailbox-{}.jsonl", setup.names.suffix));
     let order = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
     setup.run(&[
         "publish",

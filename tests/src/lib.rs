@@ -7,6 +7,7 @@
 //! - [`pg_server`]: a PostgreSQL server of the test's own, to stop and restart mid-stream.
 //! - [`nats`]: NATS servers of the test's own (one, or a cluster of three) to stop, kill and
 //!   restart; the shared NATS server; per-test stream and subject names.
+//! - [`binary`]: the `inventory` binary run as a process on a test's database and streams.
 //! - [`broker`]: a test's own streams on a shared NATS server, and the service loop running
 //!   in-process on them.
 //! - [`tls`]: a throwaway CA and server certificates for TLS tests.
@@ -16,6 +17,7 @@
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod binary;
 pub mod broker;
 pub mod corpus;
 pub mod nats;

@@ -1,0 +1,100 @@
+//! The `inventory` binary run as a process against a test's own database and stream names: what
+//! the process-level tests of the service package share.
+
+use std::process::{Child, Command, Output, Stdio};
+
+use inventory_infra::db::FreshDatabase;
+use inventory_infra::jetstream;
+
+use crate::nats::{TestNames, unique_names};
+
+/// A fresh PostgreSQL database, stream names of the test's own, and the binary to run.
+pub struct BinaryRun {
+    pub db: FreshDatabase,
+    pub names: TestNames,
+    /// What the commands get as `DATABASE_URL`: the fresh database's, unless a test swaps it.
+    pub database_url: String,
+    nats_url: String,
+    binary: &'static str,
+    log_filter: &'static str,
+}
+
+impl BinaryRun {
+    /// `binary` is the service's `env!("CARGO_BIN_EXE_inventory")`; `log_filter` its `RUST_LOG`.
+    pub async fn new(binary: &'static str, label: &str, log_filter: &'static str) -> Self {
+        let server = crate::postgres::server_url().await;
+        let db = FreshDatabase::create(Some(&server), label, 4)
+            .await
+            .expect("a fresh database for the binary");
+        Self {
+            database_url: db.url.clone(),
+            db,
+            names: unique_names(""),
+            nats_url: crate::nats::shared_url().await,
+            binary,
+            log_filter,
+        }
+    }
+
+    /// The flags that point a command at the test's streams.
+    pub fn topology_args(&self) -> Vec<String> {
+        [
+            "--stream",
+            &self.names.stream,
+            "--subject-prefix",
+            &self.names.subject_prefix,
+            "--dlq-stream",
+            &self.names.dlq_stream,
+            "--dlq-subject-prefix",
+            &self.names.dlq_subject_prefix,
+        ]
+        .map(str::to_owned)
+        .into()
+    }
+
+    /// `inventory <args>`, with the test's streams for the commands that use NATS.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(self.binary);
+        command.args(args);
+        let first = args.first().copied().unwrap_or_default();
+        if ["serve", "publish", "dlq"].contains(&first) {
+            command.args(self.topology_args());
+        }
+        command
+            .env("DATABASE_URL", &self.database_url)
+            .env("NATS_URL", &self.nats_url)
+            .env("RUST_LOG", self.log_filter);
+        command
+    }
+
+    /// Runs a command to its end; it must succeed.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let output = self
+            .command(args)
+            .output()
+            .expect("the inventory binary runs");
+        assert!(output.status.success(), "{args:?}: {output:?}");
+        output
+    }
+
+    /// Starts a command with its output captured, e.g. `serve`.
+    pub fn spawn(&self, args: &[&str]) -> Child {
+        self.command(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the inventory binary starts")
+    }
+
+    /// Deletes the test's streams and drops its database.
+    pub async fn cleanup(self) {
+        let client = jetstream::connect(&self.nats_url, "test cleanup")
+            .await
+            .expect("NATS for the cleanup");
+        let js = jetstream::context(client);
+        for name in [&self.names.stream, &self.names.dlq_stream] {
+            let _ = js.delete_stream(name).await;
+        }
+        self.db.remove().await.expect("the database dropped");
+    }
+}
