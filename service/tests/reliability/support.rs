@@ -100,6 +100,7 @@ impl Scenario {
         Instance {
             child: Some(command.spawn().unwrap()),
             label: label.to_owned(),
+            log,
         }
     }
 
@@ -146,6 +147,7 @@ impl Drop for Scenario {
 pub(crate) struct Instance {
     child: Option<Child>,
     pub(crate) label: String,
+    log: PathBuf,
 }
 
 impl Instance {
@@ -168,8 +170,32 @@ impl Instance {
         }
     }
 
-    /// SIGTERM and wait for the drain; its exit status.
+    /// Waits for the "consuming" line in the instance's log. A SIGTERM that arrives before the
+    /// process has installed its handlers kills it like any Unix process, which says nothing
+    /// about the drain under test.
+    fn wait_until_consuming(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .contains("consuming")
+        {
+            assert!(
+                self.is_running(),
+                "instance {} exited while starting",
+                self.label
+            );
+            assert!(
+                Instant::now() < deadline,
+                "instance {} did not start consuming within 60 s",
+                self.label
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGTERM once it consumes, and wait for the drain; its exit status.
     pub(crate) fn terminate(mut self) -> ExitStatus {
+        self.wait_until_consuming();
         let mut child = self.child.take().expect("a running instance");
         let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
