@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::context::Context;
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::nats::{TestNames, unique_names};
+use nix::sys::signal::Signal;
 
 /// The binary under test: `INVENTORY_BIN` if set (e.g. a release build for the load figures),
 /// else the one cargo built for these tests.
@@ -100,7 +101,6 @@ impl Scenario {
         Instance {
             child: Some(command.spawn().unwrap()),
             label: label.to_owned(),
-            log,
         }
     }
 
@@ -147,7 +147,6 @@ impl Drop for Scenario {
 pub(crate) struct Instance {
     child: Option<Child>,
     pub(crate) label: String,
-    log: PathBuf,
 }
 
 impl Instance {
@@ -170,15 +169,11 @@ impl Instance {
         }
     }
 
-    /// Waits for the "consuming" line in the instance's log. A SIGTERM that arrives before the
-    /// process has installed its handlers kills it like any Unix process, which says nothing
-    /// about the drain under test.
-    fn wait_until_consuming(&mut self) {
+    /// Waits until the process catches SIGTERM. One that arrives before the handlers exist
+    /// kills the process like any other, which says nothing about the drain under test.
+    fn wait_until_it_catches_sigterm(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .contains("consuming")
-        {
+        while !catches_sigterm(self.pid()) {
             assert!(
                 self.is_running(),
                 "instance {} exited while starting",
@@ -186,19 +181,19 @@ impl Instance {
             );
             assert!(
                 Instant::now() < deadline,
-                "instance {} did not start consuming within 60 s",
+                "instance {} did not install its signal handlers within 60 s",
                 self.label
             );
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    /// SIGTERM once it consumes, and wait for the drain; its exit status.
+    /// SIGTERM once it catches it, and wait for the drain; its exit status.
     pub(crate) fn terminate(mut self) -> ExitStatus {
-        self.wait_until_consuming();
+        self.wait_until_it_catches_sigterm();
         let mut child = self.child.take().expect("a running instance");
         let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        nix::sys::signal::kill(pid, Signal::SIGTERM).unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -222,19 +217,24 @@ impl Drop for Instance {
     }
 }
 
-/// `VmRSS` and `VmHWM` (peak) of a process, in KiB, from `/proc/<pid>/status`.
-pub(crate) fn memory_kib(pid: u32) -> Option<(u64, u64)> {
+/// The first value of a line of `/proc/<pid>/status`, e.g. `VmRSS:`.
+fn proc_status(pid: u32, name: &str) -> Option<String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|line| line.starts_with(name))?
-            .split_whitespace()
-            .nth(1)?
-            .parse::<u64>()
-            .ok()
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
+    let line = status.lines().find(|line| line.starts_with(name))?;
+    Some(line.split_whitespace().nth(1)?.to_owned())
+}
+
+/// `VmRSS` and `VmHWM` (peak) of a process, in KiB.
+pub(crate) fn memory_kib(pid: u32) -> Option<(u64, u64)> {
+    let kib = |name| proc_status(pid, name)?.parse::<u64>().ok();
+    Some((kib("VmRSS:")?, kib("VmHWM:")?))
+}
+
+/// Whether the process has a handler for SIGTERM: bit 15 of the caught-signals mask.
+fn catches_sigterm(pid: u32) -> bool {
+    proc_status(pid, "SigCgt:")
+        .and_then(|mask| u64::from_str_radix(&mask, 16).ok())
+        .is_some_and(|mask| mask & (1 << (Signal::SIGTERM as u32 - 1)) != 0)
 }
 
 /// The seed of a randomised scenario: `CHAOS_SEED` to replay one, else a fresh one. Printed so
