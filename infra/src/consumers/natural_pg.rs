@@ -60,6 +60,11 @@ SELECT EXISTS (SELECT 1 FROM stock) AS book_found,
 /// A batch of placements in one statement, so one commit. Orders for a book whose stock cannot
 /// cover the whole batch's requests are left undecided here and decided one by one after, so a
 /// batch never rejects what one-by-one handling would have reserved.
+///
+/// stock_reservations is probed per placement (a LATERAL with LIMIT, a scalar subquery), never
+/// joined: a join planned while the table was small (a fresh database, before autovacuum's
+/// first ANALYZE) hashes the whole table on every batch as it grows, and a lane's prepared
+/// statement keeps that plan until the next ANALYZE. Seen: 7,000 instead of 16,000 messages/s.
 pub const RESERVE_BATCH_SQL: &str = "\
 WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[])
@@ -73,10 +78,12 @@ WITH input AS (
 ), fresh AS (
     SELECT DISTINCT ON (input.order_id, input.book_id) input.*
     FROM input JOIN books USING (book_id)
-    WHERE NOT EXISTS (
-        SELECT 1 FROM stock_reservations r
+    LEFT JOIN LATERAL (
+        SELECT true AS taken FROM stock_reservations r
         WHERE r.order_id = input.order_id AND r.book_id = input.book_id
-    )
+        LIMIT 1
+    ) existing ON true
+    WHERE existing.taken IS NULL
     ORDER BY input.order_id, input.book_id, input.idx
 ), guard AS (
     INSERT INTO order_states (order_id)
@@ -114,10 +121,10 @@ SELECT input.idx,
        books.book_id IS NOT NULL AS book_found,
        (SELECT inserted.status FROM inserted JOIN decided USING (order_id, book_id)
         WHERE decided.idx = input.idx) AS inserted_status,
-       r.quantity AS existing_quantity
+       (SELECT r.quantity FROM stock_reservations r
+        WHERE r.order_id = input.order_id AND r.book_id = input.book_id) AS existing_quantity
 FROM input
 LEFT JOIN books USING (book_id)
-LEFT JOIN stock_reservations r ON r.order_id = input.order_id AND r.book_id = input.book_id
 ORDER BY input.idx";
 
 /// The statement's snapshot predates a concurrent copy that committed while this one waited
