@@ -280,3 +280,57 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
 }
+
+/// The plan a lane's prepared statement may keep: generic, made on an empty table. It must probe
+/// stock_reservations by its key, not scan it, or every batch reads the whole table as it grows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_probe_reservations_by_key_even_in_a_generic_plan_of_an_empty_table() {
+    use inventory_infra::consumers::natural_pg::{RESERVE_BATCH_SQL, RESERVE_SQL};
+    use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
+
+    let db = TestDb::new(Backend::Postgres).await;
+    let txn = db.conn.begin().await.unwrap();
+    let plan = async |types: &str, sql: &str, arguments: &str| {
+        let name = format!("probe_{}", types.len());
+        for statement in [
+            "SET LOCAL plan_cache_mode = force_generic_plan".to_owned(),
+            format!("PREPARE {name} ({types}) AS {sql}"),
+        ] {
+            txn.execute_unprepared(&statement).await.unwrap();
+        }
+        let rows = txn
+            .query_all_raw(Statement::from_string(
+                DbBackend::Postgres,
+                format!("EXPLAIN EXECUTE {name} ({arguments})"),
+            ))
+            .await
+            .unwrap();
+        rows.iter()
+            .map(|row| row.try_get_by_index::<String>(0).unwrap())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let single = plan(
+        "uuid, uuid, int4, text",
+        RESERVE_SQL,
+        "gen_random_uuid(), gen_random_uuid(), 1, 'm'",
+    )
+    .await;
+    let batch = plan(
+        "uuid[], uuid[], int4[], text[], int4[]",
+        RESERVE_BATCH_SQL,
+        "ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], ARRAY[1], ARRAY['m'], ARRAY[0]",
+    )
+    .await;
+    for (statement, plan) in [("RESERVE_SQL", single), ("RESERVE_BATCH_SQL", batch)] {
+        assert!(
+            !plan.contains("Seq Scan on stock_reservations"),
+            "{statement} scans stock_reservations:\n{plan}"
+        );
+        assert!(
+            plan.contains("using pk_stock_reservations on stock_reservations"),
+            "{statement} never probes stock_reservations by key:\n{plan}"
+        );
+    }
+    txn.rollback().await.unwrap();
+}
