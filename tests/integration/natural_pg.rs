@@ -77,6 +77,42 @@ async fn one_statement_keeps_a_rejection_and_refuses_an_unknown_book() {
     assert_eq!(nothing, None);
 }
 
+/// Row versions and lockers of what a placement touches: any write or row lock changes them.
+async fn row_versions(db: &TestDb, message: &inventory_domain::Message) -> Vec<String> {
+    use sea_orm::{ConnectionTrait, DbBackend, Statement};
+    let order = message.event.order_id().as_uuid();
+    let sql = format!(
+        "SELECT (SELECT xmin || '/' || xmax FROM stock_items) || ' ' || \
+                (SELECT xmin || '/' || xmax FROM order_states WHERE order_id = '{order}') || ' ' || \
+                (SELECT xmin || '/' || xmax FROM stock_reservations WHERE order_id = '{order}')"
+    );
+    let row = db
+        .conn
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+        .await
+        .unwrap()
+        .unwrap();
+    let versions: String = row.try_get_by_index(0).unwrap();
+    versions.split(' ').map(str::to_owned).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_a_decided_placement_writes_and_locks_nothing() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(10).await;
+    let message = placed(book, 2);
+    assert!(handler.handle(&message).await.unwrap().processed());
+    let before = row_versions(&db, &message).await;
+    assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(
+        handler.handle(&with_new_id(&message)).await.unwrap(),
+        Outcome::Duplicate
+    );
+    let after = row_versions(&db, &message).await;
+    assert_eq!(before, after, "rows written or locked");
+    assert_eq!(db.reserved(book).await, 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_statement_lets_a_cancellation_that_came_first_win() {
     let (db, handler) = fixture().await;

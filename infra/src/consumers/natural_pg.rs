@@ -2,8 +2,9 @@
 //!
 //! The same rules as the reference handler in `natural.rs` (reservation key first, a
 //! cancellation that came first wins, a rejection is kept, an unknown book writes nothing), in
-//! one round trip: the statement locks the stock row, touches the order's state row, decides,
-//! inserts the reservation unless its key is taken, and moves stock only if that insert won.
+//! one round trip: the statement stops at a reservation already there; else it locks the stock
+//! row, touches the order's state row, decides, inserts the reservation unless its key is taken
+//! meanwhile, and moves stock only if that insert won.
 //! It commits on its own, so there is no open transaction between the steps. Each clone opens
 //! its own connection, so a consumer lane never borrows one from a pool (sqlx pings a pooled
 //! connection on every return) and prepared statements stay cached.
@@ -25,11 +26,15 @@ use super::{HandleError, MessageHandler, StockConsumer};
 use crate::faults::Faults;
 use crate::stock::stored;
 
-/// Locks the stock row (all copies of one book's orders queue there), then decides.
+/// Looks for the reservation first: a copy of a placement already decided reads and writes
+/// nothing (no lock, no transaction id, no WAL). Otherwise locks the stock row (all copies of
+/// one book's orders queue there), then decides.
 pub const RESERVE_SQL: &str = "\
-WITH stock AS (
+WITH existing AS (
+    SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2
+), stock AS (
     SELECT on_hand - reserved AS available
-    FROM stock_items WHERE book_id = $2
+    FROM stock_items WHERE book_id = $2 AND NOT EXISTS (SELECT 1 FROM existing)
     FOR UPDATE
 ), guard AS (
     INSERT INTO order_states (order_id)
@@ -51,11 +56,10 @@ WITH stock AS (
     UPDATE stock_items SET reserved = reserved + $3
     WHERE book_id = $2 AND EXISTS (SELECT 1 FROM inserted WHERE status = 'reserved')
 )
-SELECT EXISTS (SELECT 1 FROM stock) AS book_found,
+SELECT EXISTS (SELECT 1 FROM stock) OR EXISTS (SELECT 1 FROM existing) AS book_found,
        (SELECT status FROM inserted) AS inserted_status,
        (SELECT available FROM decided) AS available,
-       (SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2)
-           AS existing_quantity";
+       (SELECT quantity FROM existing) AS existing_quantity";
 
 /// A batch of placements in one statement, so one commit. Orders for a book whose stock cannot
 /// cover the whole batch's requests are left undecided here and decided one by one after, so a
