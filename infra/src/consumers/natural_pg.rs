@@ -69,6 +69,9 @@ SELECT EXISTS (SELECT 1 FROM stock) OR EXISTS (SELECT 1 FROM existing) AS book_f
 /// joined: a join planned while the table was small (a fresh database, before autovacuum's
 /// first ANALYZE) hashes the whole table on every batch as it grows, and a lane's prepared
 /// statement keeps that plan until the next ANALYZE. Seen: 7,000 instead of 16,000 messages/s.
+/// The per-placement results come from a materialized `outcome` joined once, not a subquery
+/// per input row: that one rescanned `inserted` and `decided` for every row, cubic in the
+/// batch size (28 ms for a batch of 64, 5 ms now).
 pub const RESERVE_BATCH_SQL: &str = "\
 WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[])
@@ -120,15 +123,18 @@ WITH input AS (
         GROUP BY inserted.book_id
     ) won
     WHERE stock_items.book_id = won.book_id
+), outcome AS MATERIALIZED (
+    SELECT decided.idx, inserted.status
+    FROM inserted JOIN decided USING (order_id, book_id)
 )
 SELECT input.idx,
        books.book_id IS NOT NULL AS book_found,
-       (SELECT inserted.status FROM inserted JOIN decided USING (order_id, book_id)
-        WHERE decided.idx = input.idx) AS inserted_status,
+       outcome.status AS inserted_status,
        (SELECT r.quantity FROM stock_reservations r
         WHERE r.order_id = input.order_id AND r.book_id = input.book_id) AS existing_quantity
 FROM input
 LEFT JOIN books USING (book_id)
+LEFT JOIN outcome USING (idx)
 ORDER BY input.idx";
 
 /// The statement's snapshot predates a concurrent copy that committed while this one waited
