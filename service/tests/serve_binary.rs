@@ -66,10 +66,6 @@ impl Setup {
         }
         panic!("never reserved {copies}; have {}", self.reserved().await);
     }
-
-    async fn cleanup(self) {
-        self.0.cleanup().await;
-    }
 }
 
 fn signal(child: &Child, name: &str) {
@@ -152,7 +148,6 @@ async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
     assert!(logs.contains("delivered=1"), "{logs}");
     assert!(logs.contains("outcome=\"duplicate\""), "{logs}");
     assert!(logs.contains("drained"), "{logs}");
-    setup.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,7 +221,6 @@ async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() 
             .success()
     );
     assert_eq!(setup.reserved().await, 2);
-    setup.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,5 +282,4 @@ async fn the_email_strategy_mails_each_placed_order_once() {
     );
     assert!(!String::from_utf8_lossy(&output.stderr).contains("dead-lettered"));
     std::fs::remove_file(&mailbox).unwrap();
-    setup.cleanup().await;
 }

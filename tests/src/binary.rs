@@ -3,14 +3,15 @@
 
 use std::process::{Child, Command, Output, Stdio};
 
-use inventory_infra::db::FreshDatabase;
 use inventory_infra::jetstream;
 
 use crate::nats::{TestNames, unique_names};
+use crate::{Backend, TestDb, run_to_end_from_drop};
 
-/// A fresh PostgreSQL database, stream names of the test's own, and the binary to run.
+/// A fresh PostgreSQL database, stream names of the test's own, and the binary to run; the
+/// database and the streams are removed when it is dropped, also by a failing test.
 pub struct BinaryRun {
-    pub db: FreshDatabase,
+    pub db: TestDb,
     pub names: TestNames,
     /// What the commands get as `DATABASE_URL`: the fresh database's, unless a test swaps it.
     pub database_url: String,
@@ -22,10 +23,7 @@ pub struct BinaryRun {
 impl BinaryRun {
     /// `binary` is the service's `env!("CARGO_BIN_EXE_inventory")`; `log_filter` its `RUST_LOG`.
     pub async fn new(binary: &'static str, label: &str, log_filter: &'static str) -> Self {
-        let server = crate::postgres::server_url().await;
-        let db = FreshDatabase::create(Some(&server), label, 4)
-            .await
-            .expect("a fresh database for the binary");
+        let db = TestDb::labelled(Backend::Postgres, label).await;
         Self {
             database_url: db.url.clone(),
             db,
@@ -85,16 +83,19 @@ impl BinaryRun {
             .spawn()
             .expect("the inventory binary starts")
     }
+}
 
-    /// Deletes the test's streams and drops its database.
-    pub async fn cleanup(self) {
-        let client = jetstream::connect(&self.nats_url, "test cleanup")
-            .await
-            .expect("NATS for the cleanup");
-        let js = jetstream::context(client);
-        for name in [&self.names.stream, &self.names.dlq_stream] {
-            let _ = js.delete_stream(name).await;
-        }
-        self.db.remove().await.expect("the database dropped");
+impl Drop for BinaryRun {
+    fn drop(&mut self) {
+        let nats_url = self.nats_url.clone();
+        let streams = [self.names.stream.clone(), self.names.dlq_stream.clone()];
+        run_to_end_from_drop(async move {
+            if let Ok(client) = jetstream::connect(&nats_url, "test cleanup").await {
+                let js = jetstream::context(client);
+                for name in &streams {
+                    let _ = js.delete_stream(name).await;
+                }
+            }
+        });
     }
 }

@@ -54,11 +54,16 @@ pub struct TestDb {
 
 impl TestDb {
     pub async fn new(backend: Backend) -> Self {
+        Self::labelled(backend, "inventory_test").await
+    }
+
+    /// A fresh database whose name starts with `label`, to tell whose it is.
+    pub async fn labelled(backend: Backend, label: &str) -> Self {
         let server = match backend {
             Backend::Sqlite => None,
             Backend::Postgres => Some(postgres::server_url().await),
         };
-        let fresh = FreshDatabase::create(server.as_deref(), "inventory_test", 10)
+        let fresh = FreshDatabase::create(server.as_deref(), label, 10)
             .await
             .expect("a fresh test database");
         Self {
@@ -121,16 +126,23 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         if let Some(fresh) = self.fresh.take() {
-            // Dropping a database needs async I/O; Drop has none, so borrow a thread.
-            let _ = std::thread::spawn(move || {
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map(|runtime| runtime.block_on(fresh.remove()))
-            })
-            .join();
+            run_to_end_from_drop(async move {
+                let _ = fresh.remove().await;
+            });
         }
     }
+}
+
+/// Runs async clean-up from a `Drop`, which has no runtime to await on: on a thread of its
+/// own with a runtime of its own, waiting for it to finish.
+pub(crate) fn run_to_end_from_drop(work: impl Future<Output = ()> + Send + 'static) {
+    let _ = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map(|runtime| runtime.block_on(work))
+    })
+    .join();
 }
 
 pub fn placed(book_id: BookId, quantity: i64) -> Message {
