@@ -49,7 +49,17 @@ async fn kill_9_at_random_moments_neither_loses_nor_doubles_a_reservation() {
     while !producer.is_finished() || kills < MIN_KILLS {
         tokio::time::sleep(Duration::from_millis(rng.random_range(300..1_200))).await;
         let victim = rng.random_range(0..instances.len());
-        let state = stream_state(&js, &scenario.topology, &scenario.names.consumer).await;
+        // The instances drain each burst faster than it is published: wait (briefly) for one
+        // in flight, so the kill interrupts work rather than an idle consumer.
+        let mut state = stream_state(&js, &scenario.topology, &scenario.names.consumer).await;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while state.as_ref().is_some_and(|state| state.settled())
+            && !producer.is_finished()
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            state = stream_state(&js, &scenario.topology, &scenario.names.consumer).await;
+        }
         instances[victim].kill9();
         kills += 1;
         if state.is_some_and(|state| !state.settled()) {
