@@ -2,9 +2,11 @@
 //! service loop into PostgreSQL, acked after commit; messages per second from the first fetch
 //! to the last ack.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
+use async_nats::jetstream::consumer::PullConsumer;
 use futures::StreamExt;
 use inventory_domain::{
     BookId, ConsumerName, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced, Quantity,
@@ -13,11 +15,13 @@ use inventory_domain::{
 use inventory_infra::consumers::natural_pg::PgNaturalKey;
 use inventory_infra::db::FreshDatabase;
 use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, OrderPublisher, Topology};
-use inventory_infra::{StockConsumer, StockRepository, Strategy};
+use inventory_infra::{MessageHandler, StockConsumer, StockRepository, Strategy};
+use sea_orm::DatabaseConnection;
 use serde::Serialize;
+use tokio::task::JoinHandle;
 
 use crate::args::NatsArgs;
-use crate::serve::{self, NaturalHandlerArg, ServeSettings, Shutdown, Worker};
+use crate::serve::{self, Ending, NaturalHandlerArg, ServeSettings, Shutdown, Stats, Worker};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EndToEndArgs {
@@ -198,21 +202,11 @@ async fn publish_and_consume(
         NaturalHandlerArg::OneStatement => {
             let handler = PgNaturalKey::new(reference).context("PostgreSQL expected")?;
             let worker = Worker::new(handler, dead_letters, serve_settings);
-            let stats = worker.stats.clone();
-            let (consumer, db, shutdown) = (consumer.clone(), fresh.conn.clone(), shutdown.clone());
-            let task = tokio::spawn(async move {
-                serve::run(&consumer, worker, db, shutdown, Duration::from_secs(30)).await
-            });
-            (stats, task)
+            spawn_loop(worker, &consumer, &fresh.conn, &shutdown)
         }
         NaturalHandlerArg::Orm => {
             let worker = Worker::new(reference, dead_letters, serve_settings);
-            let stats = worker.stats.clone();
-            let (consumer, db, shutdown) = (consumer.clone(), fresh.conn.clone(), shutdown.clone());
-            let task = tokio::spawn(async move {
-                serve::run(&consumer, worker, db, shutdown, Duration::from_secs(30)).await
-            });
-            (stats, task)
+            spawn_loop(worker, &consumer, &fresh.conn, &shutdown)
         }
     };
     use std::sync::atomic::Ordering::Relaxed;
@@ -251,6 +245,21 @@ async fn publish_and_consume(
         seconds,
         messages_per_second: total as f64 / seconds,
     })
+}
+
+/// Runs the service's consumer loop with `worker` in a task of its own; its counters beside it.
+fn spawn_loop<H: MessageHandler>(
+    worker: Worker<H>,
+    consumer: &PullConsumer,
+    db: &DatabaseConnection,
+    shutdown: &Shutdown,
+) -> (Arc<Stats>, JoinHandle<Result<Ending>>) {
+    let stats = worker.stats.clone();
+    let (consumer, db, shutdown) = (consumer.clone(), db.clone(), shutdown.clone());
+    let task = tokio::spawn(async move {
+        serve::run(&consumer, worker, db, shutdown, Duration::from_secs(30)).await
+    });
+    (stats, task)
 }
 
 /// The pgbench script that runs the one-statement handler's own SQL (`RESERVE_SQL`) with fresh
