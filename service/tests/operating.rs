@@ -7,6 +7,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use inventory_domain::BookId;
 use inventory_tests::binary::BinaryRun;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
@@ -343,9 +344,8 @@ async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
     assert!(String::from_utf8_lossy(&replayed.stdout).contains("replayed dead letter"));
     let deadline = Instant::now() + Duration::from_secs(20);
     while setup
-        .scalar(&format!(
-            "SELECT reserved::bigint FROM stock_items WHERE book_id = '{UNKNOWN_BOOK}'"
-        ))
+        .db
+        .reserved(BookId::parse(UNKNOWN_BOOK).unwrap())
         .await
         != 1
     {
@@ -431,13 +431,7 @@ async fn secrets_never_reach_the_logs_or_help() {
     ]);
     setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while setup
-        .scalar(&format!(
-            "SELECT reserved::bigint FROM stock_items WHERE book_id = '{BOOK}'"
-        ))
-        .await
-        != 2
-    {
+    while setup.db.reserved(BookId::parse(BOOK).unwrap()).await != 2 {
         assert!(Instant::now() < deadline, "the order was never reserved");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -4,6 +4,7 @@
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use inventory_domain::BookId;
 use inventory_tests::binary::BinaryRun;
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 
@@ -44,17 +45,7 @@ impl Setup {
     }
 
     async fn reserved(&self) -> i64 {
-        let row = self
-            .db
-            .conn
-            .query_one_raw(Statement::from_string(
-                DbBackend::Postgres,
-                format!("SELECT reserved FROM stock_items WHERE book_id = '{BOOK}'"),
-            ))
-            .await
-            .unwrap()
-            .unwrap();
-        row.try_get::<i32>("", "reserved").unwrap().into()
+        self.db.reserved(BookId::parse(BOOK).unwrap()).await
     }
 
     async fn wait_for_reserved(&self, copies: i64) {
