@@ -24,14 +24,7 @@ async fn a_cluster_losing_its_stream_leader_mid_stream_loses_nothing() {
     let workload = Workload::new(&books, ORDERS, ORDERS / 5, ORDERS / 10, 13);
     let total = workload.sends.len() as u64;
     let instances = [scenario.spawn("a"), scenario.spawn("b")];
-    let producer = tokio::spawn({
-        let js = js.clone();
-        let topology = scenario.topology.clone();
-        let sends = workload.sends.clone();
-        async move {
-            workload::publish(&js, &topology, &sends, 64, 300, Duration::from_millis(200)).await
-        }
-    });
+    let producer = scenario.start_producer(&js, &workload.sends, 300, Duration::from_millis(200));
 
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {

@@ -34,15 +34,8 @@ async fn kill_9_at_random_moments_neither_loses_nor_doubles_a_reservation() {
 
     let mut instances = [scenario.spawn("a"), scenario.spawn("b")];
     let started = Instant::now();
-    let producer = tokio::spawn({
-        let js = js.clone();
-        let topology = scenario.topology.clone();
-        let sends = workload.sends.clone();
-        // About 15 s of publishing, so the kills land while messages flow.
-        async move {
-            workload::publish(&js, &topology, &sends, 64, 400, Duration::from_millis(350)).await
-        }
-    });
+    // About 15 s of publishing, so the kills land while messages flow.
+    let producer = scenario.start_producer(&js, &workload.sends, 400, Duration::from_millis(350));
 
     let mut kills = 0;
     let mut mid_stream = 0;

@@ -86,14 +86,7 @@ async fn postgres_restarted_twice_mid_stream_under_two_instances() {
     let workload = Workload::new(&books, ORDERS, ORDERS / 5, ORDERS / 10, 7);
     let total = workload.sends.len() as u64;
     let instances = [scenario.spawn("a"), scenario.spawn("b")];
-    let producer = tokio::spawn({
-        let js = js.clone();
-        let topology = scenario.topology.clone();
-        let sends = workload.sends.clone();
-        async move {
-            workload::publish(&js, &topology, &sends, 64, 300, Duration::from_millis(200)).await
-        }
-    });
+    let producer = scenario.start_producer(&js, &workload.sends, 300, Duration::from_millis(200));
 
     until_acked(&js, &scenario, total, 0.2).await;
     server.stop().await;
@@ -129,14 +122,7 @@ async fn nats_stopped_then_killed_mid_stream_under_two_instances() {
     let workload = Workload::new(&books, ORDERS, ORDERS / 5, ORDERS / 10, 11);
     let total = workload.sends.len() as u64;
     let instances = [scenario.spawn("a"), scenario.spawn("b")];
-    let producer = tokio::spawn({
-        let js = js.clone();
-        let topology = scenario.topology.clone();
-        let sends = workload.sends.clone();
-        async move {
-            workload::publish(&js, &topology, &sends, 64, 300, Duration::from_millis(200)).await
-        }
-    });
+    let producer = scenario.start_producer(&js, &workload.sends, 300, Duration::from_millis(200));
 
     until_acked(&js, &scenario, total, 0.2).await;
     // A clean shutdown, then a crash: SIGKILL loses whatever the server had not written.

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::context::Context;
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::nats::{TestNames, unique_names};
+use inventory_tests::workload;
 use nix::sys::signal::Signal;
+use tokio::task::JoinHandle;
 
 /// The binary under test: `INVENTORY_BIN` if set (e.g. a release build for the load figures),
 /// else the one cargo built for these tests.
@@ -66,6 +68,21 @@ impl Scenario {
             .await
             .unwrap();
         (client, js)
+    }
+
+    /// Publishes `sends` to the scenario's stream in the background, `chunk` at a time with
+    /// `pause` between chunks (see [`workload::publish`]), so faults land while messages flow.
+    pub(crate) fn start_producer(
+        &self,
+        js: &Context,
+        sends: &[workload::Send],
+        chunk: usize,
+        pause: Duration,
+    ) -> JoinHandle<()> {
+        let (js, topology, sends) = (js.clone(), self.topology.clone(), sends.to_vec());
+        tokio::spawn(
+            async move { workload::publish(&js, &topology, &sends, 64, chunk, pause).await },
+        )
     }
 
     /// Starts `inventory serve --strategy natural` on the scenario's consumer.
