@@ -229,7 +229,7 @@ impl DuplicateStream {
             quantity: Quantity::new(1)?,
             yielded: 0,
             fresh: Vec::new(),
-            random: SplitMix64(seed),
+            random: SplitMix64::new(seed),
         })
     }
 
@@ -242,7 +242,7 @@ impl DuplicateStream {
         let is_copy = (index + 1) * self.percent / 100 > index * self.percent / 100;
         if is_copy && !self.fresh.is_empty() {
             let len = self.fresh.len() as u64;
-            let pick = usize::try_from(self.random.next() % len).unwrap_or(0);
+            let pick = usize::try_from(self.random.below(len)).unwrap_or(0);
             let original = &self.fresh[pick];
             let message = match self.copy {
                 CopyKind::SameMessage => original.clone(),
@@ -271,16 +271,40 @@ impl DuplicateStream {
     }
 }
 
-/// SplitMix64: a small generator, seeded, the same on every platform.
-struct SplitMix64(u64);
+/// SplitMix64: a few lines, and the same numbers for a seed on every platform and release,
+/// which a library's generator does not promise across versions.
+pub struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn next(&mut self) -> u64 {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+
+    /// A number below `bound`; the modulo bias is negligible for the small bounds used here.
+    pub fn below(&mut self, bound: u64) -> u64 {
+        self.next_u64() % bound.max(1)
+    }
+
+    pub fn uuid(&mut self) -> uuid::Uuid {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&self.next_u64().to_le_bytes());
+        bytes[8..].copy_from_slice(&self.next_u64().to_le_bytes());
+        uuid::Builder::from_random_bytes(bytes).into_uuid()
+    }
+
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = usize::try_from(self.below(i as u64 + 1)).unwrap_or(i);
+            items.swap(i, j);
+        }
     }
 }
 

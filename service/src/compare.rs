@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail, ensure};
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::Stream as JsStream;
+use inventory_benches::workload::SplitMix64;
 use inventory_domain::{
     BookId, ConsumerName, CrashPoint, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced,
     Outcome, Quantity, StockItem,
@@ -220,39 +221,6 @@ impl Settings {
     }
 }
 
-/// SplitMix64: a few lines, and the same numbers for a seed on every platform and release,
-/// which a library's generator does not promise across versions.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A number below `bound`; the modulo bias is negligible for the small bounds used here.
-    fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound.max(1)
-    }
-
-    fn uuid(&mut self) -> uuid::Uuid {
-        let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&self.next().to_le_bytes());
-        bytes[8..].copy_from_slice(&self.next().to_le_bytes());
-        uuid::Builder::from_random_bytes(bytes).into_uuid()
-    }
-
-    fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = usize::try_from(self.below(i as u64 + 1)).unwrap_or(i);
-            items.swap(i, j);
-        }
-    }
-}
-
 /// The one fault an order's consumers see, besides the same-id resend the stream drops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -303,7 +271,7 @@ fn share(rate: f64, orders: usize) -> usize {
 
 impl Workload {
     pub fn generate(settings: &Settings) -> Result<Self> {
-        let mut rng = SplitMix64(settings.seed);
+        let mut rng = SplitMix64::new(settings.seed);
         let books: Vec<BookId> = (0..settings.books).map(|_| rng.uuid().into()).collect();
         let count = usize::try_from(settings.orders)?;
         let mut orders = Vec::with_capacity(count);
