@@ -12,7 +12,7 @@ use inventory_infra::{
     EMAIL_CONSUMER, EmailConsumer, Faults, FileMailbox, HandleError, InMemoryEmailProvider,
     MailboxError,
 };
-use inventory_tests::{TestDb, on_both_backends, placed};
+use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 
 fn email_consumer<P: EmailProvider + Clone>(
     db: &TestDb,
@@ -51,14 +51,10 @@ async fn email_crash_after_send_needs_reconciliation_not_a_resend(db: TestDb) {
     let provider = InMemoryEmailProvider::without_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
     let message = placed(db.dune(10).await, 2);
-    let crashed = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        crashed,
-        Err(HandleError::Crashed(CrashPoint::AfterSend))
-    ));
+    crash_at(&message, CrashPoint::AfterSend, |faults| {
+        consumer.with_faults(faults)
+    })
+    .await;
     let record = db
         .stock
         .inbox_entry(&message.key.storage_key(), EMAIL_CONSUMER)
@@ -133,14 +129,10 @@ async fn email_crash_after_send_with_lookup_is_reconciled_without_a_resend(db: T
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
     let message = placed(db.dune(10).await, 2);
     let key = message.key.storage_key();
-    let crashed = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        crashed,
-        Err(HandleError::Crashed(CrashPoint::AfterSend))
-    ));
+    crash_at(&message, CrashPoint::AfterSend, |faults| {
+        consumer.with_faults(faults)
+    })
+    .await;
     assert!(!completed(&db, &key).await);
     assert_eq!(
         consumer.handle(&message).await.unwrap(),
@@ -156,14 +148,10 @@ async fn email_crash_after_claim_with_lookup_sends_once_on_redelivery(db: TestDb
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
     let message = placed(db.dune(10).await, 2);
     let key = message.key.storage_key();
-    let crashed = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterDedupCheck))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        crashed,
-        Err(HandleError::Crashed(CrashPoint::AfterDedupCheck))
-    ));
+    crash_at(&message, CrashPoint::AfterDedupCheck, |faults| {
+        consumer.with_faults(faults)
+    })
+    .await;
     assert_eq!(provider.sent_count(), 0);
     assert!(!completed(&db, &key).await, "claimed, nothing sent");
     assert_eq!(
@@ -183,22 +171,14 @@ async fn email_crash_after_a_reconciling_send_is_reconciled_next(db: TestDb) {
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
     let message = placed(db.dune(10).await, 2);
     let key = message.key.storage_key();
-    let first = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterDedupCheck))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        first,
-        Err(HandleError::Crashed(CrashPoint::AfterDedupCheck))
-    ));
-    let second = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        second,
-        Err(HandleError::Crashed(CrashPoint::AfterSend))
-    ));
+    crash_at(&message, CrashPoint::AfterDedupCheck, |faults| {
+        consumer.with_faults(faults)
+    })
+    .await;
+    crash_at(&message, CrashPoint::AfterSend, |faults| {
+        consumer.with_faults(faults)
+    })
+    .await;
     assert_eq!(provider.sent_count(), 1);
     assert!(!completed(&db, &key).await);
     assert_eq!(
@@ -320,14 +300,10 @@ async fn email_with_a_file_mailbox_is_reconciled_after_a_restart(db: TestDb) {
     {
         let mailbox = FileMailbox::open(&file.0).await.unwrap();
         let consumer = email_consumer(&db, EMAIL_CONSUMER, mailbox);
-        let crashed = consumer
-            .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
-            .handle(&message)
-            .await;
-        assert!(matches!(
-            crashed,
-            Err(HandleError::Crashed(CrashPoint::AfterSend))
-        ));
+        crash_at(&message, CrashPoint::AfterSend, |faults| {
+            consumer.with_faults(faults)
+        })
+        .await;
         // The process dies here: the consumer and its mailbox go away.
     }
     assert!(!completed(&db, &key).await);

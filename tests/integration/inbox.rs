@@ -1,8 +1,8 @@
 //! The inbox, in each of its three duplicate-detection modes.
 
 use inventory_domain::{CrashPoint, DeadLetterReason, Effect, Event, Outcome, Quantity};
-use inventory_infra::{DetectMode, Faults, HandleError, StockConsumer, Strategy};
-use inventory_tests::{TestDb, cancelled, on_both_backends, placed, with_new_id};
+use inventory_infra::{DetectMode, HandleError, StockConsumer, Strategy};
+use inventory_tests::{TestDb, cancelled, crash_at, on_both_backends, placed, with_new_id};
 
 use crate::two_copies;
 
@@ -49,11 +49,7 @@ async fn inbox_crash_at_any_point_then_redelivery_reserves_once(db: TestDb) {
         ] {
             let book = db.dune(10).await;
             let message = placed(book, 2);
-            let crashed = consumer
-                .with_faults(Faults::crash_once_at(point))
-                .handle(&message)
-                .await;
-            assert!(matches!(crashed, Err(HandleError::Crashed(at)) if at == point));
+            crash_at(&message, point, |faults| consumer.with_faults(faults)).await;
             let committed = point == CrashPoint::AfterCommit;
             assert_eq!(db.reserved(book).await, if committed { 2 } else { 0 });
             let redelivered = consumer.handle(&message).await.unwrap();

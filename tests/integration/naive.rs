@@ -1,8 +1,8 @@
 //! The strategies without an inbox transaction: naive and check-then-process.
 
 use inventory_domain::{CrashPoint, Outcome};
-use inventory_infra::{Faults, HandleError, Strategy};
-use inventory_tests::{TestDb, on_both_backends, placed};
+use inventory_infra::Strategy;
+use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 
 use crate::two_copies;
 
@@ -42,14 +42,10 @@ async fn check_then_process_crash_after_commit_reserves_twice(db: TestDb) {
     let book = db.dune(10).await;
     let consumer = db.consumer(Strategy::CheckThenProcess);
     let message = placed(book, 2);
-    let crashed = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        crashed,
-        Err(HandleError::Crashed(CrashPoint::AfterCommit))
-    ));
+    crash_at(&message, CrashPoint::AfterCommit, |faults| {
+        consumer.with_faults(faults)
+    })
+    .await;
     let key = message.key.storage_key();
     let record = db
         .stock

@@ -5,7 +5,7 @@ use inventory_domain::{
 };
 use inventory_infra::{Faults, HandleError, Strategy};
 use inventory_tests::{
-    Backend, TestDb, cancelled, on_both_backends, placed, placed_for, with_new_id,
+    Backend, TestDb, cancelled, crash_at, on_both_backends, placed, placed_for, with_new_id,
 };
 
 use crate::two_copies;
@@ -138,11 +138,7 @@ async fn natural_key_crash_at_any_point_then_redelivery_reserves_once(db: TestDb
     ] {
         let book = db.dune(10).await;
         let message = placed(book, 2);
-        let crashed = consumer
-            .with_faults(Faults::crash_once_at(point))
-            .handle(&message)
-            .await;
-        assert!(matches!(crashed, Err(HandleError::Crashed(at)) if at == point));
+        crash_at(&message, point, |faults| consumer.with_faults(faults)).await;
         consumer.handle(&message).await.unwrap();
         assert_eq!(db.reserved(book).await, 2, "{point:?}");
     }

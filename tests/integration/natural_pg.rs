@@ -4,8 +4,8 @@ use inventory_domain::{
     BookId, CrashPoint, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
 use inventory_infra::consumers::natural_pg::PgNaturalKey;
-use inventory_infra::{Faults, HandleError, MessageHandler, Strategy};
-use inventory_tests::{Backend, TestDb, cancelled, placed, placed_for, with_new_id};
+use inventory_infra::{MessageHandler, Strategy};
+use inventory_tests::{Backend, TestDb, cancelled, crash_at, placed, placed_for, with_new_id};
 
 async fn fixture() -> (TestDb, PgNaturalKey) {
     let db = TestDb::new(Backend::Postgres).await;
@@ -187,14 +187,10 @@ async fn a_crash_after_the_statement_is_a_duplicate_on_redelivery() {
     let (db, handler) = fixture().await;
     let book = db.dune(10).await;
     let message = placed(book, 2);
-    let crashed = handler
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
-        .handle(&message)
-        .await;
-    assert!(matches!(
-        crashed,
-        Err(HandleError::Crashed(CrashPoint::AfterCommit))
-    ));
+    crash_at(&message, CrashPoint::AfterCommit, |faults| {
+        handler.with_faults(faults)
+    })
+    .await;
     assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(db.reserved(book).await, 2);
 }

@@ -30,11 +30,13 @@ pub mod workload;
 use std::time::Duration;
 
 use inventory_domain::{
-    BookId, ConsumerName, DedupKey, Event, Message, MessageId, OrderCancelled, OrderId,
+    BookId, ConsumerName, CrashPoint, DedupKey, Event, Message, MessageId, OrderCancelled, OrderId,
     OrderPlaced, Quantity, StockItem,
 };
 use inventory_infra::db::{DatabaseConnection, FreshDatabase};
-use inventory_infra::{StockConsumer, StockRepository, Strategy};
+use inventory_infra::{
+    Faults, HandleError, MessageHandler, StockConsumer, StockRepository, Strategy,
+};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +145,22 @@ pub(crate) fn run_to_end_from_drop(work: impl Future<Output = ()> + Send + 'stat
             .map(|runtime| runtime.block_on(work))
     })
     .join();
+}
+
+/// Handles `message` with the handler `with_faults` makes to die once at `point`, and checks
+/// that the crash came back as the error: where the redelivery tests start.
+pub async fn crash_at<H: MessageHandler>(
+    message: &Message,
+    point: CrashPoint,
+    with_faults: impl FnOnce(Faults) -> H,
+) {
+    let result = with_faults(Faults::crash_once_at(point))
+        .handle(message)
+        .await;
+    assert!(
+        matches!(result, Err(HandleError::Crashed(at)) if at == point),
+        "expected a crash at {point:?}, got {result:?}"
+    );
 }
 
 pub fn placed(book_id: BookId, quantity: i64) -> Message {
