@@ -140,19 +140,11 @@ impl Drop for Broker {
             self.topology.stream.clone(),
             self.topology.dlq_stream.clone(),
         ];
-        let _ = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map(|runtime| {
-                    runtime.block_on(async {
-                        for name in names {
-                            let _ = js.delete_stream(name).await;
-                        }
-                    })
-                })
-        })
-        .join();
+        crate::run_to_end_from_drop(async move {
+            for name in names {
+                let _ = js.delete_stream(name).await;
+            }
+        });
     }
 }
 
