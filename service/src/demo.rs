@@ -378,9 +378,13 @@ impl Lab {
         })
     }
 
-    async fn email_crash_after_send(&self) -> Result<ScenarioLine> {
+    /// An email consumer on `provider` dies right after its send; the message is redelivered.
+    /// Whether it died there, the redelivery's outcome, and the message.
+    async fn email_crashed_after_send_then_redelivered(
+        &self,
+        provider: &InMemoryEmailProvider,
+    ) -> Result<(bool, Outcome, Message)> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let provider = InMemoryEmailProvider::without_lookup();
         let consumer = EmailConsumer::new(self.db.clone(), name(EMAIL_CONSUMER)?, provider.clone());
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
@@ -388,6 +392,14 @@ impl Lab {
             .handle(&message)
             .await;
         let second = consumer.handle(&message).await?;
+        Ok((crashed_at(&crashed, CrashPoint::AfterSend), second, message))
+    }
+
+    async fn email_crash_after_send(&self) -> Result<ScenarioLine> {
+        let provider = InMemoryEmailProvider::without_lookup();
+        let (crashed_after_send, second, _) = self
+            .email_crashed_after_send_then_redelivered(&provider)
+            .await?;
         let sent = provider.sent_count();
         let needs_reconciliation = matches!(&second, Outcome::Refused(refusal)
             if refusal.reason == DeadLetterReason::NeedsReconciliation);
@@ -401,24 +413,17 @@ impl Lab {
             text: format!(
                 "crash after send, redelivered -> emails sent: {sent}, second delivery: {second_label}"
             ),
-            as_expected: crashed_at(&crashed, CrashPoint::AfterSend)
-                && sent == 1
-                && needs_reconciliation,
+            as_expected: crashed_after_send && sent == 1 && needs_reconciliation,
         })
     }
 
     /// The same crash, with a provider that can say whether mail under a key went out: the
     /// redelivery completes the record instead of asking a person.
     async fn email_reconciled_by_lookup(&self) -> Result<ScenarioLine> {
-        let book = self.dune(DUNE_ON_HAND).await?;
         let provider = InMemoryEmailProvider::with_lookup();
-        let consumer = EmailConsumer::new(self.db.clone(), name(EMAIL_CONSUMER)?, provider.clone());
-        let message = order_placed(book, ORDER_QUANTITY)?;
-        let crashed = consumer
-            .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
-            .handle(&message)
-            .await;
-        let second = consumer.handle(&message).await?;
+        let (crashed_after_send, second, message) = self
+            .email_crashed_after_send_then_redelivered(&provider)
+            .await?;
         let sent = provider.sent_count();
         let completed = self
             .stock
@@ -431,7 +436,7 @@ impl Lab {
                 "provider answers lookups by idempotency key: crash after send, redelivered -> emails sent: {sent}, second delivery: {}",
                 second.label()
             ),
-            as_expected: crashed_at(&crashed, CrashPoint::AfterSend)
+            as_expected: crashed_after_send
                 && sent == 1
                 && second == Outcome::Processed(Effect::EmailReconciled)
                 && completed,
