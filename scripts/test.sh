@@ -69,13 +69,19 @@ fast=$(mktemp)
 slow=$(mktemp)
 trap 'rm -f "$fast" "$slow"' EXIT
 
+# The process-level tests run the binaries (`inventory`, and `inventory-study` behind its
+# demo/compare/bench): a test target cannot ask cargo for another package's binary, so build
+# them first.
+log "cargo build --workspace --bins"
+cargo build --workspace --bins --locked
+
 log "cargo test --workspace"
 set +e
 cargo test --workspace --locked "$@" 2>&1 | tee "$fast"
 status=${PIPESTATUS[0]}
 set -e
 
-# The slow tier: the ignored tests of service/tests/reliability (kill -9, outages, the cluster,
+# The slow tier: the ignored tests of tests/reliability (kill -9, outages, the cluster,
 # the load run), one at a time so the load figures are the load run's own, figures printed.
 # Skipped when the fast tier failed, or with SKIP_SLOW_TIER=1.
 if [ "$status" -eq 0 ] && [ "${SKIP_SLOW_TIER:-0}" != 1 ]; then

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use inventory_service::bench_e2e::{self, EndToEndArgs};
+use inventory_benches::bench_e2e::{self, EndToEndArgs};
 use tokio::runtime::Runtime;
 
 /// Orders per run: enough that start-up is a small share of a run.

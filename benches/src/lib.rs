@@ -1,15 +1,28 @@
-//! What the criterion benchmarks and `inventory bench` share: the modes measured, the messages
-//! they handle, and the chart drawn from criterion's results.
+//! The study and the measurements: everything `inventory demo`, `inventory compare` and
+//! `inventory bench …` run, and what the criterion benchmarks share. The serving path
+//! (`inventory-service`) knows none of it; this crate depends on it, never the other way round,
+//! so the production binary links no study, no chart and no criterion parser. Its binary,
+//! `inventory-study`, is what `inventory demo|compare|bench` hand their arguments to.
 //!
 //! # Layout
-//! - [`workload`]: the dedup modes and strategies as handlers, stock that never runs out, and a
-//!   deterministic stream of fresh messages and copies of already-handled ones.
+//! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
+//! - [`compare`]: every strategy end to end through JetStream on one workload.
+//! - [`bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
+//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench script beside it.
+//! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
+//!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
+//! - [`cli`]: the `inventory-study` command line.
 //!
-//! The benchmarks themselves are in `benches/`: `dedup_cost` (the inbox's three detection modes
-//! and the natural key at 0–90 % duplicates) and `strategies` (fresh messages on 1, 4 and 16
-//! connections).
+//! The criterion benchmarks themselves are in `benches/`: `dedup_cost` (the inbox's three
+//! detection modes and the natural key at 0–90 % duplicates), `strategies` (fresh messages on 1,
+//! 4 and 16 connections) and `end_to_end` (through JetStream and the service's runtime).
 
+pub mod bench;
+pub mod bench_e2e;
 pub mod chart;
+pub mod cli;
+pub mod compare;
+pub mod demo;
 pub mod workload;

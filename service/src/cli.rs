@@ -12,7 +12,7 @@ use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
-use crate::{bench, compare, demo, dlq, publish, serve};
+use crate::{dlq, publish, serve, study};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -29,12 +29,9 @@ pub struct Cli {
 pub enum Command {
     /// Replays every scenario of the idempotent-consumer study against a fresh database and
     /// prints one line per scenario, then a comparison table. Exits 0 only if all came out as
-    /// expected.
-    Demo {
-        /// Server for the fresh database (postgres://…); embedded SQLite when absent.
-        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-        database_url: Option<String>,
-    },
+    /// expected. [the study binary]
+    #[command(disable_help_flag = true)]
+    Demo(study::Forwarded),
     /// Applies the migrations to the database.
     Migrate {
         #[command(flatten)]
@@ -60,15 +57,13 @@ pub enum Command {
     /// Publishes OrderPlaced or OrderCancelled, one or many.
     Publish(publish::PublishArgs),
     /// Runs one workload with every kind of duplicate through JetStream into each strategy and
-    /// prints expected versus actual reserved copies. Exits 0 only if the inbox and the natural
-    /// key came out as the workload predicts.
-    Compare(compare::CompareArgs),
+    /// prints expected versus actual reserved copies. [the study binary]
+    #[command(disable_help_flag = true)]
+    Compare(study::Forwarded),
     /// Measurements: end to end through JetStream, what each dedup mode costs PostgreSQL,
-    /// criterion's results as a chart.
-    Bench {
-        #[command(subcommand)]
-        command: bench::BenchCommand,
-    },
+    /// criterion's results as a chart. [the study binary]
+    #[command(disable_help_flag = true)]
+    Bench(study::Forwarded),
 }
 
 #[derive(Debug, Subcommand)]
@@ -152,15 +147,7 @@ const COMMAND_POOL: u32 = 2;
 
 pub async fn run(cli: Cli) -> Result<bool> {
     match cli.command {
-        Command::Demo { database_url } => {
-            let report = demo::run(database_url.as_deref()).await?;
-            print!("{}", report.render());
-            let ok = report.all_as_expected();
-            if !ok {
-                eprintln!("error: some scenarios did not come out as the study predicts");
-            }
-            Ok(ok)
-        }
+        Command::Demo(args) => study::forward("demo", args),
         Command::Migrate { database } => {
             let conn = db::connect(&database.database_url, COMMAND_POOL)
                 .await
@@ -202,8 +189,8 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Dlq { command } => run_dlq(command).await.map(|()| true),
         Command::Serve(args) => serve::start(args).await,
         Command::Publish(args) => publish::run(args).await.map(|()| true),
-        Command::Compare(args) => compare::start(args).await,
-        Command::Bench { command } => bench::run(command).await,
+        Command::Compare(args) => study::forward("compare", args),
+        Command::Bench(args) => study::forward("bench", args),
     }
 }
 

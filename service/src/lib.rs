@@ -13,14 +13,11 @@
 //! - [`telemetry`]: the tracing subscriber.
 
 pub mod args;
-pub mod bench;
-pub mod bench_e2e;
 pub mod cli;
-pub mod compare;
-pub mod demo;
 pub mod dlq;
 pub mod metrics;
 pub mod publish;
 pub mod retention;
 pub mod serve;
+pub mod study;
 pub mod telemetry;

@@ -11,8 +11,6 @@ async fn main() -> ExitCode {
     // A long-running service says what it does; one-shot commands speak only of trouble.
     let default_filter = match cli.command {
         Command::Serve(_) => "info,sqlx=warn,sea_orm_migration=warn",
-        // The comparison's crashes are planned: the loop's warning for each would be noise.
-        Command::Compare(_) => "warn,inventory_service::serve=error",
         _ => "warn",
     };
     telemetry::init(default_filter);

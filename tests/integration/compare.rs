@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use inventory_infra::{DetectMode, Strategy};
-use inventory_service::compare::{
+use inventory_benches::compare::{
     self, Backend, CompareReport, Fault, Rates, STRATEGIES, Settings, Workload,
 };
+use inventory_infra::{DetectMode, Strategy};
 use inventory_tests::nats::shared_url;
 use inventory_tests::postgres::server_url;
 

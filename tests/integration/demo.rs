@@ -1,6 +1,6 @@
 //! `inventory demo` comes out as the study predicts on both backends.
 
-use inventory_service::demo;
+use inventory_benches::demo;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_on_sqlite_comes_out_as_expected() {

@@ -1,5 +1,9 @@
 //! One integration-test binary: every test owns a fresh database, on SQLite and PostgreSQL.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test fails by panicking"
+)]
 
 mod compare;
 mod corpus;

@@ -1,12 +1,38 @@
 //! The `inventory` binary run as a process against a test's own database and stream names: what
 //! the process-level tests of the service package share.
 
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 
 use inventory_infra::jetstream;
 
 use crate::nats::{TestNames, unique_names};
 use crate::{Backend, TestDb, run_to_end_from_drop};
+
+/// The `inventory` binary under test: `INVENTORY_BIN` if set (e.g. a release build for the
+/// load figures), else the one built beside these tests (`cargo build --workspace --bins`,
+/// which `scripts/test.sh` runs first; a test binary cannot ask cargo for another package's
+/// binary).
+pub fn inventory() -> PathBuf {
+    std::env::var_os("INVENTORY_BIN").map_or_else(|| workspace_binary("inventory"), PathBuf::from)
+}
+
+/// A binary of this workspace, from the target directory these tests were built in
+/// (`target/<profile>/deps/<test>` is where a test runs from).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let test = std::env::current_exe().expect("the test knows its own path");
+    let profile_dir = test
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("a test runs from target/<profile>/deps");
+    let binary = profile_dir.join(name);
+    assert!(
+        binary.exists(),
+        "{} is not built: run `cargo build --workspace --bins` first (scripts/test.sh does)",
+        binary.display()
+    );
+    binary
+}
 
 /// A fresh PostgreSQL database, stream names of the test's own, and the binary to run; the
 /// database and the streams are removed when it is dropped, also by a failing test.
@@ -16,20 +42,20 @@ pub struct BinaryRun {
     /// What the commands get as `DATABASE_URL`: the fresh database's, unless a test swaps it.
     pub database_url: String,
     nats_url: String,
-    binary: &'static str,
+    binary: PathBuf,
     log_filter: &'static str,
 }
 
 impl BinaryRun {
-    /// `binary` is the service's `env!("CARGO_BIN_EXE_inventory")`; `log_filter` its `RUST_LOG`.
-    pub async fn new(binary: &'static str, label: &str, log_filter: &'static str) -> Self {
+    /// Runs [`inventory`] with `RUST_LOG` set to `log_filter`.
+    pub async fn new(label: &str, log_filter: &'static str) -> Self {
         let db = TestDb::labelled(Backend::Postgres, label).await;
         Self {
             database_url: db.url.clone(),
             db,
             names: unique_names(""),
             nats_url: crate::nats::shared_url().await,
-            binary,
+            binary: inventory(),
             log_filter,
         }
     }
@@ -52,7 +78,7 @@ impl BinaryRun {
 
     /// `inventory <args>`, with the test's streams for the commands that use NATS.
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(self.binary);
+        let mut command = Command::new(&self.binary);
         command.args(args);
         let first = args.first().copied().unwrap_or_default();
         if ["serve", "publish", "dlq"].contains(&first) {

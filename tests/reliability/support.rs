@@ -13,13 +13,7 @@ use inventory_tests::workload;
 use nix::sys::signal::Signal;
 use tokio::task::JoinHandle;
 
-/// The binary under test: `INVENTORY_BIN` if set (e.g. a release build for the load figures),
-/// else the one cargo built for these tests.
-pub(crate) fn binary() -> PathBuf {
-    std::env::var_os("INVENTORY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_inventory")))
-}
+pub(crate) use inventory_tests::binary::inventory as binary;
 
 /// Where a scenario's instances run: database, NATS, names; their logs go to a scratch
 /// directory, removed when the scenario ends unless the test failed.

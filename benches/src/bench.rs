@@ -32,10 +32,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::bench_e2e;
+use crate::chart::{self, Labels};
+use crate::workload::{self, Delivery, DuplicateStream, Mode};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
-use inventory_benches::chart::{self, Labels};
-use inventory_benches::workload::{self, Delivery, DuplicateStream, Mode};
 use inventory_infra::MessageHandler;
 use inventory_infra::db::{self, DatabaseConnection, FreshDatabase};
 use sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};

@@ -20,8 +20,10 @@ use sea_orm::DatabaseConnection;
 use serde::Serialize;
 use tokio::task::JoinHandle;
 
-use crate::args::NatsArgs;
-use crate::serve::{self, Ending, NaturalHandlerArg, ServeSettings, Shutdown, Stats, Worker};
+use inventory_service::args::NatsArgs;
+use inventory_service::serve::{
+    self, Ending, NaturalHandlerArg, ServeSettings, Shutdown, Stats, Worker,
+};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EndToEndArgs {

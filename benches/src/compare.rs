@@ -15,10 +15,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::Stream as JsStream;
-use inventory_benches::workload::SplitMix64;
 use inventory_domain::{
     BookId, ConsumerName, CrashPoint, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced,
     Outcome, Quantity, StockItem,
@@ -31,8 +31,8 @@ use inventory_infra::{
 use serde::Serialize;
 use tokio::task::JoinHandle;
 
-use crate::args::NatsArgs;
-use crate::serve::{self, Ending, ServeSettings, Shutdown, Stats, Worker};
+use inventory_service::args::NatsArgs;
+use inventory_service::serve::{self, Ending, ServeSettings, Shutdown, Stats, Worker};
 
 /// The server `compare` creates its databases on when neither the flag nor `DATABASE_URL` names
 /// one: the local PostgreSQL.

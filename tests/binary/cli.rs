@@ -1,11 +1,10 @@
 //! The binary's outside contract: commands, exit codes, output.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn inventory(args: &[&str], database_url: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_inventory"))
+    Command::new(inventory_tests::binary::inventory())
         .args(args)
         .env("DATABASE_URL", database_url)
         .env_remove("RUST_LOG")
@@ -107,7 +106,7 @@ fn migrate_applies_the_schema() {
 
 #[test]
 fn demo_exits_zero_on_embedded_sqlite() {
-    let output = Command::new(env!("CARGO_BIN_EXE_inventory"))
+    let output = Command::new(inventory_tests::binary::inventory())
         .arg("demo")
         .env_remove("DATABASE_URL")
         .output()

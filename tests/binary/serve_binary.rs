@@ -1,5 +1,4 @@
 //! `inventory serve` and `inventory publish` as processes: signals, drain, abandon, logs.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::{Child, Command};
 use std::time::Duration;
@@ -25,7 +24,6 @@ impl Setup {
     async fn new() -> Self {
         Self(
             BinaryRun::new(
-                env!("CARGO_BIN_EXE_inventory"),
                 "inventory_cli",
                 // Duplicates are logged at debug; the first test looks for them.
                 "info,sqlx=warn,inventory_service=debug",

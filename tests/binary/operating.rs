@@ -1,6 +1,5 @@
 //! Operating `inventory serve` as a process: the horizon guard, the background purge, metrics
 //! and health while messages flow, the dead-letter commands, and secrets kept out of every log.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -33,14 +32,7 @@ impl std::ops::DerefMut for Setup {
 
 impl Setup {
     async fn new() -> Self {
-        Self(
-            BinaryRun::new(
-                env!("CARGO_BIN_EXE_inventory"),
-                "inventory_ops",
-                "info,sqlx=warn",
-            )
-            .await,
-        )
+        Self(BinaryRun::new("inventory_ops", "info,sqlx=warn").await)
     }
 
     fn serve(&self, args: &[&str]) -> Child {

@@ -10,7 +10,11 @@
 //! - `outages`: PostgreSQL and NATS stopped or killed and restarted mid-stream.
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test fails by panicking"
+)]
 
 mod cluster;
 mod kill9;

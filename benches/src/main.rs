@@ -1,0 +1,25 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+use inventory_benches::cli::{self, Cli, Command};
+use inventory_service::telemetry;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // Usage errors exit with 2 inside `parse`.
+    let cli = Cli::parse();
+    let default_filter = match cli.command {
+        // The comparison's crashes are planned: the loop's warning for each would be noise.
+        Command::Compare(_) => "warn,inventory_service::runtime=error",
+        _ => "warn",
+    };
+    telemetry::init(default_filter);
+    match cli::run(cli).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

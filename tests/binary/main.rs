@@ -1,0 +1,12 @@
+//! The `inventory` binary run as a process: its command line, `serve` under signals, and what an
+//! operator sees. Needs the binary built first (`cargo build --workspace --bins`;
+//! `scripts/test.sh` does it).
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test fails by panicking"
+)]
+
+mod cli;
+mod operating;
+mod serve_binary;
