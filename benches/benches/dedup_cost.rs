@@ -15,9 +15,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use inventory_benches::workload::{self, Delivery, DuplicateStream, Handler, Mode};
-use inventory_infra::MessageHandler;
+use inventory_benches::workload::{self, CopyKind, Delivery, DuplicateStream};
 use inventory_infra::db::FreshDatabase;
+use inventory_infra::{Handler, HandlerKind};
 use tokio::runtime::Runtime;
 
 const RATIOS: [u32; 4] = [0, 10, 50, 90];
@@ -31,14 +31,19 @@ struct Fixture {
 }
 
 impl Fixture {
-    async fn new(server: Option<&str>, mode: Mode, percent: u32) -> Fixture {
+    async fn new(server: Option<&str>, mode: HandlerKind, percent: u32) -> Fixture {
         let fresh = FreshDatabase::create(server, "inventory_bench_dedup", 2)
             .await
             .expect("a fresh benchmark database");
         let books = workload::stock_books(&fresh.conn, 1).await.unwrap();
-        let handler = mode.handler(&fresh.conn).unwrap();
-        let stream =
-            DuplicateStream::new(percent, mode.copy_kind(), books, u64::from(percent)).unwrap();
+        let handler = workload::handler(mode, &fresh.conn).unwrap();
+        let stream = DuplicateStream::new(
+            percent,
+            CopyKind::caught_by(mode),
+            books,
+            u64::from(percent),
+        )
+        .unwrap();
         Fixture {
             fresh,
             handler,
@@ -68,7 +73,7 @@ impl Fixture {
 fn group(c: &mut Criterion, runtime: &Runtime, name: &str, server: Option<&str>) {
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(1));
-    for mode in Mode::DEDUP {
+    for mode in workload::DEDUP {
         if server.is_none() && mode.postgres_only() {
             continue;
         }

@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use inventory_benches::workload::{self, Handler, Mode};
-use inventory_domain::{BookId, Message, Quantity};
-use inventory_infra::MessageHandler;
+use inventory_benches::workload;
+use inventory_domain::{BookId, Message, OrderId, Quantity};
 use inventory_infra::db::FreshDatabase;
+use inventory_infra::{Handler, HandlerKind};
 use tokio::runtime::Runtime;
 
 struct Fixture {
@@ -29,7 +29,7 @@ struct Fixture {
 }
 
 impl Fixture {
-    async fn new(server: Option<&str>, mode: Mode, connections: usize) -> Fixture {
+    async fn new(server: Option<&str>, mode: HandlerKind, connections: usize) -> Fixture {
         let pool = u32::try_from(connections).unwrap();
         let fresh = FreshDatabase::create(server, "inventory_bench_strategies", pool)
             .await
@@ -37,7 +37,7 @@ impl Fixture {
         let books = workload::stock_books(&fresh.conn, connections)
             .await
             .unwrap();
-        let handler = mode.handler(&fresh.conn).unwrap();
+        let handler = workload::handler(mode, &fresh.conn).unwrap();
         let lanes = books
             .into_iter()
             .map(|book| (Arc::new(handler.clone()), book))
@@ -55,7 +55,7 @@ impl Fixture {
             .map(|(lane, (_, book))| {
                 let share = iters / lanes + u64::from((lane as u64) < iters % lanes);
                 (0..share)
-                    .map(|_| workload::fresh_placed(*book, quantity))
+                    .map(|_| Message::placed(OrderId::new_v7(), *book, quantity))
                     .collect()
             })
             .collect();
@@ -89,7 +89,7 @@ fn group(c: &mut Criterion, runtime: &Runtime, name: &str, server: Option<&str>)
     };
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(1));
-    for mode in Mode::STRATEGIES {
+    for mode in workload::STRATEGIES {
         if server.is_none() && mode.postgres_only() {
             continue;
         }

@@ -33,10 +33,10 @@ use std::time::{Duration, Instant};
 
 use crate::bench_e2e;
 use crate::chart::{self, Labels};
-use crate::workload::{self, Delivery, DuplicateStream, Mode};
+use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
-use inventory_infra::MessageHandler;
+use inventory_infra::HandlerKind;
 use inventory_infra::db::{self, DatabaseConnection, FreshDatabase};
 use sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
 use serde::Serialize;
@@ -300,7 +300,7 @@ async fn costs(args: CostsArgs) -> Result<()> {
         .context("server_version_num")?;
     let log = ServerLog::find(&observer).await;
     let mut runs = Vec::new();
-    for mode in Mode::DEDUP {
+    for mode in workload::DEDUP {
         for &percent in &args.ratios {
             if !args.json {
                 eprintln!(
@@ -365,7 +365,7 @@ async fn run_once(
     server: &str,
     version_num: i64,
     log: Option<&ServerLog>,
-    mode: Mode,
+    mode: HandlerKind,
     percent: u32,
     messages: u64,
 ) -> Result<CostRun> {
@@ -397,7 +397,7 @@ async fn measure(
     name: &str,
     version_num: i64,
     log: Option<&ServerLog>,
-    mode: Mode,
+    mode: HandlerKind,
     percent: u32,
     messages: u64,
 ) -> Result<CostRun> {
@@ -411,8 +411,13 @@ async fn measure(
             .await?;
     }
     let books = workload::stock_books(&fresh.conn, 1).await?;
-    let deliveries: Vec<Delivery> =
-        DuplicateStream::new(percent, mode.copy_kind(), books, u64::from(percent))?.take(messages);
+    let deliveries: Vec<Delivery> = DuplicateStream::new(
+        percent,
+        CopyKind::caught_by(mode),
+        books,
+        u64::from(percent),
+    )?
+    .take(messages);
     let duplicates = deliveries
         .iter()
         .filter(|delivery| delivery.is_copy)
@@ -421,7 +426,7 @@ async fn measure(
 
     let before = mark(observer, name, version_num, log).await?;
     let work = db::connect(&fresh.url, 1).await?;
-    let handler = mode.handler(&work)?;
+    let handler = workload::handler(mode, &work)?;
     let started = Instant::now();
     for delivery in &deliveries {
         let outcome = handler.handle(&delivery.message).await?;

@@ -2,28 +2,19 @@
 //! service loop into PostgreSQL, acked after commit; messages per second from the first fetch
 //! to the last ack.
 
-use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
-use async_nats::jetstream::consumer::PullConsumer;
 use futures::StreamExt;
-use inventory_domain::{
-    BookId, ConsumerName, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced, Quantity,
-    StockItem,
-};
-use inventory_infra::consumers::natural_pg::PgNaturalKey;
+use inventory_domain::{BookId, Message, OrderId, Quantity, StockItem};
 use inventory_infra::db::FreshDatabase;
-use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, OrderPublisher, Topology};
-use inventory_infra::{MessageHandler, StockConsumer, StockRepository, Strategy};
-use sea_orm::DatabaseConnection;
+use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
+use inventory_infra::{HandlerKind, NaturalKeyPath, StockRepository};
 use serde::Serialize;
-use tokio::task::JoinHandle;
 
-use inventory_service::args::NatsArgs;
-use inventory_service::serve::{
-    self, Ending, NaturalHandlerArg, ServeSettings, Shutdown, Stats, Worker,
-};
+use inventory_service::args::{NatsArgs, natural_key_path};
+use inventory_service::runtime::{ConsumerRuntime, RuntimeSettings, Shutdown};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EndToEndArgs {
@@ -42,8 +33,10 @@ pub struct EndToEndArgs {
     /// Books the orders spread over (fewer books: more waiting on hot stock rows).
     #[arg(long, default_value_t = 1_000)]
     pub books: usize,
-    #[arg(long, value_enum, default_value = "one-statement")]
-    pub handler: NaturalHandlerArg,
+    /// The natural-key handler: one-statement (the batch statement with --batch-size above 1)
+    /// or orm.
+    #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
+    pub handler: NaturalKeyPath,
     /// PostgreSQL server for the fresh database.
     #[arg(
         long,
@@ -118,23 +111,21 @@ async fn measure(
     };
     let client = jetstream::connect(&args.nats.nats_url, "inventory bench").await?;
     let js = jetstream::context(client.clone());
-    let (stream, _) = jetstream::ensure_streams(&js, &topology).await?;
-    let outcome = publish_and_consume(args, lanes, fresh, &books, &js, &topology, &stream).await;
+    jetstream::ensure_streams(&js, &topology).await?;
+    let outcome = publish_and_consume(args, lanes, fresh, &books, &js, &topology).await;
     for name in [&topology.stream, &topology.dlq_stream] {
         let _ = js.delete_stream(name).await;
     }
     outcome
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn publish_and_consume(
     args: &EndToEndArgs,
     lanes: usize,
     fresh: &FreshDatabase,
     books: &[BookId],
-    js: &async_nats::jetstream::Context,
+    js: &Context,
     topology: &Topology,
-    stream: &async_nats::jetstream::stream::Stream,
 ) -> Result<EndToEndReport> {
     // Every tenth order (by default) resent under a new id: duplicates spread evenly.
     let resend_every = if args.duplicates > 0.0 {
@@ -147,21 +138,13 @@ async fn publish_and_consume(
     for index in 0..args.messages {
         let quantity = 1 + (index % 3) as i64;
         expected_reserved += quantity;
-        let message = Message {
-            key: DedupKey::MessageId(MessageId::generate()),
-            correlation_id: None,
-            occurred_at: None,
-            event: Event::Placed(OrderPlaced {
-                order_id: OrderId::new_v7(),
-                book_id: books[index % books.len()],
-                quantity: Quantity::new(quantity)?,
-            }),
-        };
+        let message = Message::placed(
+            OrderId::new_v7(),
+            books[index % books.len()],
+            Quantity::new(quantity)?,
+        );
         if index % resend_every == resend_every - 1 {
-            messages.push(Message {
-                key: DedupKey::MessageId(MessageId::generate()),
-                ..message.clone()
-            });
+            messages.push(message.resent_with_new_id());
         }
         messages.push(message);
     }
@@ -174,59 +157,32 @@ async fn publish_and_consume(
     }
     let total = messages.len() as u64;
 
-    let consumer_name = "inventory-bench";
-    let settings = ConsumerSettings {
-        durable_name: consumer_name.into(),
-        filter_subject: format!("{}.>", topology.subject_prefix),
-        ack_wait: Duration::from_secs(30),
-        max_deliver: 10,
-        backoff: Vec::new(),
-        max_ack_pending: 20_000,
-    };
-    let (mut consumer, _) = jetstream::ensure_consumer(stream, &settings).await?;
-    let reference = StockConsumer::new(
-        fresh.conn.clone(),
-        Strategy::NaturalKey,
-        ConsumerName::parse(consumer_name)?,
-    );
-    let serve_settings = ServeSettings {
-        concurrency: lanes,
-        batch_size: args.batch_size.max(1),
-        max_body_bytes: 64 * 1024,
-        max_deliver: 10,
-        retry_delay: Duration::from_millis(100),
-        max_retry_delay: Duration::from_secs(5),
-    };
-    let dead_letters = DeadLetters::new(js.clone(), topology, consumer_name);
-    let shutdown = Shutdown::default();
+    let handler = HandlerKind::natural_key(args.handler, args.batch_size);
+    let mut settings = RuntimeSettings::new(topology.clone(), handler, lanes);
+    settings.consumer.durable_name = "inventory-bench".into();
+    settings.consumer.max_ack_pending = 20_000;
+    settings.batch_size = args.batch_size.max(1);
+    settings.retry_delay = Duration::from_millis(100);
+    settings.max_retry_delay = Duration::from_secs(5);
+    let runtime = ConsumerRuntime::prepare(js, fresh.conn.clone(), settings).await?;
+    let handler = runtime.handler(None)?;
     let started = Instant::now();
-    let (stats, loop_task) = match args.handler {
-        NaturalHandlerArg::OneStatement => {
-            let handler = PgNaturalKey::new(reference).context("PostgreSQL expected")?;
-            let worker = Worker::new(handler, dead_letters, serve_settings);
-            spawn_loop(worker, &consumer, &fresh.conn, &shutdown)
-        }
-        NaturalHandlerArg::Orm => {
-            let worker = Worker::new(reference, dead_letters, serve_settings);
-            spawn_loop(worker, &consumer, &fresh.conn, &shutdown)
-        }
-    };
-    use std::sync::atomic::Ordering::Relaxed;
+    let running = runtime.start(handler, None, Shutdown::default());
     // Done when every message was acked: counted by the loop, confirmed by the server.
+    let stats = running.stats.clone();
     loop {
         let handled = stats.acked.load(Relaxed) + stats.duplicates.load(Relaxed);
         if handled >= total {
-            let state = jetstream::consumer_state(&mut consumer).await?;
+            let state = running.consumer_state().await?;
             if state.pending == 0 && state.ack_pending == 0 {
                 break;
             }
         }
-        ensure!(!loop_task.is_finished(), "the consumer loop stopped early");
+        ensure!(!running.is_finished(), "the consumer loop stopped early");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
-    shutdown.graceful.cancel();
-    loop_task.await??;
+    running.stop().await?;
     let reserved: i64 = StockRepository::new(fresh.conn.clone())
         .list()
         .await?
@@ -247,21 +203,6 @@ async fn publish_and_consume(
         seconds,
         messages_per_second: total as f64 / seconds,
     })
-}
-
-/// Runs the service's consumer loop with `worker` in a task of its own; its counters beside it.
-fn spawn_loop<H: MessageHandler>(
-    worker: Worker<H>,
-    consumer: &PullConsumer,
-    db: &DatabaseConnection,
-    shutdown: &Shutdown,
-) -> (Arc<Stats>, JoinHandle<Result<Ending>>) {
-    let stats = worker.stats.clone();
-    let (consumer, db, shutdown) = (consumer.clone(), db.clone(), shutdown.clone());
-    let task = tokio::spawn(async move {
-        serve::run(&consumer, worker, db, shutdown, Duration::from_secs(30)).await
-    });
-    (stats, task)
 }
 
 /// The pgbench script that runs the one-statement handler's own SQL (`RESERVE_SQL`) with fresh

@@ -17,33 +17,33 @@ use std::time::{Duration, Instant};
 
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
-use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::stream::Stream as JsStream;
 use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced,
-    Outcome, Quantity, StockItem,
+    BookId, CrashPoint, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced, Outcome,
+    Quantity, StockItem,
 };
 use inventory_infra::db::{self, DatabaseConnection, FreshDatabase};
-use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, OrderPublisher, Topology};
+use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{
-    DetectMode, Faults, HandleError, MessageHandler, StockConsumer, StockRepository, Strategy,
+    DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
+    StockRepository,
 };
 use serde::Serialize;
-use tokio::task::JoinHandle;
 
 use inventory_service::args::NatsArgs;
-use inventory_service::serve::{self, Ending, ServeSettings, Shutdown, Stats, Worker};
+use inventory_service::runtime::{
+    ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
+};
 
 /// The server `compare` creates its databases on when neither the flag nor `DATABASE_URL` names
 /// one: the local PostgreSQL.
 pub const LOCAL_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// The strategies in the order they run and are printed.
-pub const STRATEGIES: [Strategy; 4] = [
-    Strategy::Naive,
-    Strategy::CheckThenProcess,
-    Strategy::Inbox(DetectMode::OnConflict),
-    Strategy::NaturalKey,
+pub const STRATEGIES: [HandlerKind; 4] = [
+    HandlerKind::Naive,
+    HandlerKind::CheckThenProcess,
+    HandlerKind::Inbox(DetectMode::OnConflict),
+    HandlerKind::NaturalKey(NaturalKeyPath::Orm),
 ];
 
 /// Copies per order: 1 to 3.
@@ -481,7 +481,7 @@ impl Script {
 /// since by then the record is written. `Faults` itself needs no per-message plan for this.
 #[derive(Clone)]
 struct Scripted {
-    inner: StockConsumer,
+    inner: Handler,
     instance: usize,
     script: Arc<Script>,
 }
@@ -596,7 +596,7 @@ struct Seen {
     unplanned: i64,
 }
 
-fn predict(strategy: Strategy, seen: &[Seen]) -> Prediction {
+fn predict(strategy: HandlerKind, seen: &[Seen]) -> Prediction {
     let mut prediction = Prediction::default();
     for order in seen {
         let Seen {
@@ -610,7 +610,7 @@ fn predict(strategy: Strategy, seen: &[Seen]) -> Prediction {
         prediction.ack_withheld.add(Range::exact(r));
         let (processed, duplicates, extra_reservations) = match strategy {
             // Every delivery reserves; the withheld one reserved too, and its redelivery again.
-            Strategy::Naive => (
+            HandlerKind::Naive => (
                 Range::exact(k + p + u),
                 Range::exact(0),
                 Range::exact(k - 1 + r + p + u),
@@ -618,18 +618,19 @@ fn predict(strategy: Strategy, seen: &[Seen]) -> Prediction {
             // Its check and its late record race: a copy handled while the other is between
             // the two reserves again, and a withheld ack has no record, so the redelivery
             // reserves again.
-            Strategy::CheckThenProcess => (
+            HandlerKind::CheckThenProcess => (
                 Range::between(1 + p, k + p + u),
                 Range::between(0, k - 1 + u),
                 Range::between(r + p, k - 1 + r + p + u),
             ),
-            // The claim commits with the work: only the new id gets through.
-            Strategy::Inbox(_) => (
+            // The claim commits with the work: only the new id gets through. (The email's
+            // record is keyed by message id too; the comparison runs the stock handlers.)
+            HandlerKind::Inbox(_) | HandlerKind::Email => (
                 Range::exact(1 - r + p),
                 Range::exact(k - 1 + r + u),
                 Range::exact(p),
             ),
-            Strategy::NaturalKey => (
+            HandlerKind::NaturalKey(_) => (
                 Range::exact(1 - r),
                 Range::exact(k - 1 + r + p + u),
                 Range::exact(0),
@@ -740,10 +741,10 @@ pub struct CompareReport {
 }
 
 impl CompareReport {
-    pub fn row(&self, strategy: Strategy) -> Option<&StrategyRow> {
+    pub fn row(&self, strategy: HandlerKind) -> Option<&StrategyRow> {
         self.strategies
             .iter()
-            .find(|row| row.strategy == strategy.name())
+            .find(|row| row.strategy == strategy.strategy_name())
     }
 
     pub fn render(&self) -> String {
@@ -902,18 +903,15 @@ impl CompareReport {
 struct Run {
     settings: Settings,
     backend: Backend,
-    js: async_nats::jetstream::Context,
+    js: Context,
     topology: Topology,
-    stream: JsStream,
     workload: Workload,
     published: Published,
 }
 
 /// A strategy's consumer loops, running in-process.
 struct Instance {
-    shutdown: Shutdown,
-    stats: Arc<Stats>,
-    task: JoinHandle<Result<Ending>>,
+    running: Running,
     /// Its own pool; the first instance's is the fresh database's.
     conn: Option<DatabaseConnection>,
 }
@@ -923,11 +921,11 @@ fn load(counter: &std::sync::atomic::AtomicU64) -> i64 {
 }
 
 impl Run {
-    fn durable_name(strategy: Strategy) -> String {
-        format!("compare-{}", strategy.name().replace(' ', "-"))
+    fn durable_name(strategy: HandlerKind) -> String {
+        format!("compare-{}", strategy.strategy_name().replace(' ', "-"))
     }
 
-    async fn consume(&self, strategy: Strategy) -> Result<StrategyRow> {
+    async fn consume(&self, strategy: HandlerKind) -> Result<StrategyRow> {
         let fresh = FreshDatabase::create(
             Some(&self.settings.database_url),
             "inventory_compare",
@@ -942,23 +940,27 @@ impl Run {
         Ok(row)
     }
 
-    async fn consume_into(&self, strategy: Strategy, fresh: &FreshDatabase) -> Result<StrategyRow> {
+    async fn consume_into(
+        &self,
+        strategy: HandlerKind,
+        fresh: &FreshDatabase,
+    ) -> Result<StrategyRow> {
         let stock = StockRepository::new(fresh.conn.clone());
         for item in self.workload.stock()? {
             stock.put(&item).await?;
         }
         let durable = Self::durable_name(strategy);
-        let consumer_settings = ConsumerSettings {
-            durable_name: durable.clone(),
-            filter_subject: format!("{}.>", self.topology.subject_prefix),
-            ack_wait: self.settings.ack_wait,
-            max_deliver: MAX_DELIVER,
-            backoff: Vec::new(),
-            max_ack_pending: 10_000,
-        };
-        let (mut consumer, _) = jetstream::ensure_consumer(&self.stream, &consumer_settings)
-            .await
-            .context("creating the strategy's consumer")?;
+        let mut settings = RuntimeSettings::new(
+            self.topology.clone(),
+            strategy,
+            usize::try_from(self.settings.concurrency).unwrap_or(1),
+        );
+        settings.consumer.durable_name = durable;
+        settings.consumer.ack_wait = self.settings.ack_wait;
+        settings.consumer.max_deliver = MAX_DELIVER;
+        settings.consumer.max_ack_pending = 10_000;
+        settings.retry_delay = Duration::from_millis(100);
+        settings.max_retry_delay = Duration::from_secs(2);
         let armed: HashSet<String> = self
             .workload
             .orders
@@ -967,49 +969,58 @@ impl Run {
             .map(PlannedOrder::key)
             .collect();
         let script = Arc::new(Script::new(armed));
-        let started = Instant::now();
-        // Every pool is open before any loop starts, so a failure here leaves nothing running.
-        let mut pools = vec![(fresh.conn.clone(), None)];
-        for _ in 1..self.backend.instances() {
-            let conn = db::connect(&fresh.url, self.settings.concurrency).await?;
-            pools.push((conn.clone(), Some(conn)));
-        }
-        let consumer_name = ConsumerName::parse(durable.clone())?;
-        let mut instances = Vec::new();
-        for (instance, (pool, own)) in pools.into_iter().enumerate() {
+        // Every pool, consumer and handler is ready before any loop starts, so a failure here
+        // leaves nothing running.
+        let mut ready = Vec::new();
+        for instance in 0..self.backend.instances() {
+            let (pool, conn) = match instance {
+                0 => (fresh.conn.clone(), None),
+                _ => {
+                    let conn = db::connect(&fresh.url, self.settings.concurrency).await?;
+                    (conn.clone(), Some(conn))
+                }
+            };
+            let runtime = ConsumerRuntime::prepare(&self.js, pool, settings.clone())
+                .await
+                .context("setting up the strategy's consumer")?;
             let handler = Scripted {
-                inner: StockConsumer::new(pool.clone(), strategy, consumer_name.clone()),
+                inner: runtime.handler(None)?,
                 instance,
                 script: script.clone(),
             };
-            instances.push(self.start_instance(&durable, consumer.clone(), pool, own, handler));
+            ready.push((runtime, handler, conn));
         }
-        let drained = self
-            .wait_until_drained(&mut consumer, &script, &mut instances)
-            .await;
+        let started = Instant::now();
+        let instances: Vec<Instance> = ready
+            .into_iter()
+            .map(|(runtime, handler, conn)| Instance {
+                running: runtime.start(handler, None, Shutdown::default()),
+                conn,
+            })
+            .collect();
+        let drained = self.wait_until_drained(&script, &instances).await;
         let seconds = started.elapsed().as_secs_f64();
         let mut stats = Vec::new();
         let mut failure = None;
         for instance in instances {
-            instance.shutdown.graceful.cancel();
-            let ending = instance.task.await;
+            let stats_of_instance = instance.running.stats.clone();
+            let ending = instance.running.stop().await;
             if let Some(conn) = instance.conn
                 && let Err(error) = conn.close().await
             {
                 tracing::warn!(%error, "closing an instance's connections");
             }
             let problem = match ending {
-                Ok(Ok(Ending::Drained)) => None,
-                Ok(Ok(Ending::Abandoned)) => Some(anyhow::anyhow!(
+                Ok(Ending::Drained) => None,
+                Ok(Ending::Abandoned) => Some(anyhow::anyhow!(
                     "a consumer loop stopped before its messages finished"
                 )),
-                Ok(Err(error)) => Some(error.context("a consumer loop failed")),
-                Err(error) => Some(anyhow::Error::new(error).context("a consumer loop panicked")),
+                Err(error) => Some(error.context("a consumer loop failed")),
             };
             if failure.is_none() {
                 failure = problem;
             }
-            stats.push(instance.stats);
+            stats.push(stats_of_instance);
         }
         // A loop's own error says more than "it ended early".
         if let Some(failure) = failure {
@@ -1029,7 +1040,7 @@ impl Run {
         let (seen, unplanned) = self.seen(&script);
         let (copies_at_once, copies_on_two_instances) = self.copies_at_once(&script);
         let mut row = StrategyRow {
-            strategy: strategy.name(),
+            strategy: strategy.strategy_name(),
             delivered,
             processed: total(|s| &s.acked),
             duplicates: total(|s| &s.duplicates),
@@ -1054,55 +1065,21 @@ impl Run {
         Ok(row)
     }
 
-    fn start_instance(
-        &self,
-        durable: &str,
-        consumer: PullConsumer,
-        pool: DatabaseConnection,
-        conn: Option<DatabaseConnection>,
-        handler: Scripted,
-    ) -> Instance {
-        let settings = ServeSettings {
-            concurrency: usize::try_from(self.settings.concurrency).unwrap_or(1),
-            batch_size: 1,
-            max_body_bytes: 64 * 1024,
-            max_deliver: MAX_DELIVER,
-            retry_delay: Duration::from_millis(100),
-            max_retry_delay: Duration::from_secs(2),
-        };
-        let dead_letters = DeadLetters::new(self.js.clone(), &self.topology, durable);
-        let worker = Worker::new(handler, dead_letters, settings);
-        let stats = worker.stats.clone();
-        let shutdown = Shutdown::default();
-        let task = tokio::spawn({
-            let shutdown = shutdown.clone();
-            async move { serve::run(&consumer, worker, pool, shutdown, Duration::from_secs(30)).await }
-        });
-        Instance {
-            shutdown,
-            stats,
-            task,
-            conn,
-        }
-    }
-
     /// Waits until the consumer has nothing pending or unacked and every withheld ack came back
     /// as a redelivery; fails if a loop ends or nothing moves for a long while.
-    async fn wait_until_drained(
-        &self,
-        consumer: &mut PullConsumer,
-        script: &Script,
-        instances: &mut [Instance],
-    ) -> Result<()> {
+    async fn wait_until_drained(&self, script: &Script, instances: &[Instance]) -> Result<()> {
         let stall_limit = (self.settings.ack_wait * 5).max(Duration::from_secs(30));
         let mut last = (usize::MAX, u64::MAX, usize::MAX);
         let mut last_change = Instant::now();
         loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            if instances.iter().any(|instance| instance.task.is_finished()) {
+            if instances
+                .iter()
+                .any(|instance| instance.running.is_finished())
+            {
                 bail!("a consumer loop ended before the stream was drained");
             }
-            let state = jetstream::consumer_state(consumer).await?;
+            let state = instances[0].running.consumer_state().await?;
             if state.pending == 0 && state.ack_pending == 0 && script.crashes_redelivered() {
                 return Ok(());
             }
@@ -1214,10 +1191,10 @@ async fn run_on_streams(
     settings: &Settings,
     backend: Backend,
     workload: Workload,
-    js: &async_nats::jetstream::Context,
+    js: &Context,
     topology: &Topology,
 ) -> Result<CompareReport> {
-    let (stream, _) = jetstream::ensure_streams(js, topology)
+    jetstream::ensure_streams(js, topology)
         .await
         .context("creating the comparison's streams")?;
     let publisher = OrderPublisher::new(js.clone(), topology.clone());
@@ -1227,7 +1204,6 @@ async fn run_on_streams(
         backend,
         js: js.clone(),
         topology: topology.clone(),
-        stream,
         workload,
         published,
     };
@@ -1236,14 +1212,14 @@ async fn run_on_streams(
         let row = run
             .consume(strategy)
             .await
-            .with_context(|| format!("running {}", strategy.name()))?;
+            .with_context(|| format!("running {}", strategy.strategy_name()))?;
         strategies.push(row);
     }
     let as_predicted = strategies
         .iter()
         .filter(|row| {
-            row.strategy == Strategy::NaturalKey.name()
-                || row.strategy == Strategy::Inbox(DetectMode::OnConflict).name()
+            row.strategy == HandlerKind::NaturalKey(NaturalKeyPath::Orm).strategy_name()
+                || row.strategy == HandlerKind::Inbox(DetectMode::OnConflict).strategy_name()
         })
         .all(StrategyRow::as_predicted);
     let w = &run.workload;
@@ -1360,17 +1336,17 @@ mod tests {
             order(1, 1, 0),
             order(2, 0, 0),
         ];
-        let naive = predict(Strategy::Naive, &seen);
+        let naive = predict(HandlerKind::Naive, &seen);
         assert_eq!(naive.delivered, Range::exact(7));
         assert_eq!(naive.difference, Range::exact(6));
         assert_eq!(naive.orders_reserved_more_than_once, Range::exact(3));
-        let ctp = predict(Strategy::CheckThenProcess, &seen);
+        let ctp = predict(HandlerKind::CheckThenProcess, &seen);
         assert_eq!(ctp.difference, Range::between(4, 6));
-        let inbox = predict(Strategy::Inbox(DetectMode::OnConflict), &seen);
+        let inbox = predict(HandlerKind::Inbox(DetectMode::OnConflict), &seen);
         assert_eq!(inbox.difference, Range::exact(2));
         assert_eq!(inbox.processed, Range::exact(4));
         assert_eq!(inbox.duplicates, Range::exact(2));
-        let natural = predict(Strategy::NaturalKey, &seen);
+        let natural = predict(HandlerKind::NaturalKey(NaturalKeyPath::Orm), &seen);
         assert_eq!(natural.difference, Range::exact(0));
         assert_eq!(natural.processed, Range::exact(3));
         assert_eq!(natural.duplicates, Range::exact(3));
@@ -1403,7 +1379,7 @@ mod tests {
             copies_on_two_instances: 0,
             seconds: 1.0,
             messages_per_second: 2.0,
-            prediction: predict(Strategy::Inbox(DetectMode::OnConflict), &seen),
+            prediction: predict(HandlerKind::Inbox(DetectMode::OnConflict), &seen),
             deviations: Vec::new(),
         };
         row.check();

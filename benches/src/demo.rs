@@ -9,16 +9,16 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use inventory_domain::{
     BookId, ConsumerName, CrashPoint, DeadLetterReason, DedupKey, Effect, Event, Message,
-    MessageId, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity, ReservationStatus,
-    StockItem,
+    MessageId, OrderId, Outcome, Quantity, ReservationStatus, StockItem,
 };
 use inventory_infra::consumers::study::{DedupCache, MistakenConsumer};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::db::FreshDatabase;
 use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, InMemoryEmailProvider,
-    StockConsumer, StockRepository, Strategy,
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, Handler, HandlerKind,
+    InMemoryEmailProvider, NaturalKeyPath, StockRepository,
 };
+use inventory_service::runtime;
 
 /// How long the second of two concurrent copies may run while the first holds its claim: ample
 /// for an unblocked copy to finish, so one still running then is waiting for the first.
@@ -41,7 +41,7 @@ pub struct StudyReport {
 }
 
 pub struct TableRow {
-    pub strategy: Strategy,
+    pub strategy: HandlerKind,
     /// Dune copies reserved under redelivery, a crash in the window, two copies at once, and a
     /// producer duplicate with a new id; 2 is right.
     pub cells: [i64; 4],
@@ -78,7 +78,7 @@ impl StudyReport {
         }
         out.push('\n');
         for row in &self.table {
-            out.push_str(&format!("{:<20}", row.strategy.name()));
+            out.push_str(&format!("{:<20}", row.strategy.strategy_name()));
             for ((cell, expected), column) in row.cells.iter().zip(row.expected).zip(TABLE_COLUMNS)
             {
                 let mark = if *cell == expected { "" } else { " (!)" };
@@ -118,34 +118,9 @@ fn name(value: &str) -> Result<ConsumerName> {
 
 fn order_placed(book_id: BookId, quantity: i64) -> Result<Message> {
     Ok(Message {
-        key: DedupKey::MessageId(MessageId::generate()),
         correlation_id: Some(format!("checkout-{}", OrderId::new_v7())),
-        occurred_at: None,
-        event: Event::Placed(OrderPlaced {
-            order_id: OrderId::new_v7(),
-            book_id,
-            quantity: Quantity::new(quantity)?,
-        }),
+        ..Message::placed(OrderId::new_v7(), book_id, Quantity::new(quantity)?)
     })
-}
-
-fn cancellation_of(placed: &Message) -> Message {
-    Message {
-        key: DedupKey::MessageId(MessageId::generate()),
-        correlation_id: placed.correlation_id.clone(),
-        occurred_at: None,
-        event: Event::Cancelled(OrderCancelled {
-            order_id: placed.event.order_id(),
-        }),
-    }
-}
-
-/// What a faulty producer sends on retry: the same order under a fresh message id.
-fn resent_with_new_id(message: &Message) -> Message {
-    Message {
-        key: DedupKey::MessageId(MessageId::generate()),
-        ..message.clone()
-    }
 }
 
 fn crashed_at(result: &Result<Outcome, HandleError>, point: CrashPoint) -> bool {
@@ -156,7 +131,7 @@ fn crashed_at(result: &Result<Outcome, HandleError>, point: CrashPoint) -> bool 
 /// its transaction where the strategy has one) while the second starts. Returns both outcomes
 /// and whether the second was still waiting when the first was let go.
 async fn two_copies_at_once(
-    consumer: &StockConsumer,
+    consumer: &Handler,
     message: &Message,
 ) -> Result<(Outcome, Outcome, bool)> {
     let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
@@ -202,16 +177,12 @@ impl Lab {
             .reserved)
     }
 
-    fn consumer(&self, strategy: Strategy) -> Result<StockConsumer> {
-        let consumer_name = match strategy {
-            Strategy::Inbox(_) => "inventory-reserve-stock-inbox",
-            _ => "inventory-reserve-stock",
-        };
-        Ok(StockConsumer::new(
-            self.db.clone(),
-            strategy,
-            name(consumer_name)?,
-        ))
+    fn consumer(&self, strategy: HandlerKind) -> Result<Handler> {
+        self.consumer_named(strategy, runtime::default_consumer(strategy))
+    }
+
+    fn consumer_named(&self, strategy: HandlerKind, consumer_name: &str) -> Result<Handler> {
+        Ok(strategy.build(&self.db, name(consumer_name)?, None)?)
     }
 
     async fn run_all(&self) -> Result<StudyReport> {
@@ -224,9 +195,10 @@ impl Lab {
             self.email_crash_after_send().await?,
             self.email_reconciled_by_lookup().await?,
             self.natural_twice().await?,
-            self.producer_new_id(Strategy::Inbox(DetectMode::OnConflict), 4)
+            self.producer_new_id(HandlerKind::Inbox(DetectMode::OnConflict), 4)
                 .await?,
-            self.producer_new_id(Strategy::NaturalKey, 2).await?,
+            self.producer_new_id(HandlerKind::NaturalKey(NaturalKeyPath::Orm), 2)
+                .await?,
             self.record_first().await?,
             self.cache_arbiter().await?,
             self.second_connection().await?,
@@ -239,10 +211,10 @@ impl Lab {
         ];
         let mut table = Vec::new();
         for (strategy, expected) in [
-            (Strategy::Naive, [4, 4, 4, 4]),
-            (Strategy::CheckThenProcess, [2, 4, 4, 4]),
-            (Strategy::Inbox(DetectMode::OnConflict), [2, 2, 2, 4]),
-            (Strategy::NaturalKey, [2, 2, 2, 2]),
+            (HandlerKind::Naive, [4, 4, 4, 4]),
+            (HandlerKind::CheckThenProcess, [2, 4, 4, 4]),
+            (HandlerKind::Inbox(DetectMode::OnConflict), [2, 2, 2, 4]),
+            (HandlerKind::NaturalKey(NaturalKeyPath::Orm), [2, 2, 2, 2]),
         ] {
             table.push(TableRow {
                 strategy,
@@ -253,7 +225,7 @@ impl Lab {
         Ok(StudyReport { lines, table })
     }
 
-    async fn table_row(&self, strategy: Strategy) -> Result<[i64; 4]> {
+    async fn table_row(&self, strategy: HandlerKind) -> Result<[i64; 4]> {
         let consumer = self.consumer(strategy)?;
 
         let book = self.dune(DUNE_ON_HAND).await?;
@@ -279,13 +251,13 @@ impl Lab {
         let book = self.dune(DUNE_ON_HAND).await?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         consumer.handle(&message).await?;
-        consumer.handle(&resent_with_new_id(&message)).await?;
+        consumer.handle(&message.resent_with_new_id()).await?;
         let producer_duplicate = self.reserved(book).await?;
 
         Ok([redelivery, crash_in_window, concurrent, producer_duplicate])
     }
 
-    async fn delivered_twice(&self, strategy: Strategy) -> Result<(bool, bool, i64)> {
+    async fn delivered_twice(&self, strategy: HandlerKind) -> Result<(bool, bool, i64)> {
         let book = self.dune(DUNE_ON_HAND).await?;
         let consumer = self.consumer(strategy)?;
         let message = order_placed(book, ORDER_QUANTITY)?;
@@ -299,7 +271,7 @@ impl Lab {
     }
 
     async fn naive_twice(&self) -> Result<ScenarioLine> {
-        let (_, _, reserved) = self.delivered_twice(Strategy::Naive).await?;
+        let (_, _, reserved) = self.delivered_twice(HandlerKind::Naive).await?;
         Ok(ScenarioLine {
             label: "naive",
             text: format!("delivered twice -> Dune reserved: {reserved}"),
@@ -309,7 +281,7 @@ impl Lab {
 
     async fn check_then_process_crash(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let consumer = self.consumer(Strategy::CheckThenProcess)?;
+        let consumer = self.consumer(HandlerKind::CheckThenProcess)?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
             .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
@@ -328,7 +300,7 @@ impl Lab {
 
     async fn inbox_twice(&self) -> Result<ScenarioLine> {
         let (first, second, reserved) = self
-            .delivered_twice(Strategy::Inbox(DetectMode::OnConflict))
+            .delivered_twice(HandlerKind::Inbox(DetectMode::OnConflict))
             .await?;
         Ok(ScenarioLine {
             label: "inbox",
@@ -341,7 +313,7 @@ impl Lab {
 
     async fn inbox_crash_before_commit(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+        let consumer = self.consumer(HandlerKind::Inbox(DetectMode::OnConflict))?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
             .with_faults(Faults::crash_once_at(CrashPoint::BeforeCommit))
@@ -364,7 +336,7 @@ impl Lab {
 
     async fn inbox_two_copies(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+        let consumer = self.consumer(HandlerKind::Inbox(DetectMode::OnConflict))?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let (first, second, waited) = two_copies_at_once(&consumer, &message).await?;
         let reserved = self.reserved(book).await?;
@@ -444,7 +416,9 @@ impl Lab {
     }
 
     async fn natural_twice(&self) -> Result<ScenarioLine> {
-        let (first, second, reserved) = self.delivered_twice(Strategy::NaturalKey).await?;
+        let (first, second, reserved) = self
+            .delivered_twice(HandlerKind::NaturalKey(NaturalKeyPath::Orm))
+            .await?;
         Ok(ScenarioLine {
             label: "natural key",
             text: format!(
@@ -454,18 +428,18 @@ impl Lab {
         })
     }
 
-    async fn producer_new_id(&self, strategy: Strategy, expected: i64) -> Result<ScenarioLine> {
+    async fn producer_new_id(&self, strategy: HandlerKind, expected: i64) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
         let consumer = self.consumer(strategy)?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let first = consumer.handle(&message).await?.processed();
         let second = consumer
-            .handle(&resent_with_new_id(&message))
+            .handle(&message.resent_with_new_id())
             .await?
             .processed();
         let reserved = self.reserved(book).await?;
         Ok(ScenarioLine {
-            label: strategy.name(),
+            label: strategy.strategy_name(),
             text: format!(
                 "producer resent the order with a NEW message id -> processed: {first}, {second}; Dune reserved: {reserved}"
             ),
@@ -474,21 +448,18 @@ impl Lab {
     }
 
     fn mistaken(&self, consumer_name: &str) -> Result<MistakenConsumer> {
-        Ok(MistakenConsumer::new(StockConsumer::new(
+        Ok(MistakenConsumer::new(
             self.db.clone(),
-            Strategy::Inbox(DetectMode::OnConflict),
             name(consumer_name)?,
-        )))
+            Faults::none(),
+        ))
     }
 
     fn crashing(&self, consumer_name: &str, point: CrashPoint) -> Result<MistakenConsumer> {
         Ok(MistakenConsumer::new(
-            StockConsumer::new(
-                self.db.clone(),
-                Strategy::Inbox(DetectMode::OnConflict),
-                name(consumer_name)?,
-            )
-            .with_faults(Faults::crash_once_at(point)),
+            self.db.clone(),
+            name(consumer_name)?,
+            Faults::crash_once_at(point),
         ))
     }
 
@@ -572,13 +543,9 @@ impl Lab {
         let book = self.dune(DUNE_ON_HAND).await?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let provider = InMemoryEmailProvider::without_lookup();
-        StockConsumer::new(
-            self.db.clone(),
-            Strategy::Inbox(DetectMode::OnConflict),
-            name(stock_name)?,
-        )
-        .handle(&message)
-        .await?;
+        self.consumer_named(HandlerKind::Inbox(DetectMode::OnConflict), stock_name)?
+            .handle(&message)
+            .await?;
         let email = EmailConsumer::new(self.db.clone(), name(email_name)?, provider.clone())
             .handle(&message)
             .await?;
@@ -643,9 +610,9 @@ impl Lab {
         let mut cancel_processed = Vec::new();
         for mistaken in [true, false] {
             let book = self.dune(DUNE_ON_HAND).await?;
-            let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+            let consumer = self.consumer(HandlerKind::Inbox(DetectMode::OnConflict))?;
             let placed = order_placed(book, ORDER_QUANTITY)?;
-            let cancelled = cancellation_of(&placed);
+            let cancelled = placed.cancellation();
             let (placed, cancelled) = if mistaken {
                 (
                     keyed_by_correlation(&placed)?,
@@ -671,7 +638,7 @@ impl Lab {
 
     async fn payload_mismatch(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let consumer = self.consumer(Strategy::Inbox(DetectMode::OnConflict))?;
+        let consumer = self.consumer(HandlerKind::Inbox(DetectMode::OnConflict))?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let mut altered = message.clone();
         if let Event::Placed(placed) = &mut altered.event {
@@ -693,7 +660,7 @@ impl Lab {
 
     async fn insufficient_stock(&self) -> Result<ScenarioLine> {
         let book = self.dune(1).await?;
-        let consumer = self.consumer(Strategy::NaturalKey)?;
+        let consumer = self.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let first = consumer.handle(&message).await?;
         self.stock
@@ -723,9 +690,9 @@ impl Lab {
 
     async fn cancel_before_place(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let consumer = self.consumer(Strategy::NaturalKey)?;
+        let consumer = self.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))?;
         let placed = order_placed(book, ORDER_QUANTITY)?;
-        let cancelled = consumer.handle(&cancellation_of(&placed)).await?;
+        let cancelled = consumer.handle(&placed.cancellation()).await?;
         let late = consumer.handle(&placed).await?;
         let reserved = self.reserved(book).await?;
         Ok(ScenarioLine {

@@ -1,4 +1,4 @@
-//! The modes a benchmark compares, each as a [`MessageHandler`], and the messages they handle.
+//! The handlers a benchmark compares, and the messages they handle.
 //!
 //! A [`DuplicateStream`] yields `OrderPlaced` messages of which an exact, evenly spread fraction
 //! are copies of messages it yielded before: the same message (same id) for the inbox, the same
@@ -7,13 +7,11 @@
 //! fresh messages and copies is the same on every run.
 
 use inventory_domain::{
-    BookId, ConsumerName, DedupKey, Effect, Event, FieldError, Message, MessageId, OrderId,
-    OrderPlaced, Outcome, Quantity, StockItem,
+    BookId, ConsumerName, Effect, FieldError, Message, OrderId, Outcome, Quantity, StockItem,
 };
-use inventory_infra::consumers::natural_pg::PgNaturalKey;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::{
-    DetectMode, HandleError, MessageHandler, StockConsumer, StockRepository, Strategy,
+    BuildError, DetectMode, Handler, HandlerKind, NaturalKeyPath, StockRepository,
 };
 use sea_orm::DbErr;
 
@@ -37,8 +35,8 @@ pub fn postgres_server() -> String {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
-    #[error("{0} runs on PostgreSQL only")]
-    PostgresOnly(&'static str),
+    #[error(transparent)]
+    Handler(#[from] BuildError),
     #[error("database error: {0}")]
     Database(#[from] DbErr),
     #[error(transparent)]
@@ -47,20 +45,23 @@ pub enum WorkloadError {
     NoBooks,
 }
 
-/// What a benchmark measures: a consumer strategy, or one of the inbox's detection modes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// No dedup: every delivery reserves.
-    Naive,
-    /// The inbox, detecting a claimed key as [`DetectMode`] says.
-    Inbox(DetectMode),
-    /// The natural key through sea-orm, one transaction of several statements
-    /// ([`Strategy::NaturalKey`]).
-    NaturalKey,
-    /// The natural key on PostgreSQL as one statement on a lane-held connection
-    /// ([`PgNaturalKey`]).
-    NaturalKeyOneStatement,
-}
+/// The handlers of the dedup-cost comparison: the inbox's three detection modes and the natural
+/// key's two single-message paths.
+pub const DEDUP: [HandlerKind; 5] = [
+    HandlerKind::Inbox(DetectMode::CatchViolation),
+    HandlerKind::Inbox(DetectMode::PreCheck),
+    HandlerKind::Inbox(DetectMode::OnConflict),
+    HandlerKind::NaturalKey(NaturalKeyPath::Orm),
+    HandlerKind::NaturalKey(NaturalKeyPath::OneStatement),
+];
+
+/// The handlers compared on fresh messages.
+pub const STRATEGIES: [HandlerKind; 4] = [
+    HandlerKind::Naive,
+    HandlerKind::Inbox(DetectMode::OnConflict),
+    HandlerKind::NaturalKey(NaturalKeyPath::Orm),
+    HandlerKind::NaturalKey(NaturalKeyPath::OneStatement),
+];
 
 /// How a copy of an earlier message is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,82 +73,28 @@ pub enum CopyKind {
     SameOrderNewId,
 }
 
-impl Mode {
-    /// The modes of the dedup-cost comparison.
-    pub const DEDUP: [Self; 5] = [
-        Self::Inbox(DetectMode::CatchViolation),
-        Self::Inbox(DetectMode::PreCheck),
-        Self::Inbox(DetectMode::OnConflict),
-        Self::NaturalKey,
-        Self::NaturalKeyOneStatement,
-    ];
-
-    /// The strategies compared on fresh messages.
-    pub const STRATEGIES: [Self; 4] = [
-        Self::Naive,
-        Self::Inbox(DetectMode::OnConflict),
-        Self::NaturalKey,
-        Self::NaturalKeyOneStatement,
-    ];
-
-    /// A name fit for a benchmark id and a directory.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Naive => "naive",
-            Self::Inbox(DetectMode::CatchViolation) => "inbox-catch-violation",
-            Self::Inbox(DetectMode::PreCheck) => "inbox-pre-check",
-            Self::Inbox(DetectMode::OnConflict) => "inbox-on-conflict",
-            Self::NaturalKey => "natural-key",
-            Self::NaturalKeyOneStatement => "natural-key-one-statement",
+impl CopyKind {
+    /// The duplicate `handler` is there to catch.
+    pub fn caught_by(handler: HandlerKind) -> Self {
+        match handler {
+            HandlerKind::NaturalKey(_) => Self::SameOrderNewId,
+            _ => Self::SameMessage,
         }
     }
 
-    pub fn postgres_only(self) -> bool {
-        self == Self::NaturalKeyOneStatement
-    }
-
-    /// The duplicate this mode is there to catch.
-    pub fn copy_kind(self) -> CopyKind {
+    /// A copy of `original` of this kind.
+    pub fn copy_of(self, original: &Message) -> Message {
         match self {
-            Self::Naive | Self::Inbox(_) => CopyKind::SameMessage,
-            Self::NaturalKey | Self::NaturalKeyOneStatement => CopyKind::SameOrderNewId,
-        }
-    }
-
-    /// A handler of this mode on `db`. Clones of a [`Handler::OneStatement`] each open a
-    /// connection of their own on first use; the others share `db`'s pool.
-    pub fn handler(self, db: &DatabaseConnection) -> Result<Handler, WorkloadError> {
-        let consumer = ConsumerName::parse(CONSUMER)?;
-        let strategy = match self {
-            Self::Naive => Strategy::Naive,
-            Self::Inbox(detect) => Strategy::Inbox(detect),
-            Self::NaturalKey | Self::NaturalKeyOneStatement => Strategy::NaturalKey,
-        };
-        let reference = StockConsumer::new(db.clone(), strategy, consumer);
-        if self == Self::NaturalKeyOneStatement {
-            PgNaturalKey::new(reference)
-                .map(Handler::OneStatement)
-                .ok_or(WorkloadError::PostgresOnly(self.label()))
-        } else {
-            Ok(Handler::Orm(reference))
+            Self::SameMessage => original.clone(),
+            Self::SameOrderNewId => original.resent_with_new_id(),
         }
     }
 }
 
-/// One of the handlers, whichever its type.
-#[derive(Clone)]
-pub enum Handler {
-    Orm(StockConsumer),
-    OneStatement(PgNaturalKey),
-}
-
-impl MessageHandler for Handler {
-    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        match self {
-            Self::Orm(consumer) => consumer.handle(message).await,
-            Self::OneStatement(handler) => MessageHandler::handle(handler, message).await,
-        }
-    }
+/// A benchmark's `handler` on `db`, its dedup rows under [`CONSUMER`]. Clones of a one-statement
+/// handler each open a connection of their own on first use; the others share `db`'s pool.
+pub fn handler(kind: HandlerKind, db: &DatabaseConnection) -> Result<Handler, WorkloadError> {
+    Ok(kind.build(db, ConsumerName::parse(CONSUMER)?, None)?)
 }
 
 /// Puts `count` new books with [`ON_HAND`] copies each.
@@ -164,20 +111,6 @@ pub async fn stock_books(
         books.push(book_id);
     }
     Ok(books)
-}
-
-/// A new order for `quantity` copies of `book_id`, under a new message id.
-pub fn fresh_placed(book_id: BookId, quantity: Quantity) -> Message {
-    Message {
-        key: DedupKey::MessageId(MessageId::generate()),
-        correlation_id: None,
-        occurred_at: None,
-        event: Event::Placed(OrderPlaced {
-            order_id: OrderId::new_v7(),
-            book_id,
-            quantity,
-        }),
-    }
 }
 
 /// A message to handle, and whether it repeats one handled before.
@@ -243,21 +176,13 @@ impl DuplicateStream {
         if is_copy && !self.fresh.is_empty() {
             let len = self.fresh.len() as u64;
             let pick = usize::try_from(self.random.below(len)).unwrap_or(0);
-            let original = &self.fresh[pick];
-            let message = match self.copy {
-                CopyKind::SameMessage => original.clone(),
-                CopyKind::SameOrderNewId => Message {
-                    key: DedupKey::MessageId(MessageId::generate()),
-                    ..original.clone()
-                },
-            };
             return Delivery {
-                message,
+                message: self.copy.copy_of(&self.fresh[pick]),
                 is_copy: true,
             };
         }
         let book = self.books[self.fresh.len() % self.books.len()];
-        let message = fresh_placed(book, self.quantity);
+        let message = Message::placed(OrderId::new_v7(), book, self.quantity);
         self.fresh.push(message.clone());
         Delivery {
             message,

@@ -189,6 +189,46 @@ impl EventFields {
 }
 
 impl Message {
+    /// A new OrderPlaced under a new message id.
+    pub fn placed(order_id: OrderId, book_id: BookId, quantity: Quantity) -> Self {
+        Self::new(Event::Placed(OrderPlaced {
+            order_id,
+            book_id,
+            quantity,
+        }))
+    }
+
+    /// A new OrderCancelled of `order_id` under a new message id.
+    pub fn cancelled(order_id: OrderId) -> Self {
+        Self::new(Event::Cancelled(OrderCancelled { order_id }))
+    }
+
+    /// The cancellation of this message's order, in the same conversation (correlation id).
+    pub fn cancellation(&self) -> Self {
+        Self {
+            correlation_id: self.correlation_id.clone(),
+            ..Self::cancelled(self.event.order_id())
+        }
+    }
+
+    /// What a faulty producer sends on retry: the same event under a new message id, which no
+    /// inbox can tell from a new order. (The same message again, id included, is a `clone`.)
+    pub fn resent_with_new_id(&self) -> Self {
+        Self {
+            key: DedupKey::MessageId(MessageId::generate()),
+            ..self.clone()
+        }
+    }
+
+    fn new(event: Event) -> Self {
+        Self {
+            key: DedupKey::MessageId(MessageId::generate()),
+            correlation_id: None,
+            occurred_at: None,
+            event,
+        }
+    }
+
     /// Decodes a body that arrived on a subject of `kind`. Unknown fields are ignored; a field
     /// given twice is malformed, since which copy a reader honours would be a guess.
     pub fn decode(kind: EventKind, body: &[u8]) -> Result<Self, DecodeError> {

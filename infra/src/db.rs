@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use inventory_migrations::{Migrator, MigratorTrait};
-pub use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
 use sea_orm::{ConnectOptions, ConnectionTrait, DbErr};
+pub use sea_orm::{DatabaseConnection, DbBackend};
 
 /// The embedded default: a SQLite file in the working directory.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://inventory.db?mode=rwc";

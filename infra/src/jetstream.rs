@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+pub use async_nats::jetstream::Context;
 use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::message::PublishMessage as Publish;
-use async_nats::jetstream::{self, Context, consumer, stream};
+use async_nats::jetstream::{self, consumer, stream};
 use bytes::Bytes;
 use inventory_domain::{DeadLetterReason, EventKind, Message};
 
@@ -21,7 +22,7 @@ pub struct NatsError {
     source: async_nats::Error,
 }
 
-fn nats_error(doing: impl Into<String>) -> impl FnOnce(async_nats::Error) -> NatsError {
+pub(crate) fn nats_error(doing: impl Into<String>) -> impl FnOnce(async_nats::Error) -> NatsError {
     let doing = doing.into();
     move |source| NatsError { doing, source }
 }

@@ -10,6 +10,7 @@
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
 //! - [`retention`]: purging completed inbox rows in bounded batches.
 //! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher.
+//! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
 //!   lines in a local file, looked up by idempotency key).
 //! - [`redact`]: masking credentials in URLs before they reach a log.
@@ -17,6 +18,7 @@
 
 pub mod consumers;
 pub mod db;
+pub mod delivery;
 mod entities;
 pub mod faults;
 pub mod jetstream;
@@ -26,7 +28,10 @@ pub mod retention;
 pub mod stock;
 
 pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};
-pub use consumers::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
+pub use consumers::{
+    BuildError, DetectMode, HandleError, Handler, HandlerKind, Mailbox, MessageHandler,
+    NaturalKeyPath, StockConsumer,
+};
 pub use faults::{Faults, Hold};
 pub use mailbox::{FileMailbox, MailboxError};
 pub use stock::{InboxEntry, RecordedReservation, StockRepository};

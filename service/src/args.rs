@@ -3,8 +3,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use inventory_infra::db::DEFAULT_DATABASE_URL;
 use inventory_infra::jetstream::{self, NatsSecurity, Topology};
+use inventory_infra::{DetectMode, NaturalKeyPath};
 
 /// `Debug` masks the URL's password.
 #[derive(Clone, clap::Args)]
@@ -146,4 +148,28 @@ impl std::fmt::Debug for DatabaseArgs {
             )
             .finish()
     }
+}
+
+/// A flag whose values are the labels of `all`.
+pub fn one_of<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    label: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(all.iter().map(|value| label(*value))).try_map(move |given| {
+        all.iter()
+            .copied()
+            .find(|value| label(*value) == given)
+            .ok_or("not one of the possible values")
+    })
+}
+
+pub fn detect_mode() -> impl TypedValueParser<Value = DetectMode> {
+    one_of(&DetectMode::ALL, DetectMode::as_str)
+}
+
+/// `--natural-handler`: the batch statement is chosen by a batch size, not by name.
+pub fn natural_key_path() -> impl TypedValueParser<Value = NaturalKeyPath> {
+    const ON_THE_COMMAND_LINE: [NaturalKeyPath; 2] =
+        [NaturalKeyPath::OneStatement, NaturalKeyPath::Orm];
+    one_of(&ON_THE_COMMAND_LINE, NaturalKeyPath::as_str)
 }

@@ -20,7 +20,7 @@ use prometheus::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::serve::Disposition;
+use crate::runtime::Disposition;
 
 /// The service's metrics, registered in a registry of their own (no process-global state, so
 /// tests in one process do not share counters).
@@ -149,7 +149,7 @@ impl ConsumerMetrics {
 
     pub fn record(&self, disposition: &Disposition, elapsed: Duration) {
         let outcome = match disposition {
-            Disposition::Acked(label) => label,
+            Disposition::Acked(acked) => acked.label(),
             Disposition::DeadLettered(reason) => {
                 self.dead_letters
                     .with_label_values(&[self.consumer.as_str(), reason.as_str()])

@@ -1,513 +1,21 @@
-//! `inventory serve`: the JetStream subscriber.
-//!
-//! Pulls from a durable consumer with at most `concurrency` messages in flight. Each message is
-//! decoded, handled by the strategy, and then: acked (processed or duplicate: both success),
-//! dead-lettered and terminated (a permanent refusal, or the last allowed delivery failing), or
-//! nak'ed with a growing delay (a transient failure). Nothing is acked before its transaction
-//! committed. On shutdown it stops fetching, lets in-flight messages finish and ack, and returns;
-//! the caller then drains the connection.
+//! `inventory serve`: the JetStream subscriber, wired from its flags. The consumer itself is
+//! [`crate::runtime`]; this module turns the command line into its settings, adds what only a
+//! long-running service needs (signals, the purge and its horizon guard, metrics) and waits.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context as _;
-use async_nats::jetstream::AckKind;
-use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::consumer::pull::MessagesError as PullError;
-use futures::{FutureExt, StreamExt};
-use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
-use inventory_infra::consumers::natural_pg::PgNaturalKey;
-use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, Origin};
+use inventory_domain::{Horizon, RedeliveryPolicy};
+use inventory_infra::db::{self, DbBackend};
+use inventory_infra::jetstream::{self, ConsumerSettings};
 use inventory_infra::redact::redact_url;
-use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, FileMailbox, MessageHandler, StockConsumer, Strategy,
-};
+use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{Instrument, field};
 
-use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
-use crate::metrics::{ConsumerMetrics, Metrics};
+use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, detect_mode, natural_key_path};
+use crate::metrics::Metrics;
 use crate::retention::{self, PurgeSettings};
-
-/// How the loop treats messages; see the `serve` flags for the defaults.
-#[derive(Debug, Clone)]
-pub struct ServeSettings {
-    pub concurrency: usize,
-    /// Messages a lane hands the handler at once (committed together where it supports it).
-    pub batch_size: usize,
-    pub max_body_bytes: usize,
-    /// The consumer's `max_deliver` as the server has it; -1 for unlimited.
-    pub max_deliver: i64,
-    pub retry_delay: Duration,
-    pub max_retry_delay: Duration,
-}
-
-impl ServeSettings {
-    /// Delay before the next try after `delivered` failed deliveries: doubling, capped.
-    pub fn retry_delay_after(&self, delivered: i64) -> Duration {
-        let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
-        self.retry_delay
-            .saturating_mul(2u32.saturating_pow(doublings))
-            .min(self.max_retry_delay)
-    }
-
-    fn is_last_delivery(&self, delivered: i64) -> bool {
-        self.max_deliver > 0 && delivered >= self.max_deliver
-    }
-}
-
-/// What became of one delivery.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Disposition {
-    /// Handled and acked; the label is the outcome's (`processed`, `duplicate`, `rejected`).
-    Acked(&'static str),
-    DeadLettered(DeadLetterReason),
-    /// Nak'ed, to come again after the delay.
-    Retried(Duration),
-    /// Left unacked (the handler died, or an ack or dead letter could not be sent): JetStream
-    /// redelivers it after the ack wait.
-    LeftForRedelivery,
-}
-
-/// Counts of dispositions since start.
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub acked: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub retried: AtomicU64,
-    pub left_for_redelivery: AtomicU64,
-}
-
-impl Stats {
-    fn record(&self, disposition: &Disposition) {
-        let counter = match disposition {
-            Disposition::Acked("duplicate") => &self.duplicates,
-            Disposition::Acked(_) => &self.acked,
-            Disposition::DeadLettered(_) => &self.dead_lettered,
-            Disposition::Retried(_) => &self.retried,
-            Disposition::LeftForRedelivery => &self.left_for_redelivery,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// A delivery after decoding: ready for the handler, or already settled (dead-lettered).
-enum Admitted {
-    Decoded(Origin, Message),
-    Settled(Disposition),
-}
-
-fn message_span() -> tracing::Span {
-    tracing::info_span!(
-        "message",
-        message_id = field::Empty,
-        stream_seq = field::Empty,
-        delivered = field::Empty,
-        disposition = field::Empty,
-    )
-}
-
-/// Everything one delivery needs; cloned into each lane.
-#[derive(Clone)]
-pub struct Worker<H> {
-    pub handler: H,
-    pub dead_letters: DeadLetters,
-    pub settings: Arc<ServeSettings>,
-    pub stats: Arc<Stats>,
-    /// Set when a handler hit a database error: the loop checks the database before fetching.
-    database_suspect: Arc<AtomicBool>,
-    /// Prometheus counters, when `--metrics-addr` is set.
-    metrics: Option<ConsumerMetrics>,
-}
-
-impl<H: MessageHandler> Worker<H> {
-    pub fn new(handler: H, dead_letters: DeadLetters, settings: ServeSettings) -> Self {
-        Self {
-            handler,
-            dead_letters,
-            settings: Arc::new(settings),
-            stats: Arc::new(Stats::default()),
-            database_suspect: Arc::new(AtomicBool::new(false)),
-            metrics: None,
-        }
-    }
-
-    /// Records every delivery in `metrics` too.
-    pub fn with_metrics(mut self, metrics: ConsumerMetrics) -> Self {
-        self.metrics = Some(metrics);
-        self
-    }
-
-    /// Handles one delivery to its end: the step the loop runs for every message, public so a
-    /// test can drive the consumer one message at a time.
-    pub async fn process(&self, message: &async_nats::jetstream::Message) -> Disposition {
-        let started = Instant::now();
-        let in_flight = self.metrics.as_ref().map(ConsumerMetrics::start);
-        let disposition = match self.admit(message).await {
-            Admitted::Settled(disposition) => disposition,
-            Admitted::Decoded(origin, decoded) => {
-                let result = self.handler.handle(&decoded).await;
-                self.settle(message, &origin, result).await
-            }
-        };
-        self.record(&disposition, started);
-        drop(in_flight);
-        tracing::Span::current().record("disposition", field::debug(&disposition));
-        disposition
-    }
-
-    fn record(&self, disposition: &Disposition, started: Instant) {
-        self.stats.record(disposition);
-        if let Some(metrics) = &self.metrics {
-            metrics.record(disposition, started.elapsed());
-        }
-    }
-
-    /// Handles deliveries as one batch: the handler may commit them in one transaction; each
-    /// is then acked, dead-lettered or nak'ed on its own outcome.
-    pub async fn process_batch(
-        &self,
-        messages: &[async_nats::jetstream::Message],
-    ) -> Vec<Disposition> {
-        let started = Instant::now();
-        let in_flight: Vec<_> = messages
-            .iter()
-            .filter_map(|_| self.metrics.as_ref().map(ConsumerMetrics::start))
-            .collect();
-        let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
-        let mut decoded = Vec::new();
-        let mut origins = Vec::new();
-        for message in messages {
-            let span = message_span();
-            match self.admit(message).instrument(span).await {
-                Admitted::Settled(disposition) => dispositions.push(Some(disposition)),
-                Admitted::Decoded(origin, message) => {
-                    dispositions.push(None);
-                    decoded.push(message);
-                    origins.push(origin);
-                }
-            }
-        }
-        let mut results = self.handler.handle_batch(&decoded).await.into_iter();
-        let mut origins = origins.into_iter();
-        let mut settled = Vec::with_capacity(messages.len());
-        for (message, disposition) in messages.iter().zip(dispositions) {
-            let span = message_span();
-            let disposition = match (disposition, results.next(), origins.next()) {
-                (Some(disposition), _, _) => disposition,
-                (None, Some(result), Some(origin)) => {
-                    span.record("stream_seq", origin.stream_sequence);
-                    span.record("delivered", origin.deliveries);
-                    self.settle(message, &origin, result)
-                        .instrument(span.clone())
-                        .await
-                }
-                // A handler that returned fewer results than messages: leave the rest for
-                // redelivery rather than guess.
-                (None, _, _) => Disposition::LeftForRedelivery,
-            };
-            span.record("disposition", field::debug(&disposition));
-            self.record(&disposition, started);
-            settled.push(disposition);
-        }
-        drop(in_flight);
-        settled
-    }
-
-    /// Reads where a delivery came from and decodes it; a body that cannot be decoded is
-    /// dead-lettered here.
-    async fn admit(&self, message: &async_nats::jetstream::Message) -> Admitted {
-        let origin = match message.info() {
-            Ok(info) => Origin {
-                subject: message.subject.to_string(),
-                stream: info.stream.to_owned(),
-                stream_sequence: info.stream_sequence,
-                deliveries: info.delivered,
-            },
-            Err(error) => {
-                // Not a JetStream delivery: there is nothing to ack, so nothing to do.
-                tracing::error!(%error, subject = %message.subject, "message without JetStream metadata");
-                return Admitted::Settled(Disposition::LeftForRedelivery);
-            }
-        };
-        let span = tracing::Span::current();
-        span.record("stream_seq", origin.stream_sequence);
-        span.record("delivered", origin.deliveries);
-        match self.decode(message) {
-            Ok(decoded) => {
-                span.record("message_id", field::display(&decoded.key));
-                Admitted::Decoded(origin, decoded)
-            }
-            Err((reason, detail)) => {
-                Admitted::Settled(self.dead_letter(message, &origin, reason, &detail).await)
-            }
-        }
-    }
-
-    /// Acts on the handler's answer: ack, dead letter, or nak.
-    async fn settle(
-        &self,
-        message: &async_nats::jetstream::Message,
-        origin: &Origin,
-        result: Result<Outcome, inventory_infra::HandleError>,
-    ) -> Disposition {
-        match result {
-            Ok(Outcome::Refused(refusal)) => {
-                self.dead_letter(message, origin, refusal.reason, &refusal.detail)
-                    .await
-            }
-            Ok(outcome) => match message.ack().await {
-                Ok(()) => {
-                    // A duplicate is a success like any other, not news.
-                    if outcome == Outcome::Duplicate {
-                        tracing::debug!(outcome = outcome.label(), "acked");
-                    } else {
-                        tracing::info!(outcome = outcome.label(), "acked");
-                    }
-                    Disposition::Acked(outcome.label())
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "ack not sent; the redelivery will be a duplicate");
-                    Disposition::LeftForRedelivery
-                }
-            },
-            Err(inventory_infra::HandleError::Crashed(point)) => {
-                tracing::warn!(point = point.as_str(), "handler crashed (injected)");
-                Disposition::LeftForRedelivery
-            }
-            Err(error) => {
-                if error.is_database() {
-                    self.database_suspect.store(true, Ordering::Relaxed);
-                }
-                if self.settings.is_last_delivery(origin.deliveries) {
-                    let detail =
-                        format!("last of {} deliveries failed: {error}", origin.deliveries);
-                    return self
-                        .dead_letter(message, origin, DeadLetterReason::MaxDeliveries, &detail)
-                        .await;
-                }
-                let delay = self.settings.retry_delay_after(origin.deliveries);
-                tracing::warn!(%error, retry_in = ?delay, "transient failure; nak");
-                match message.ack_with(AckKind::Nak(Some(delay))).await {
-                    Ok(()) => Disposition::Retried(delay),
-                    Err(_) => Disposition::LeftForRedelivery,
-                }
-            }
-        }
-    }
-
-    fn decode(
-        &self,
-        message: &async_nats::jetstream::Message,
-    ) -> Result<Message, (DeadLetterReason, String)> {
-        if message.payload.len() > self.settings.max_body_bytes {
-            return Err((
-                DeadLetterReason::Malformed,
-                format!(
-                    "body of {} bytes is over the {}-byte limit; not parsed",
-                    message.payload.len(),
-                    self.settings.max_body_bytes
-                ),
-            ));
-        }
-        let kind = EventKind::from_subject(&message.subject).ok_or_else(|| {
-            (
-                DeadLetterReason::Invalid,
-                format!("subject {} carries no order event", message.subject),
-            )
-        })?;
-        Message::decode(kind, &message.payload).map_err(|error| (error.reason(), error.to_string()))
-    }
-
-    /// Publishes the dead letter, and only once the DLQ stream stored it terminates the
-    /// original, so a poison message is neither lost nor redelivered forever.
-    async fn dead_letter(
-        &self,
-        message: &async_nats::jetstream::Message,
-        origin: &Origin,
-        reason: DeadLetterReason,
-        detail: &str,
-    ) -> Disposition {
-        let published = self
-            .dead_letters
-            .publish(
-                origin,
-                message.headers.as_ref(),
-                message.payload.clone(),
-                reason,
-                detail,
-            )
-            .await;
-        if let Err(error) = published {
-            let delay = self.settings.retry_delay_after(origin.deliveries);
-            tracing::warn!(%error, reason = reason.as_str(), "dead letter not stored; nak");
-            return match message.ack_with(AckKind::Nak(Some(delay))).await {
-                Ok(()) => Disposition::Retried(delay),
-                Err(_) => Disposition::LeftForRedelivery,
-            };
-        }
-        tracing::warn!(reason = reason.as_str(), detail, "dead-lettered");
-        match message.ack_with(AckKind::Term).await {
-            Ok(()) => Disposition::DeadLettered(reason),
-            Err(error) => {
-                // The dead letter is stored under an id derived from this delivery: the
-                // redelivery stores no second copy.
-                tracing::warn!(%error, "term not sent");
-                Disposition::LeftForRedelivery
-            }
-        }
-    }
-}
-
-/// How the loop is asked to stop: `graceful` stops fetching and waits for in-flight messages;
-/// `immediate` gives up waiting.
-#[derive(Clone, Default)]
-pub struct Shutdown {
-    pub graceful: CancellationToken,
-    pub immediate: CancellationToken,
-}
-
-/// How the loop ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ending {
-    /// Every in-flight message finished.
-    Drained,
-    /// Stopped waiting (second signal or timeout): unfinished messages stay unacked and will be
-    /// redelivered; their transactions were never committed.
-    Abandoned,
-}
-
-/// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
-/// in-flight messages.
-///
-/// `concurrency` lanes each take the next message from the shared pull stream and handle it to
-/// its end. Each lane holds its own clone of the handler, so a handler that keeps a connection
-/// per clone keeps one per lane, for as long as the loop runs.
-pub async fn run<H: MessageHandler>(
-    consumer: &PullConsumer,
-    worker: Worker<H>,
-    db: DatabaseConnection,
-    shutdown: Shutdown,
-    shutdown_timeout: Duration,
-) -> anyhow::Result<Ending> {
-    let lanes = worker.settings.concurrency.max(1);
-    // The client asks for more once half a pull is used up: pulling twice what the lanes hold
-    // keeps the next messages on their way while the lanes work.
-    let prefetch = (2 * lanes * worker.settings.batch_size.max(1)).max(32);
-    let messages = consumer
-        .stream()
-        .max_messages_per_batch(prefetch)
-        .heartbeat(Duration::from_secs(5))
-        .expires(Duration::from_secs(30))
-        .messages()
-        .await?;
-    let messages = Arc::new(tokio::sync::Mutex::new(messages));
-    // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
-    let stop = shutdown.graceful.child_token();
-    let stream_ended = Arc::new(AtomicBool::new(false));
-    let tracker = TaskTracker::new();
-    for _ in 0..lanes {
-        tracker.spawn(lane(
-            worker.clone(),
-            messages.clone(),
-            db.clone(),
-            stop.clone(),
-            stream_ended.clone(),
-        ));
-    }
-    tracker.close();
-    stop.cancelled().await;
-    if stream_ended.load(Ordering::Relaxed) {
-        anyhow::bail!("the consumer's message stream ended");
-    }
-    tracing::info!(lanes, "stopped fetching; finishing in-flight messages");
-    tokio::select! {
-        () = tracker.wait() => Ok(Ending::Drained),
-        () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
-        () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
-    }
-}
-
-/// One lane: fetch, handle to the end, repeat, until `stop`.
-async fn lane<H: MessageHandler, S>(
-    worker: Worker<H>,
-    messages: Arc<tokio::sync::Mutex<S>>,
-    db: DatabaseConnection,
-    stop: CancellationToken,
-    stream_ended: Arc<AtomicBool>,
-) where
-    S: futures::Stream<Item = Result<async_nats::jetstream::Message, PullError>> + Unpin,
-{
-    let batch_size = worker.settings.batch_size.max(1);
-    loop {
-        if worker.database_suspect.swap(false, Ordering::Relaxed)
-            && !wait_for_database(&db, &stop).await
-        {
-            return;
-        }
-        let mut batch = Vec::with_capacity(batch_size);
-        {
-            let mut stream = messages.lock().await;
-            let next = tokio::select! {
-                () = stop.cancelled() => return,
-                next = stream.next() => next,
-            };
-            let mut next = Some(next);
-            // After the first message, take what is already fetched, up to the batch size;
-            // a batch never waits for messages that have not arrived.
-            while let Some(item) = next.take() {
-                match item {
-                    Some(Ok(message)) => batch.push(message),
-                    Some(Err(error)) => {
-                        // Missed heartbeats and the like while NATS reconnects; it goes on.
-                        tracing::warn!(%error, "pulling messages");
-                    }
-                    None => {
-                        stream_ended.store(true, Ordering::Relaxed);
-                        stop.cancel();
-                        break;
-                    }
-                }
-                if batch.len() < batch_size {
-                    next = stream.next().now_or_never();
-                }
-            }
-        }
-        match batch.as_slice() {
-            [] => {}
-            [message] => {
-                worker.process(message).instrument(message_span()).await;
-            }
-            messages => {
-                worker.process_batch(messages).await;
-            }
-        }
-    }
-}
-
-/// Waits until the database answers again; false if shutdown came first. While it is down
-/// nothing is fetched, so messages are not burned through their delivery attempts.
-async fn wait_for_database(db: &DatabaseConnection, shutdown: &CancellationToken) -> bool {
-    let mut delay = Duration::from_millis(200);
-    loop {
-        match db.ping().await {
-            Ok(()) => {
-                tracing::info!("database reachable; consuming");
-                return true;
-            }
-            Err(error) => tracing::warn!(%error, "database unreachable; not fetching"),
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return false,
-            () = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
-    }
-}
+use crate::runtime::{self, ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
 /// The strategy `serve` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -521,51 +29,6 @@ pub enum StrategyArg {
     Email,
 }
 
-impl StrategyArg {
-    fn default_consumer(self) -> &'static str {
-        match self {
-            Self::Natural => "inventory-reserve-stock",
-            Self::Inbox => "inventory-reserve-stock-inbox",
-            Self::Email => EMAIL_CONSUMER,
-        }
-    }
-
-    /// The email goes out for placed orders only; stock follows both events.
-    fn filter_subject(self, topology: &jetstream::Topology) -> String {
-        match self {
-            Self::Email => topology.subject(EventKind::Placed),
-            Self::Natural | Self::Inbox => format!("{}.>", topology.subject_prefix),
-        }
-    }
-}
-
-/// How the natural-key strategy talks to PostgreSQL.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum NaturalHandlerArg {
-    /// One statement per message on a connection each lane holds (SQLite: the ORM handler).
-    OneStatement,
-    /// The sea-orm entity transaction: BEGIN, insert, upsert, select, update, COMMIT.
-    Orm,
-}
-
-/// How the inbox strategy detects a duplicate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DetectArg {
-    OnConflict,
-    CatchViolation,
-    PreCheck,
-}
-
-impl From<DetectArg> for DetectMode {
-    fn from(arg: DetectArg) -> Self {
-        match arg {
-            DetectArg::OnConflict => Self::OnConflict,
-            DetectArg::CatchViolation => Self::CatchViolation,
-            DetectArg::PreCheck => Self::PreCheck,
-        }
-    }
-}
-
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
     /// Which handler runs.
@@ -574,12 +37,13 @@ pub struct ServeArgs {
     /// Durable consumer name; the contract's name for the strategy by default.
     #[arg(long)]
     pub consumer: Option<String>,
-    /// The natural-key handler on PostgreSQL.
-    #[arg(long, value_enum, default_value = "one-statement")]
-    pub natural_handler: NaturalHandlerArg,
+    /// The natural-key handler on PostgreSQL: one statement per message on a connection each
+    /// lane holds, or the sea-orm entity transaction (SQLite always runs the latter).
+    #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
+    pub natural_handler: NaturalKeyPath,
     /// Duplicate detection of the inbox strategy.
-    #[arg(long, value_enum, default_value = "on-conflict")]
-    pub inbox_detect: DetectArg,
+    #[arg(long, default_value = "on-conflict", value_parser = detect_mode())]
+    pub inbox_detect: DetectMode,
     #[command(flatten)]
     pub database: DatabaseArgs,
     /// The email strategy's provider: sent mail as JSON lines in this file, looked up by
@@ -650,6 +114,51 @@ pub struct ServeArgs {
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
+impl ServeArgs {
+    /// The handler these flags choose on `backend`: SQLite runs the natural key through the
+    /// ORM, and `--batch-size` above 1 makes the one statement the batch statement.
+    pub fn handler(&self, backend: DbBackend) -> HandlerKind {
+        match self.strategy {
+            StrategyArg::Natural if backend != DbBackend::Postgres => {
+                HandlerKind::NaturalKey(NaturalKeyPath::Orm)
+            }
+            StrategyArg::Natural => {
+                HandlerKind::natural_key(self.natural_handler, usize::from(self.batch_size))
+            }
+            StrategyArg::Inbox => HandlerKind::Inbox(self.inbox_detect),
+            StrategyArg::Email => HandlerKind::Email,
+        }
+    }
+
+    /// The consumer runtime's settings from these flags.
+    pub fn runtime_settings(&self, backend: DbBackend) -> RuntimeSettings {
+        let handler = self.handler(backend);
+        let defaults = RuntimeSettings::new(self.topology.topology(), handler, 1);
+        RuntimeSettings {
+            consumer: ConsumerSettings {
+                durable_name: self
+                    .consumer
+                    .clone()
+                    .unwrap_or_else(|| runtime::default_consumer(handler).to_owned()),
+                ack_wait: self.ack_wait,
+                max_deliver: self.max_deliver,
+                backoff: self.backoff.clone(),
+                max_ack_pending: self.max_ack_pending,
+                ..defaults.consumer
+            },
+            concurrency: self
+                .concurrency
+                .unwrap_or(usize::try_from(self.db_pool_size).unwrap_or(1)),
+            batch_size: usize::from(self.batch_size),
+            max_body_bytes: self.max_body_bytes,
+            retry_delay: self.retry_delay,
+            max_retry_delay: self.max_retry_delay,
+            shutdown_timeout: self.shutdown_timeout,
+            ..defaults
+        }
+    }
+}
+
 /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
 /// second for an immediate one.
 fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
@@ -671,28 +180,7 @@ fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What every strategy's loop is wired to; only the handler differs.
-struct Wiring<'a> {
-    consumer: &'a PullConsumer,
-    db: DatabaseConnection,
-    dead_letters: DeadLetters,
-    settings: ServeSettings,
-    metrics: Option<ConsumerMetrics>,
-    shutdown: Shutdown,
-    timeout: Duration,
-}
-
-impl Wiring<'_> {
-    async fn consume<H: MessageHandler>(self, handler: H) -> anyhow::Result<Ending> {
-        let mut worker = Worker::new(handler, self.dead_letters, self.settings);
-        if let Some(metrics) = self.metrics {
-            worker = worker.with_metrics(metrics);
-        }
-        run(self.consumer, worker, self.db, self.shutdown, self.timeout).await
-    }
-}
-
-/// `inventory serve`: wiring, then [`run`]. Ok(true) when it drained cleanly.
+/// `inventory serve`: wiring, then the runtime until a signal. Ok(true) when it drained cleanly.
 pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     listen_for_signals(shutdown.clone())?;
@@ -707,42 +195,24 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         })?;
     let client = args.nats.connect("inventory serve").await?;
     let js = jetstream::context(client.clone());
-    let topology = args.topology.topology();
-    let (stream, drifts) = jetstream::ensure_streams(&js, &topology).await?;
-    let consumer_name = args
-        .consumer
-        .clone()
-        .unwrap_or_else(|| args.strategy.default_consumer().to_owned());
-    let consumer_settings = ConsumerSettings {
-        durable_name: consumer_name.clone(),
-        filter_subject: args.strategy.filter_subject(&topology),
-        ack_wait: args.ack_wait,
-        max_deliver: args.max_deliver,
-        backoff: args.backoff.clone(),
-        max_ack_pending: args.max_ack_pending,
-    };
-    let (mut consumer, consumer_drifts) =
-        jetstream::ensure_consumer(&stream, &consumer_settings).await?;
-    for drift in drifts.iter().chain(&consumer_drifts) {
-        tracing::warn!("{drift}");
-    }
-    // The server's values rule, whatever this process would have set.
-    let consumer_config = consumer.info().await?.config.clone();
-    let max_deliver = consumer_config.max_deliver;
+    let settings = args.runtime_settings(db.get_database_backend());
+    let consumer_name = settings.consumer.durable_name.clone();
+    let runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
 
     let background = CancellationToken::new();
     // Stops the purge and the metrics server however start() returns.
     let _stop_background = background.clone().drop_guard();
-    let mut purge_guard = None;
     if !args.purge_interval.is_zero() {
-        let horizon = inventory_domain::Horizon::new(
-            &inventory_domain::RedeliveryPolicy {
-                ack_wait: consumer_config.ack_wait,
-                backoff: consumer_config.backoff.clone(),
-                max_deliver,
+        // The server's values rule, whatever this process would have set.
+        let consumer = runtime.server_consumer();
+        let horizon = Horizon::new(
+            &RedeliveryPolicy {
+                ack_wait: consumer.ack_wait,
+                backoff: consumer.backoff.clone(),
+                max_deliver: consumer.max_deliver,
                 longest_nak_delay: args.max_retry_delay,
             },
-            stream.cached_info().config.duplicate_window,
+            runtime.duplicate_window(),
             args.replay_allowance,
         );
         retention::guard(
@@ -767,6 +237,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         }
         None => None,
     };
+    let mut purge_guard = None;
     if !args.purge_interval.is_zero() {
         let settings = PurgeSettings {
             retention: args.inbox_retention,
@@ -779,63 +250,24 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         purge_guard = Some(stop.drop_guard());
     }
 
-    let settings = ServeSettings {
-        batch_size: usize::from(args.batch_size),
-        concurrency: args
-            .concurrency
-            .unwrap_or(usize::try_from(args.db_pool_size).unwrap_or(1)),
-        max_body_bytes: args.max_body_bytes,
-        max_deliver,
-        retry_delay: args.retry_delay,
-        max_retry_delay: args.max_retry_delay,
+    let mailbox = match runtime.settings().handler {
+        HandlerKind::Email => Some(Mailbox::File(
+            FileMailbox::open(&args.mailbox)
+                .await
+                .with_context(|| format!("opening the mailbox {}", args.mailbox.display()))?,
+        )),
+        _ => None,
     };
-    let dead_letters = DeadLetters::new(js.clone(), &topology, &consumer_name);
-    let consumer_label = ConsumerName::parse(consumer_name.clone())?;
+    let handler = runtime.handler(mailbox)?;
     tracing::info!(
-        strategy = ?args.strategy,
+        handler = runtime.settings().handler.label(),
         consumer = %consumer_name,
-        stream = %topology.stream,
-        concurrency = settings.concurrency,
+        stream = %runtime.settings().topology.stream,
+        concurrency = runtime.settings().concurrency,
         "consuming"
     );
-    let wiring = Wiring {
-        consumer: &consumer,
-        db: db.clone(),
-        dead_letters,
-        settings,
-        metrics: metrics
-            .as_ref()
-            .map(|metrics| metrics.consumer(&consumer_name)),
-        shutdown,
-        timeout: args.shutdown_timeout,
-    };
-    let ending = match args.strategy {
-        StrategyArg::Natural => {
-            let reference = StockConsumer::new(db.clone(), Strategy::NaturalKey, consumer_label);
-            let one_statement = match args.natural_handler {
-                NaturalHandlerArg::OneStatement => PgNaturalKey::new(reference.clone()),
-                NaturalHandlerArg::Orm => None,
-            };
-            match one_statement {
-                Some(handler) => wiring.consume(handler).await?,
-                None => wiring.consume(reference).await?,
-            }
-        }
-        StrategyArg::Inbox => {
-            let strategy = Strategy::Inbox(args.inbox_detect.into());
-            wiring
-                .consume(StockConsumer::new(db.clone(), strategy, consumer_label))
-                .await?
-        }
-        StrategyArg::Email => {
-            let mailbox = FileMailbox::open(&args.mailbox)
-                .await
-                .with_context(|| format!("opening the mailbox {}", args.mailbox.display()))?;
-            wiring
-                .consume(EmailConsumer::new(db.clone(), consumer_label, mailbox))
-                .await?
-        }
-    };
+    let metrics = metrics.map(|metrics| metrics.consumer(&consumer_name));
+    let ending = runtime.start(handler, metrics, shutdown).wait().await?;
     drop(purge_guard);
     match ending {
         Ending::Drained => {

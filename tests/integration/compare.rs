@@ -6,7 +6,7 @@ use std::time::Duration;
 use inventory_benches::compare::{
     self, Backend, CompareReport, Fault, Rates, STRATEGIES, Settings, Workload,
 };
-use inventory_infra::{DetectMode, Strategy};
+use inventory_infra::{DetectMode, HandlerKind, NaturalKeyPath};
 use inventory_tests::nats::shared_url;
 use inventory_tests::postgres::server_url;
 
@@ -79,11 +79,11 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
     assert!(report.as_predicted, "{table}");
 
     let row = |strategy| report.row(strategy).unwrap();
-    let natural = row(Strategy::NaturalKey);
+    let natural = row(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     assert_eq!(natural.difference, 0, "{table}");
     assert_eq!(natural.orders_reserved_more_than_once, 0, "{table}");
 
-    let inbox = row(Strategy::Inbox(DetectMode::OnConflict));
+    let inbox = row(HandlerKind::Inbox(DetectMode::OnConflict));
     let resent = copies(&workload, &[Fault::NewIdResend]);
     assert!(resent > 0);
     assert_eq!(inbox.difference, resent, "{table}");
@@ -94,7 +94,7 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
     );
 
     let every = [Fault::NewIdResend, Fault::Redelivered, Fault::TwoCopies];
-    let naive = row(Strategy::Naive);
+    let naive = row(HandlerKind::Naive);
     if naive.unplanned_deliveries == 0 {
         assert_eq!(naive.difference, copies(&workload, &every), "{table}");
         assert_eq!(
@@ -106,7 +106,7 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
         assert!(naive.difference > copies(&workload, &every), "{table}");
     }
 
-    let check_then_process = row(Strategy::CheckThenProcess);
+    let check_then_process = row(HandlerKind::CheckThenProcess);
     let window = copies(&workload, &[Fault::NewIdResend, Fault::Redelivered]);
     assert!(check_then_process.difference >= window, "{table}");
     if check_then_process.unplanned_deliveries == 0 {

@@ -12,8 +12,8 @@ use std::sync::atomic::Ordering;
 
 use inventory_domain::{BookId, OrderId, StockItem};
 use inventory_infra::jetstream::dlq_headers;
-use inventory_infra::{DetectMode, Strategy};
-use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
+use inventory_infra::{DetectMode, HandlerKind, NaturalKeyPath};
+use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::corpus::{self, Entry};
 use inventory_tests::nats::NatsServer;
 use inventory_tests::workload::{settle, stream_state};
@@ -46,7 +46,7 @@ async fn snapshot(db: &TestDb) -> BTreeMap<&'static str, String> {
     tables
 }
 
-async fn corpus_through_the_service(strategy: Strategy) {
+async fn corpus_through_the_service(strategy: HandlerKind) {
     let entries = corpus::load();
     assert!(entries.len() >= 40, "the corpus has {}", entries.len());
     let server = NatsServer::start_with_config("max_payload: 8MB\n").await;
@@ -59,11 +59,11 @@ async fn corpus_through_the_service(strategy: Strategy) {
         .unwrap();
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
         db.consumer(strategy),
         db.conn.clone(),
-        test_settings(4, 5),
-    );
+        broker.settings(4, 5),
+    )
+    .await;
     broker
         .publish_raw("placed", corpus::baseline(), Some("corpus:baseline"))
         .await;
@@ -111,7 +111,7 @@ async fn corpus_through_the_service(strategy: Strategy) {
             .unwrap_or_else(|| panic!("a dead letter for {id}, which is not in the corpus"));
         *seen.entry(name).or_insert(0) += 1;
         let expected = match strategy {
-            Strategy::NaturalKey => &entry.natural_reason,
+            HandlerKind::NaturalKey(NaturalKeyPath::Orm) => &entry.natural_reason,
             _ => &entry.inbox_reason,
         };
         let reason = letter.header(dlq_headers::REASON).unwrap();
@@ -160,10 +160,10 @@ async fn corpus_through_the_service(strategy: Strategy) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_corpus_is_dead_lettered_under_the_natural_key_and_changes_nothing() {
-    corpus_through_the_service(Strategy::NaturalKey).await;
+    corpus_through_the_service(HandlerKind::NaturalKey(NaturalKeyPath::Orm)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_corpus_is_dead_lettered_under_the_inbox_and_changes_nothing() {
-    corpus_through_the_service(Strategy::Inbox(DetectMode::OnConflict)).await;
+    corpus_through_the_service(HandlerKind::Inbox(DetectMode::OnConflict)).await;
 }

@@ -14,11 +14,11 @@ use std::sync::atomic::Ordering;
 use inventory_domain::{BookId, ConsumerName, CrashPoint};
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, InMemoryEmailProvider, MessageHandler,
-    Strategy,
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider,
+    MessageHandler, NaturalKeyPath,
 };
-use inventory_service::serve::Stats;
-use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
+use inventory_service::runtime::Stats;
+use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
 const STOCK_POINTS: [CrashPoint; 3] = [
@@ -46,11 +46,11 @@ async fn crash_and_redeliver<H: MessageHandler>(
     broker.publisher().publish(&message).await.unwrap();
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
         make_handler(),
         db.conn.clone(),
-        test_settings(2, 5),
-    );
+        broker.settings(2, 5),
+    )
+    .await;
     let stats = service.stats.clone();
     eventually("the crash and the redelivery's end", || async {
         let ended = stats.acked.load(Ordering::Relaxed)
@@ -81,7 +81,7 @@ async fn crash_and_redeliver<H: MessageHandler>(
 
 /// Runs every point of `strategy` at once and checks each against `expected(point)`: the
 /// copies reserved and whether the redelivery was a duplicate.
-async fn stock_strategy(strategy: Strategy, expected: impl Fn(CrashPoint) -> (i64, bool)) {
+async fn stock_strategy(strategy: HandlerKind, expected: impl Fn(CrashPoint) -> (i64, bool)) {
     let db = TestDb::new(Backend::Postgres).await;
     let consumer = db.consumer(strategy);
     let runs = futures::future::join_all(STOCK_POINTS.map(|point| {
@@ -97,7 +97,7 @@ async fn stock_strategy(strategy: Strategy, expected: impl Fn(CrashPoint) -> (i6
     .await;
     for (point, run) in runs {
         let (copies, duplicate) = expected(point);
-        let context = format!("{} crashed {}", strategy.name(), point.as_str());
+        let context = format!("{} crashed {}", strategy.label(), point.as_str());
         assert_eq!(db.reserved(run.book).await, copies, "{context}");
         assert_eq!(
             run.stats.duplicates.load(Ordering::Relaxed),
@@ -105,7 +105,7 @@ async fn stock_strategy(strategy: Strategy, expected: impl Fn(CrashPoint) -> (i6
             "{context}: the redelivery's outcome"
         );
         assert!(run.dead_letter_reasons.is_empty(), "{context}");
-        if strategy == Strategy::NaturalKey {
+        if strategy == HandlerKind::NaturalKey(NaturalKeyPath::Orm) {
             let row = db.stock.reservation(run.order, run.book).await.unwrap();
             assert_eq!(row.map(|row| row.quantity.get()), Some(2), "{context}");
         } else {
@@ -118,7 +118,7 @@ async fn stock_strategy(strategy: Strategy, expected: impl Fn(CrashPoint) -> (i6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn natural_key_crash_at_every_point_is_redelivered_and_reserves_once() {
-    stock_strategy(Strategy::NaturalKey, |point| {
+    stock_strategy(HandlerKind::NaturalKey(NaturalKeyPath::Orm), |point| {
         (2, point == CrashPoint::AfterCommit)
     })
     .await;
@@ -127,7 +127,7 @@ async fn natural_key_crash_at_every_point_is_redelivered_and_reserves_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inbox_crash_at_every_point_in_every_mode_is_redelivered_and_reserves_once() {
     for mode in DetectMode::ALL {
-        stock_strategy(Strategy::Inbox(mode), |point| {
+        stock_strategy(HandlerKind::Inbox(mode), |point| {
             (2, point == CrashPoint::AfterCommit)
         })
         .await;
@@ -137,7 +137,7 @@ async fn inbox_crash_at_every_point_in_every_mode_is_redelivered_and_reserves_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn naive_crash_after_commit_is_redelivered_and_reserves_twice() {
     // The documented over-reservation: the redelivery reserves again.
-    stock_strategy(Strategy::Naive, |point| {
+    stock_strategy(HandlerKind::Naive, |point| {
         (
             if point == CrashPoint::AfterCommit {
                 4
@@ -153,7 +153,7 @@ async fn naive_crash_after_commit_is_redelivered_and_reserves_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_then_process_crash_after_commit_is_redelivered_and_reserves_twice() {
     // The window between the work's commit and the inbox record.
-    stock_strategy(Strategy::CheckThenProcess, |point| {
+    stock_strategy(HandlerKind::CheckThenProcess, |point| {
         (
             if point == CrashPoint::AfterCommit {
                 4

@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 
 use async_nats::HeaderMap;
 use inventory_domain::{DeadLetterReason, StockItem};
-use inventory_infra::Strategy;
+use inventory_infra::HandlerKind;
+use inventory_infra::NaturalKeyPath;
 use inventory_infra::jetstream::Origin;
 use inventory_service::dlq::{self, Selection};
-use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
+use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,11 +30,11 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
 
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
-        db.consumer(Strategy::NaturalKey),
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
         db.conn.clone(),
-        test_settings(2, 5),
-    );
+        broker.settings(2, 5),
+    )
+    .await;
     eventually("two dead letters and one processed", || async {
         service.stats.dead_lettered.load(Ordering::Relaxed) == 2
             && service.stats.acked.load(Ordering::Relaxed) == 1

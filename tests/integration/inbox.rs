@@ -1,15 +1,16 @@
 //! The inbox, in each of its three duplicate-detection modes.
 
+use inventory_domain::Message;
 use inventory_domain::{CrashPoint, DeadLetterReason, Effect, Event, Outcome, Quantity};
-use inventory_infra::{DetectMode, HandleError, StockConsumer, Strategy};
-use inventory_tests::{TestDb, cancelled, crash_at, on_both_backends, placed, with_new_id};
+use inventory_infra::{DetectMode, HandleError, Handler, HandlerKind};
+use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 
 use crate::two_copies;
 
-fn consumers(db: &TestDb) -> impl Iterator<Item = (DetectMode, StockConsumer)> + '_ {
+fn consumers(db: &TestDb) -> impl Iterator<Item = (DetectMode, Handler)> + '_ {
     DetectMode::ALL
         .into_iter()
-        .map(|mode| (mode, db.consumer(Strategy::Inbox(mode))))
+        .map(|mode| (mode, db.consumer(HandlerKind::Inbox(mode))))
 }
 
 fn refusal_reason(outcome: &Outcome) -> Option<DeadLetterReason> {
@@ -113,7 +114,7 @@ async fn inbox_cannot_see_a_producer_duplicate_with_a_new_id(db: TestDb) {
         consumer.handle(&message).await.unwrap();
         assert!(
             consumer
-                .handle(&with_new_id(&message))
+                .handle(&message.resent_with_new_id())
                 .await
                 .unwrap()
                 .processed(),
@@ -142,7 +143,7 @@ async fn inbox_unknown_book_is_refused_and_leaves_no_row(db: TestDb) {
 }
 
 async fn inbox_rejection_is_kept_on_redelivery(db: TestDb) {
-    let consumer = db.consumer(Strategy::Inbox(DetectMode::OnConflict));
+    let consumer = db.consumer(HandlerKind::Inbox(DetectMode::OnConflict));
     let book = db.dune(1).await;
     let message = placed(book, 2);
     let outcome = consumer.handle(&message).await.unwrap();
@@ -159,11 +160,11 @@ async fn inbox_rejection_is_kept_on_redelivery(db: TestDb) {
 }
 
 async fn inbox_cancellation_releases_once(db: TestDb) {
-    let consumer = db.consumer(Strategy::Inbox(DetectMode::OnConflict));
+    let consumer = db.consumer(HandlerKind::Inbox(DetectMode::OnConflict));
     let book = db.dune(10).await;
     let order = placed(book, 2);
     consumer.handle(&order).await.unwrap();
-    let cancel = cancelled(order.event.order_id());
+    let cancel = Message::cancelled(order.event.order_id());
     assert_eq!(
         consumer.handle(&cancel).await.unwrap(),
         Outcome::Processed(Effect::Released { copies: 2 })

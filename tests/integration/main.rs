@@ -24,7 +24,7 @@ mod secure;
 mod serve;
 
 use inventory_domain::{CrashPoint, Message, Outcome};
-use inventory_infra::{Faults, HandleError, StockConsumer};
+use inventory_infra::{Faults, HandleError, Handler};
 use inventory_tests::{Backend, TestDb};
 
 /// Two copies of `message` at once. The first is held right after its dedup claim (and, with
@@ -34,7 +34,7 @@ use inventory_tests::{Backend, TestDb};
 /// the second runs to its end while the first is parked.
 pub(crate) async fn two_copies(
     db: &TestDb,
-    consumer: &StockConsumer,
+    consumer: &Handler,
     message: &Message,
     first_crashes_at: Option<CrashPoint>,
     second_must_wait: bool,

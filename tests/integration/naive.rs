@@ -1,14 +1,14 @@
 //! The strategies without an inbox transaction: naive and check-then-process.
 
 use inventory_domain::{CrashPoint, Outcome};
-use inventory_infra::Strategy;
+use inventory_infra::HandlerKind;
 use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 
 use crate::two_copies;
 
 async fn naive_reserves_again_on_every_delivery(db: TestDb) {
     let book = db.dune(10).await;
-    let consumer = db.consumer(Strategy::Naive);
+    let consumer = db.consumer(HandlerKind::Naive);
     let message = placed(book, 2);
     assert!(consumer.handle(&message).await.unwrap().processed());
     assert!(consumer.handle(&message).await.unwrap().processed());
@@ -23,7 +23,7 @@ async fn naive_reserves_again_on_every_delivery(db: TestDb) {
 
 async fn naive_two_copies_at_once_both_reserve(db: TestDb) {
     let book = db.dune(10).await;
-    let consumer = db.consumer(Strategy::Naive);
+    let consumer = db.consumer(HandlerKind::Naive);
     let (first, second) = two_copies(&db, &consumer, &placed(book, 2), None, false).await;
     assert!(first.unwrap().processed() && second.processed());
     assert_eq!(db.reserved(book).await, 4);
@@ -31,7 +31,7 @@ async fn naive_two_copies_at_once_both_reserve(db: TestDb) {
 
 async fn check_then_process_skips_a_plain_redelivery(db: TestDb) {
     let book = db.dune(10).await;
-    let consumer = db.consumer(Strategy::CheckThenProcess);
+    let consumer = db.consumer(HandlerKind::CheckThenProcess);
     let message = placed(book, 2);
     assert!(consumer.handle(&message).await.unwrap().processed());
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
@@ -40,7 +40,7 @@ async fn check_then_process_skips_a_plain_redelivery(db: TestDb) {
 
 async fn check_then_process_crash_after_commit_reserves_twice(db: TestDb) {
     let book = db.dune(10).await;
-    let consumer = db.consumer(Strategy::CheckThenProcess);
+    let consumer = db.consumer(HandlerKind::CheckThenProcess);
     let message = placed(book, 2);
     crash_at(&message, CrashPoint::AfterCommit, |faults| {
         consumer.with_faults(faults)
@@ -59,7 +59,7 @@ async fn check_then_process_crash_after_commit_reserves_twice(db: TestDb) {
 
 async fn check_then_process_two_copies_at_once_both_reserve(db: TestDb) {
     let book = db.dune(10).await;
-    let consumer = db.consumer(Strategy::CheckThenProcess);
+    let consumer = db.consumer(HandlerKind::CheckThenProcess);
     let (first, second) = two_copies(&db, &consumer, &placed(book, 2), None, false).await;
     assert!(first.unwrap().processed() && second.processed());
     assert_eq!(db.reserved(book).await, 4);

@@ -1,12 +1,11 @@
 //! Natural idempotency: the reservation's key (order_id, book_id) refuses a second reservation.
 
+use inventory_domain::Message;
 use inventory_domain::{
     BookId, CrashPoint, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
-use inventory_infra::{Faults, HandleError, Strategy};
-use inventory_tests::{
-    Backend, TestDb, cancelled, crash_at, on_both_backends, placed, placed_for, with_new_id,
-};
+use inventory_infra::{Faults, HandleError, HandlerKind, NaturalKeyPath};
+use inventory_tests::{Backend, TestDb, crash_at, on_both_backends, placed, placed_for};
 
 use crate::two_copies;
 
@@ -20,7 +19,7 @@ async fn status(db: &TestDb, order: OrderId, book: BookId) -> ReservationStatus 
 }
 
 async fn natural_key_refuses_redelivery_and_new_ids(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(10).await;
     let message = placed(book, 2);
     assert_eq!(
@@ -31,7 +30,10 @@ async fn natural_key_refuses_redelivery_and_new_ids(db: TestDb) {
     );
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(
-        consumer.handle(&with_new_id(&message)).await.unwrap(),
+        consumer
+            .handle(&message.resent_with_new_id())
+            .await
+            .unwrap(),
         Outcome::Duplicate
     );
     assert_eq!(db.reserved(book).await, 2);
@@ -40,7 +42,7 @@ async fn natural_key_refuses_redelivery_and_new_ids(db: TestDb) {
 }
 
 async fn natural_key_other_quantity_is_a_conflict(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(10).await;
     let message = placed(book, 2);
     consumer.handle(&message).await.unwrap();
@@ -53,7 +55,7 @@ async fn natural_key_other_quantity_is_a_conflict(db: TestDb) {
 }
 
 async fn natural_key_keeps_a_rejection(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(1).await;
     let message = placed(book, 2);
     assert!(matches!(
@@ -66,7 +68,10 @@ async fn natural_key_keeps_a_rejection(db: TestDb) {
         .unwrap();
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(
-        consumer.handle(&with_new_id(&message)).await.unwrap(),
+        consumer
+            .handle(&message.resent_with_new_id())
+            .await
+            .unwrap(),
         Outcome::Duplicate
     );
     let order = message.event.order_id();
@@ -75,7 +80,7 @@ async fn natural_key_keeps_a_rejection(db: TestDb) {
 }
 
 async fn natural_key_releases_a_cancelled_order_exactly_once(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let dune = db.dune(10).await;
     let other_book = db.dune(10).await;
     let order = OrderId::new_v7();
@@ -84,14 +89,14 @@ async fn natural_key_releases_a_cancelled_order_exactly_once(db: TestDb) {
         .handle(&placed_for(order, other_book, 3))
         .await
         .unwrap();
-    let cancel = cancelled(order);
+    let cancel = Message::cancelled(order);
     assert_eq!(
         consumer.handle(&cancel).await.unwrap(),
         Outcome::Processed(Effect::Released { copies: 5 })
     );
     assert_eq!(consumer.handle(&cancel).await.unwrap(), Outcome::Duplicate);
     assert_eq!(
-        consumer.handle(&with_new_id(&cancel)).await.unwrap(),
+        consumer.handle(&cancel.resent_with_new_id()).await.unwrap(),
         Outcome::Duplicate
     );
     assert_eq!(db.reserved(dune).await, 0);
@@ -100,12 +105,12 @@ async fn natural_key_releases_a_cancelled_order_exactly_once(db: TestDb) {
 }
 
 async fn natural_key_cancellation_before_placement_wins(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(10).await;
     let message = placed(book, 2);
     let order = message.event.order_id();
     assert_eq!(
-        consumer.handle(&cancelled(order)).await.unwrap(),
+        consumer.handle(&Message::cancelled(order)).await.unwrap(),
         Outcome::Processed(Effect::Released { copies: 0 })
     );
     assert_eq!(
@@ -118,7 +123,7 @@ async fn natural_key_cancellation_before_placement_wins(db: TestDb) {
 }
 
 async fn natural_key_unknown_book_is_refused_and_writes_nothing(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = BookId::new_v7();
     let message = placed(book, 2);
     let Outcome::Refused(refusal) = consumer.handle(&message).await.unwrap() else {
@@ -130,7 +135,7 @@ async fn natural_key_unknown_book_is_refused_and_writes_nothing(db: TestDb) {
 }
 
 async fn natural_key_crash_at_any_point_then_redelivery_reserves_once(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     for point in [
         CrashPoint::AfterDedupCheck,
         CrashPoint::BeforeCommit,
@@ -145,9 +150,9 @@ async fn natural_key_crash_at_any_point_then_redelivery_reserves_once(db: TestDb
 }
 
 async fn natural_key_second_copy_waits_and_is_a_duplicate(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(10).await;
-    let message = with_new_id(&placed(book, 2));
+    let message = placed(book, 2).resent_with_new_id();
     let (first, second) = two_copies(&db, &consumer, &message, None, true).await;
     assert!(first.unwrap().processed());
     assert_eq!(second, Outcome::Duplicate);
@@ -155,7 +160,7 @@ async fn natural_key_second_copy_waits_and_is_a_duplicate(db: TestDb) {
 }
 
 async fn natural_key_second_copy_processes_when_the_first_rolls_back(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(10).await;
     let message = placed(book, 2);
     let (first, second) = two_copies(
@@ -174,11 +179,11 @@ async fn natural_key_second_copy_processes_when_the_first_rolls_back(db: TestDb)
 /// A cancellation and its placement in flight together, in both orders of their claims: the
 /// cancellation wins either way and nothing stays reserved.
 async fn natural_key_concurrent_cancel_and_place_cancel_wins(db: TestDb) {
-    let consumer = db.consumer(Strategy::NaturalKey);
+    let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     for placement_first in [true, false] {
         let book = db.dune(10).await;
         let order = placed(book, 2);
-        let cancel = cancelled(order.event.order_id());
+        let cancel = Message::cancelled(order.event.order_id());
         let (held, other) = if placement_first {
             (order.clone(), cancel.clone())
         } else {

@@ -1,15 +1,15 @@
 //! The one-statement natural key on PostgreSQL keeps the reference handler's promises.
 
+use inventory_domain::Message;
 use inventory_domain::{
     BookId, CrashPoint, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
-use inventory_infra::consumers::natural_pg::PgNaturalKey;
-use inventory_infra::{MessageHandler, Strategy};
-use inventory_tests::{Backend, TestDb, cancelled, crash_at, placed, placed_for, with_new_id};
+use inventory_infra::{Handler, HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
 
-async fn fixture() -> (TestDb, PgNaturalKey) {
+async fn fixture() -> (TestDb, Handler) {
     let db = TestDb::new(Backend::Postgres).await;
-    let handler = PgNaturalKey::new(db.consumer(Strategy::NaturalKey)).expect("PostgreSQL");
+    let handler = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement));
     (db, handler)
 }
 
@@ -28,7 +28,7 @@ async fn one_statement_refuses_redelivery_new_ids_and_other_quantities() {
     assert!(handler.handle(&message).await.unwrap().processed());
     assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(
-        handler.handle(&with_new_id(&message)).await.unwrap(),
+        handler.handle(&message.resent_with_new_id()).await.unwrap(),
         Outcome::Duplicate
     );
     let other = placed_for(message.event.order_id(), book, 3);
@@ -105,7 +105,7 @@ async fn a_copy_of_a_decided_placement_writes_and_locks_nothing() {
     let before = row_versions(&db, &message).await;
     assert_eq!(handler.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(
-        handler.handle(&with_new_id(&message)).await.unwrap(),
+        handler.handle(&message.resent_with_new_id()).await.unwrap(),
         Outcome::Duplicate
     );
     let after = row_versions(&db, &message).await;
@@ -119,7 +119,7 @@ async fn one_statement_lets_a_cancellation_that_came_first_win() {
     let book = db.dune(10).await;
     let message = placed(book, 2);
     let order = message.event.order_id();
-    handler.handle(&cancelled(order)).await.unwrap();
+    handler.handle(&Message::cancelled(order)).await.unwrap();
     assert_eq!(
         handler.handle(&message).await.unwrap(),
         Outcome::Processed(Effect::ArrivedAfterCancellation)
@@ -138,7 +138,7 @@ async fn many_lanes_with_copies_of_one_order_reserve_it_once() {
             let copy = if i % 2 == 0 {
                 message.clone()
             } else {
-                with_new_id(&message)
+                message.resent_with_new_id()
             };
             tokio::spawn(async move { lane.handle(&copy).await })
         })
@@ -160,7 +160,7 @@ async fn a_cancellation_racing_its_placement_always_wins() {
     for round in 0..30 {
         let order = OrderId::new_v7();
         let place = placed_for(order, book, 3);
-        let cancel = cancelled(order);
+        let cancel = Message::cancelled(order);
         let (a, b) = (handler.clone(), handler.clone());
         let (placed, cancelled) = if round % 2 == 0 {
             tokio::join!(a.handle(&place), b.handle(&cancel))
@@ -204,7 +204,7 @@ async fn a_batch_decides_each_message_as_one_by_one_handling_would() {
     handler.handle(&earlier).await.unwrap();
     let cancelled_first = placed(plenty, 1);
     handler
-        .handle(&cancelled(cancelled_first.event.order_id()))
+        .handle(&Message::cancelled(cancelled_first.event.order_id()))
         .await
         .unwrap();
 
@@ -213,14 +213,14 @@ async fn a_batch_decides_each_message_as_one_by_one_handling_would() {
     let short_b = placed(short, 3);
     let batch = vec![
         fresh.clone(),
-        with_new_id(&earlier),                         // already reserved
-        with_new_id(&fresh),                           // a copy inside the batch
+        earlier.resent_with_new_id(), // already reserved
+        fresh.resent_with_new_id(),   // a copy inside the batch
         placed_for(fresh.event.order_id(), plenty, 5), // the same key, another quantity
-        placed(BookId::new_v7(), 1),                   // unknown book
-        cancelled_first.clone(),                       // its cancellation came first
-        short_a.clone(),                               // 3 of 4: fits
-        short_b.clone(),                               // 3 more: rejected, as one by one
-        cancelled(fresh.event.order_id()),             // releases the fresh order
+        placed(BookId::new_v7(), 1),  // unknown book
+        cancelled_first.clone(),      // its cancellation came first
+        short_a.clone(),              // 3 of 4: fits
+        short_b.clone(),              // 3 more: rejected, as one by one
+        Message::cancelled(fresh.event.order_id()), // releases the fresh order
     ];
     let results: Vec<Outcome> = handler
         .handle_batch(&batch)
@@ -274,7 +274,10 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
         expected += 1 + i % 3;
         publisher.publish(&order).await.unwrap();
         if i % 10 == 0 {
-            publisher.publish(&with_new_id(&order)).await.unwrap();
+            publisher
+                .publish(&order.resent_with_new_id())
+                .await
+                .unwrap();
         }
         if i % 7 == 0 {
             // The same body again under another Nats-Msg-Id: a broker-side replay.
@@ -287,15 +290,9 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
                 .await;
         }
     }
-    let mut settings = inventory_tests::broker::test_settings(4, 10);
+    let mut settings = broker.settings(4, 10);
     settings.batch_size = 16;
-    let service = RunningService::start(
-        &broker,
-        broker.consumer(10).await,
-        handler,
-        db.conn.clone(),
-        settings,
-    );
+    let service = RunningService::start(&broker, handler, db.conn.clone(), settings).await;
     eventually("every order reserved once", || async {
         db.reserved(book).await == expected
     })

@@ -4,14 +4,14 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use inventory_domain::{BookId, Message, StockItem};
-use inventory_infra::Strategy;
+use inventory_infra::HandlerKind;
 use inventory_infra::db::FreshDatabase;
 use inventory_infra::jetstream::OrderPublisher;
-use inventory_infra::{StockConsumer, StockRepository};
-use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
+use inventory_infra::{NaturalKeyPath, StockRepository};
+use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
-use inventory_tests::{Backend, TestDb, placed, with_new_id};
+use inventory_tests::{Backend, TestDb, placed};
 
 fn workload(book: BookId, orders: usize) -> (Vec<Message>, i64) {
     let messages: Vec<Message> = (0..orders)
@@ -25,7 +25,10 @@ async fn publish_all(publisher: &OrderPublisher, messages: &[Message]) {
     for (i, message) in messages.iter().enumerate() {
         publisher.publish(message).await.unwrap();
         if i % 4 == 0 {
-            publisher.publish(&with_new_id(message)).await.unwrap();
+            publisher
+                .publish(&message.resent_with_new_id())
+                .await
+                .unwrap();
         }
     }
 }
@@ -46,18 +49,15 @@ async fn postgres_stopped_and_restarted_mid_stream_loses_nothing() {
     let (messages, expected) = workload(book, 300);
     publish_all(&broker.publisher(), &messages).await;
 
-    let handler = StockConsumer::new(
-        fresh.conn.clone(),
-        Strategy::NaturalKey,
-        inventory_domain::ConsumerName::parse("outage").unwrap(),
-    );
-    let service = RunningService::start(
-        &broker,
-        broker.consumer(50).await,
-        handler,
-        fresh.conn.clone(),
-        test_settings(4, 50),
-    );
+    let handler = HandlerKind::NaturalKey(NaturalKeyPath::Orm)
+        .build(
+            &fresh.conn,
+            inventory_domain::ConsumerName::parse("outage").unwrap(),
+            None,
+        )
+        .unwrap();
+    let service =
+        RunningService::start(&broker, handler, fresh.conn.clone(), broker.settings(4, 50)).await;
     eventually("some messages processed", || async {
         service.stats.acked.load(Ordering::Relaxed) >= 40
     })
@@ -100,11 +100,11 @@ async fn nats_stopped_and_restarted_mid_stream_loses_nothing() {
 
     let service = RunningService::start(
         &broker,
-        broker.consumer(50).await,
-        db.consumer(Strategy::NaturalKey),
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
         db.conn.clone(),
-        test_settings(4, 50),
-    );
+        broker.settings(4, 50),
+    )
+    .await;
     eventually("some messages processed", || async {
         service.stats.acked.load(Ordering::Relaxed) >= 40
     })

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use inventory_domain::{Message, Outcome};
 use inventory_infra::retention::purge_completed;
-use inventory_infra::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
-use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
+use inventory_infra::{DetectMode, HandleError, Handler, HandlerKind, MessageHandler};
+use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 use sea_orm::ConnectionTrait;
 
@@ -18,7 +18,7 @@ const BATCH: u64 = 5_000;
 /// The inbox consumer, timing every message it handles.
 #[derive(Clone)]
 struct Timed {
-    inner: StockConsumer,
+    inner: Handler,
     /// (when handling started, how long it took)
     log: Arc<Mutex<Vec<(Instant, Duration)>>>,
 }
@@ -59,16 +59,11 @@ async fn purging_a_million_rows_never_holds_the_consumer_up_for_long() {
     let book = db.dune(1_000_000).await;
     let log = Arc::new(Mutex::new(Vec::new()));
     let handler = Timed {
-        inner: db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        inner: db.consumer(HandlerKind::Inbox(DetectMode::OnConflict)),
         log: log.clone(),
     };
-    let service = RunningService::start(
-        &broker,
-        broker.consumer(5).await,
-        handler,
-        db.conn.clone(),
-        test_settings(4, 5),
-    );
+    let service =
+        RunningService::start(&broker, handler, db.conn.clone(), broker.settings(4, 5)).await;
 
     // A steady flow, one message every 10 ms, from before the purge until after it.
     let stop_flow = tokio_util::sync::CancellationToken::new();

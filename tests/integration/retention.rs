@@ -3,12 +3,12 @@
 use chrono::{Duration, Utc};
 use inventory_domain::{ConsumerName, CrashPoint};
 use inventory_infra::retention::purge_completed;
-use inventory_infra::{DetectMode, EmailConsumer, Faults, InMemoryEmailProvider, Strategy};
+use inventory_infra::{DetectMode, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider};
 use inventory_tests::{TestDb, on_both_backends, placed};
 
 async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: TestDb) {
     let book = db.dune(1_000).await;
-    let consumer = db.consumer(Strategy::Inbox(DetectMode::OnConflict));
+    let consumer = db.consumer(HandlerKind::Inbox(DetectMode::OnConflict));
     let mut keys = Vec::new();
     for _ in 0..25 {
         let message = placed(book, 1);

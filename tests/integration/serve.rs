@@ -5,10 +5,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use inventory_domain::{CrashPoint, Message, Outcome};
 use inventory_infra::jetstream::dlq_headers;
-use inventory_infra::{DetectMode, Faults, HandleError, MessageHandler, StockConsumer, Strategy};
-use inventory_service::serve::Ending;
-use inventory_tests::broker::{Broker, RunningService, eventually, test_settings};
-use inventory_tests::{Backend, TestDb, cancelled, placed, placed_for, with_new_id};
+use inventory_infra::{
+    DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
+};
+use inventory_service::runtime::Ending;
+use inventory_tests::broker::{Broker, RunningService, eventually};
+use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::DbErr;
 
 async fn reserved_reaches(db: &TestDb, book: inventory_domain::BookId, copies: i64) {
@@ -37,11 +39,11 @@ async fn a_message_is_processed_and_acked_once() {
 
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
-        db.consumer(Strategy::NaturalKey),
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
         db.conn.clone(),
-        test_settings(4, 5),
-    );
+        broker.settings(4, 5),
+    )
+    .await;
     reserved_reaches(&db, book, 2).await;
     nothing_left_on(&broker).await;
     let stats = service.stats.clone();
@@ -59,7 +61,7 @@ async fn the_stream_drops_a_resend_with_the_same_id() {
     assert!(publisher.publish(&message).await.unwrap().duplicate);
     assert!(
         !publisher
-            .publish(&with_new_id(&message))
+            .publish(&message.resent_with_new_id())
             .await
             .unwrap()
             .duplicate
@@ -70,7 +72,7 @@ async fn the_stream_drops_a_resend_with_the_same_id() {
 /// Commits, then fails as if the ack were lost: the service naks, JetStream redelivers.
 #[derive(Clone)]
 struct FailsAfterCommitOnce {
-    inner: StockConsumer,
+    inner: Handler,
     failed: Arc<AtomicBool>,
 }
 
@@ -91,17 +93,17 @@ impl MessageHandler for FailsAfterCommitOnce {
 async fn redelivered_once<H: MessageHandler>(
     db: &TestDb,
     make_handler: impl FnOnce(&TestDb) -> H,
-) -> Arc<inventory_service::serve::Stats> {
+) -> Arc<inventory_service::runtime::Stats> {
     let broker = Broker::new().await;
     let book = db.dune(10).await;
     broker.publisher().publish(&placed(book, 2)).await.unwrap();
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
         make_handler(db),
         db.conn.clone(),
-        test_settings(4, 5),
-    );
+        broker.settings(4, 5),
+    )
+    .await;
     eventually("the redelivery acked as a duplicate", || async {
         service.stats.duplicates.load(Ordering::Relaxed) == 1
     })
@@ -117,7 +119,7 @@ async fn redelivered_once<H: MessageHandler>(
 async fn a_redelivery_after_a_nak_is_a_duplicate() {
     let db = TestDb::new(Backend::Postgres).await;
     let stats = redelivered_once(&db, |db| FailsAfterCommitOnce {
-        inner: db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        inner: db.consumer(HandlerKind::Inbox(DetectMode::OnConflict)),
         failed: Arc::default(),
     })
     .await;
@@ -129,7 +131,7 @@ async fn a_consumer_that_died_before_its_ack_gets_a_duplicate() {
     let db = TestDb::new(Backend::Postgres).await;
     // The handler commits and dies before the ack; JetStream redelivers after the ack wait.
     let stats = redelivered_once(&db, |db| {
-        db.consumer(Strategy::NaturalKey)
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))
             .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
     })
     .await;
@@ -175,11 +177,11 @@ async fn poison_messages_are_dead_lettered_and_the_service_keeps_going() {
 
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
-        db.consumer(Strategy::NaturalKey),
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
         db.conn.clone(),
-        test_settings(2, 5),
-    );
+        broker.settings(2, 5),
+    )
+    .await;
     reserved_reaches(&db, book, 3).await;
     nothing_left_on(&broker).await;
     assert!(service.is_running());
@@ -243,11 +245,11 @@ async fn a_payload_mismatch_is_dead_lettered_by_the_inbox() {
         .await;
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
-        db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        db.consumer(HandlerKind::Inbox(DetectMode::OnConflict)),
         db.conn.clone(),
-        test_settings(1, 5),
-    );
+        broker.settings(1, 5),
+    )
+    .await;
     nothing_left_on(&broker).await;
     let letters = broker.dead_letters().await;
     assert_eq!(letters.len(), 1);
@@ -278,13 +280,8 @@ async fn the_last_allowed_delivery_failing_is_a_max_deliveries_dead_letter() {
         .publish(&placed(db.dune(10).await, 2))
         .await
         .unwrap();
-    let service = RunningService::start(
-        &broker,
-        broker.consumer(3).await,
-        AlwaysFails,
-        db.conn.clone(),
-        test_settings(1, 3),
-    );
+    let service =
+        RunningService::start(&broker, AlwaysFails, db.conn.clone(), broker.settings(1, 3)).await;
     eventually("a max-deliveries dead letter", || async {
         broker.stream_messages(&broker.topology.dlq_stream).await == 1
     })
@@ -309,13 +306,14 @@ async fn shutdown_lets_the_message_in_flight_finish_and_ack() {
     let (faults, mut hold) = Faults::hold_once_at(CrashPoint::BeforeCommit);
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
-        db.consumer(Strategy::NaturalKey).with_faults(faults),
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))
+            .with_faults(faults),
         db.conn.clone(),
-        test_settings(4, 5),
-    );
+        broker.settings(4, 5),
+    )
+    .await;
     hold.reached().await;
-    service.shutdown.graceful.cancel();
+    service.shutdown().graceful.cancel();
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert!(
         service.is_running(),
@@ -345,13 +343,17 @@ async fn cloud_events_and_cancellations_flow_through() {
         .await;
     let service = RunningService::start(
         &broker,
-        broker.consumer(5).await,
-        db.consumer(Strategy::Inbox(DetectMode::OnConflict)),
+        db.consumer(HandlerKind::Inbox(DetectMode::OnConflict)),
         db.conn.clone(),
-        test_settings(1, 5),
-    );
+        broker.settings(1, 5),
+    )
+    .await;
     reserved_reaches(&db, book, 4).await;
-    broker.publisher().publish(&cancelled(order)).await.unwrap();
+    broker
+        .publisher()
+        .publish(&Message::cancelled(order))
+        .await
+        .unwrap();
     reserved_reaches(&db, book, 0).await;
     nothing_left_on(&broker).await;
     assert_eq!(service.stats.duplicates.load(Ordering::Relaxed), 1);
@@ -368,32 +370,26 @@ async fn competing_instances(db: TestDb) {
     for (i, order) in orders.iter().enumerate() {
         publisher.publish(order).await.unwrap();
         if i % 3 == 0 {
-            publisher.publish(&with_new_id(order)).await.unwrap();
+            publisher
+                .publish(&order.resent_with_new_id())
+                .await
+                .unwrap();
         }
         if i % 5 == 0 {
             publisher.publish(order).await.unwrap();
         }
     }
-    let consumer = broker.consumer(10).await;
-    let handler = db.consumer(Strategy::NaturalKey);
+    // Both instances share one consumer: made before either starts.
+    broker.consumer(10).await;
+    let handler = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let crashing = handler.with_faults(Faults::crash_once_at(CrashPoint::AfterCommit));
-    let first = RunningService::start(
-        &broker,
-        consumer.clone(),
-        handler,
-        db.conn.clone(),
-        test_settings(4, 10),
-    );
-    let second = RunningService::start(
-        &broker,
-        consumer,
-        crashing,
-        db.conn.clone(),
-        test_settings(4, 10),
-    );
+    let first =
+        RunningService::start(&broker, handler, db.conn.clone(), broker.settings(4, 10)).await;
+    let second =
+        RunningService::start(&broker, crashing, db.conn.clone(), broker.settings(4, 10)).await;
     reserved_reaches(&db, book, expected).await;
     nothing_left_on(&broker).await;
-    let total = |pick: fn(&inventory_service::serve::Stats) -> u64| {
+    let total = |pick: fn(&inventory_service::runtime::Stats) -> u64| {
         pick(&first.stats) + pick(&second.stats)
     };
     // 60 orders, each processed once; one of them committed by the instance that then died

@@ -6,13 +6,12 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self as js, context::Context};
-use inventory_infra::MessageHandler;
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::{
-    self, ConsumerSettings, ConsumerState, DeadLetters, OrderPublisher, Topology,
+use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
+use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_service::runtime::{
+    ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
 };
-use inventory_service::serve::{self, Ending, ServeSettings, Shutdown, Stats, Worker};
-use tokio::task::JoinHandle;
 
 /// A test's own streams (removed on drop) on `url`.
 pub struct Broker {
@@ -82,21 +81,26 @@ impl Broker {
             .unwrap();
     }
 
-    /// The durable consumer, with a short ack wait so a withheld ack is redelivered quickly.
-    pub async fn consumer(&self, max_deliver: i64) -> PullConsumer {
+    /// Runtime settings for the test's own consumer of every order event: `concurrency` lanes,
+    /// a short ack wait so a withheld ack is redelivered quickly, fast retries, and `max_deliver`
+    /// deliveries. The handler kind only names the settings: the test passes its own handler.
+    pub fn settings(&self, concurrency: usize, max_deliver: i64) -> RuntimeSettings {
+        let kind = HandlerKind::NaturalKey(NaturalKeyPath::Orm);
+        let mut settings = RuntimeSettings::new(self.topology.clone(), kind, concurrency);
+        settings.consumer.durable_name = self.consumer_name.clone();
+        settings.consumer.ack_wait = Duration::from_secs(1);
+        settings.consumer.max_deliver = max_deliver;
+        settings.retry_delay = Duration::from_millis(50);
+        settings.max_retry_delay = Duration::from_millis(500);
+        settings
+    }
+
+    /// Creates the test's consumer as [`Self::settings`] would, before any service starts.
+    pub async fn consumer(&self, max_deliver: i64) {
         let stream = self.js.get_stream(&self.topology.stream).await.unwrap();
-        let settings = ConsumerSettings {
-            durable_name: self.consumer_name.clone(),
-            filter_subject: format!("{}.>", self.topology.subject_prefix),
-            ack_wait: Duration::from_secs(1),
-            max_deliver,
-            backoff: Vec::new(),
-            max_ack_pending: 1_000,
-        };
-        jetstream::ensure_consumer(&stream, &settings)
+        jetstream::ensure_consumer(&stream, &self.settings(1, max_deliver).consumer)
             .await
-            .unwrap()
-            .0
+            .unwrap();
     }
 
     pub async fn consumer_state(&self) -> ConsumerState {
@@ -148,55 +152,41 @@ impl Drop for Broker {
     }
 }
 
-/// Settings for tests: fast retries, the service's own body limit.
-pub fn test_settings(concurrency: usize, max_deliver: i64) -> ServeSettings {
-    ServeSettings {
-        concurrency,
-        batch_size: 1,
-        max_body_bytes: 64 * 1024,
-        max_deliver,
-        retry_delay: Duration::from_millis(50),
-        max_retry_delay: Duration::from_millis(500),
-    }
-}
-
-/// The service loop running in-process on a test's consumer.
+/// The service's consumer runtime running in-process on a test's streams.
 pub struct RunningService {
-    pub shutdown: Shutdown,
+    running: Running,
     pub stats: Arc<Stats>,
-    task: JoinHandle<anyhow::Result<Ending>>,
 }
 
 impl RunningService {
-    pub fn start<H: MessageHandler>(
+    /// Sets up the test's consumer as `settings` say and starts `handler` on it.
+    pub async fn start<H: MessageHandler>(
         broker: &Broker,
-        consumer: PullConsumer,
         handler: H,
         db: DatabaseConnection,
-        settings: ServeSettings,
+        settings: RuntimeSettings,
     ) -> Self {
-        let worker = Worker::new(handler, broker.dead_letter_publisher(), settings);
-        let stats = worker.stats.clone();
-        let shutdown = Shutdown::default();
-        let task = tokio::spawn({
-            let shutdown = shutdown.clone();
-            async move { serve::run(&consumer, worker, db, shutdown, Duration::from_secs(30)).await }
-        });
+        let runtime = ConsumerRuntime::prepare(&broker.js, db, settings)
+            .await
+            .unwrap();
+        let running = runtime.start(handler, None, Shutdown::default());
         Self {
-            shutdown,
-            stats,
-            task,
+            stats: running.stats.clone(),
+            running,
         }
     }
 
+    pub fn shutdown(&self) -> &Shutdown {
+        &self.running.shutdown
+    }
+
     pub fn is_running(&self) -> bool {
-        !self.task.is_finished()
+        !self.running.is_finished()
     }
 
     /// Asks for a graceful stop and waits for the loop to end.
     pub async fn stop(self) -> Ending {
-        self.shutdown.graceful.cancel();
-        self.task.await.unwrap().unwrap()
+        self.running.stop().await.unwrap()
     }
 }
 

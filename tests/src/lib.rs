@@ -29,14 +29,9 @@ pub mod workload;
 
 use std::time::Duration;
 
-use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, DedupKey, Event, Message, MessageId, OrderCancelled, OrderId,
-    OrderPlaced, Quantity, StockItem,
-};
+use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, OrderId, Quantity, StockItem};
 use inventory_infra::db::{DatabaseConnection, FreshDatabase};
-use inventory_infra::{
-    Faults, HandleError, MessageHandler, StockConsumer, StockRepository, Strategy,
-};
+use inventory_infra::{Faults, HandleError, Handler, HandlerKind, MessageHandler, StockRepository};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,12 +86,14 @@ impl TestDb {
         self.stock.get(book_id).await.unwrap().unwrap().reserved
     }
 
-    pub fn consumer(&self, strategy: Strategy) -> StockConsumer {
-        StockConsumer::new(
-            self.conn.clone(),
-            strategy,
+    /// `kind` on this database, its dedup rows under a test consumer name.
+    pub fn consumer(&self, kind: HandlerKind) -> Handler {
+        kind.build(
+            &self.conn,
             ConsumerName::parse("inventory-reserve-stock-test").unwrap(),
+            None,
         )
+        .unwrap()
     }
 
     /// Waits until some session of this database waits for a lock held by another: proof on
@@ -168,33 +165,7 @@ pub fn placed(book_id: BookId, quantity: i64) -> Message {
 }
 
 pub fn placed_for(order_id: OrderId, book_id: BookId, quantity: i64) -> Message {
-    Message {
-        key: DedupKey::MessageId(MessageId::generate()),
-        correlation_id: None,
-        occurred_at: None,
-        event: Event::Placed(OrderPlaced {
-            order_id,
-            book_id,
-            quantity: Quantity::new(quantity).unwrap(),
-        }),
-    }
-}
-
-pub fn cancelled(order_id: OrderId) -> Message {
-    Message {
-        key: DedupKey::MessageId(MessageId::generate()),
-        correlation_id: None,
-        occurred_at: None,
-        event: Event::Cancelled(OrderCancelled { order_id }),
-    }
-}
-
-/// The same event under a new message id, as a faulty producer resends it.
-pub fn with_new_id(message: &Message) -> Message {
-    Message {
-        key: DedupKey::MessageId(MessageId::generate()),
-        ..message.clone()
-    }
+    Message::placed(order_id, book_id, Quantity::new(quantity).unwrap())
 }
 
 /// Runs a test body once on SQLite and once on PostgreSQL, each with a fresh database.

@@ -22,7 +22,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
-use crate::{placed, with_new_id};
+use crate::placed;
 
 /// How one message of a workload is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +85,7 @@ impl Workload {
             quantities.insert(message.event.order_id(), (book, quantity));
             if let Some(kind) = kind {
                 let copy = match kind {
-                    SendKind::NewId => with_new_id(&message),
+                    SendKind::NewId => message.resent_with_new_id(),
                     _ => message.clone(),
                 };
                 due.push((

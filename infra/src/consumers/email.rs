@@ -50,6 +50,10 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
         }
     }
 
+    pub fn consumer(&self) -> &ConsumerName {
+        &self.consumer
+    }
+
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             faults,

@@ -12,6 +12,7 @@
 //! with these are in [`study`].
 
 pub mod email;
+pub mod handler;
 mod inbox;
 mod natural;
 pub mod natural_pg;
@@ -30,6 +31,7 @@ use sea_orm::{
 };
 
 use crate::faults::Faults;
+pub use handler::{BuildError, Handler, HandlerKind, Mailbox, NaturalKeyPath};
 
 /// Why handling failed without an outcome. None of these acks the message: it is redelivered.
 #[derive(Debug, thiserror::Error)]
@@ -66,14 +68,20 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
         &self,
         messages: &[Message],
     ) -> impl Future<Output = Vec<Result<Outcome, HandleError>>> + Send {
-        async move {
-            let mut results = Vec::with_capacity(messages.len());
-            for message in messages {
-                results.push(self.handle(message).await);
-            }
-            results
-        }
+        one_by_one(self, messages)
     }
+}
+
+/// Each message on its own, one after another: what a handler without a batch path does.
+pub(crate) async fn one_by_one<H: MessageHandler>(
+    handler: &H,
+    messages: &[Message],
+) -> Vec<Result<Outcome, HandleError>> {
+    let mut results = Vec::with_capacity(messages.len());
+    for message in messages {
+        results.push(handler.handle(message).await);
+    }
+    results
 }
 
 impl MessageHandler for StockConsumer {
@@ -96,7 +104,7 @@ impl<P: EmailProvider + Clone + 'static> MessageHandler for email::EmailConsumer
 
 /// How the inbox detects that a copy was already claimed. All three are correct under
 /// concurrency; they differ in cost (see the benchmarks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DetectMode {
     /// Insert the claim and catch the unique violation (which aborts a PostgreSQL transaction).
     CatchViolation,
@@ -118,38 +126,36 @@ impl DetectMode {
     }
 }
 
+/// How a [`StockConsumer`] dedups; which one [`HandlerKind::build`] picks for the kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
+pub(crate) enum Strategy {
     Naive,
     CheckThenProcess,
     Inbox(DetectMode),
     NaturalKey,
 }
 
-impl Strategy {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Naive => "naive",
-            Self::CheckThenProcess => "check-then-process",
-            Self::Inbox(_) => "inbox",
-            Self::NaturalKey => "natural key",
-        }
-    }
-}
-
-/// A stock-reserving consumer: one strategy, one consumer name, one database.
+/// A stock-reserving consumer through sea-orm: one strategy, one consumer name, one database.
+/// Built by [`HandlerKind::build`].
 #[derive(Clone)]
 pub struct StockConsumer {
     db: DatabaseConnection,
+    kind: HandlerKind,
     strategy: Strategy,
     consumer: ConsumerName,
     faults: Faults,
 }
 
 impl StockConsumer {
-    pub fn new(db: DatabaseConnection, strategy: Strategy, consumer: ConsumerName) -> Self {
+    pub(crate) fn new(
+        db: DatabaseConnection,
+        kind: HandlerKind,
+        strategy: Strategy,
+        consumer: ConsumerName,
+    ) -> Self {
         Self {
             db,
+            kind,
             strategy,
             consumer,
             faults: Faults::none(),
@@ -164,8 +170,8 @@ impl StockConsumer {
         }
     }
 
-    pub fn strategy(&self) -> Strategy {
-        self.strategy
+    pub fn kind(&self) -> HandlerKind {
+        self.kind
     }
 
     pub fn consumer(&self) -> &ConsumerName {
@@ -174,7 +180,7 @@ impl StockConsumer {
 
     /// Handles one delivery. `Ok` is final for it (ack, or dead-letter a refusal); `Err` means
     /// nothing was acknowledged and the message will come again.
-    #[tracing::instrument(skip_all, fields(strategy = self.strategy.name(), key = %message.key, outcome))]
+    #[tracing::instrument(skip_all, fields(handler = self.kind.label(), key = %message.key, outcome))]
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let outcome = match self.strategy {
             Strategy::Naive => self.handle_naive(message).await,

@@ -22,7 +22,7 @@ use tokio::sync::Mutex;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 
 use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer};
+use super::{HandleError, HandlerKind, MessageHandler, StockConsumer};
 use crate::faults::Faults;
 use crate::stock::stored;
 
@@ -167,12 +167,9 @@ fn database_error(error: sqlx::Error) -> HandleError {
 }
 
 impl PgNaturalKey {
-    /// `reference` must be a natural-key [`StockConsumer`] on a PostgreSQL connection; `None`
-    /// for any other backend.
-    pub fn new(reference: StockConsumer) -> Option<Self> {
-        if reference.db.get_database_backend() != sea_orm::DbBackend::Postgres {
-            return None;
-        }
+    /// `reference`: a natural-key [`StockConsumer`] on PostgreSQL ([`HandlerKind::build`]
+    /// checks the backend).
+    pub(crate) fn new(reference: StockConsumer) -> Self {
         let options = reference
             .db
             .get_postgres_connection_pool()
@@ -181,12 +178,20 @@ impl PgNaturalKey {
             .clone()
             // Statements are the hot path here: sea-orm's pool logs them at DEBUG already.
             .log_statements(tracing::log::LevelFilter::Trace);
-        Some(Self {
+        Self {
             options: Arc::new(options),
             connection: Mutex::new(None),
             faults: reference.faults.clone(),
             reference,
-        })
+        }
+    }
+
+    pub fn kind(&self) -> HandlerKind {
+        self.reference.kind()
+    }
+
+    pub fn consumer(&self) -> &inventory_domain::ConsumerName {
+        self.reference.consumer()
     }
 
     /// The same handler, failing as `faults` says; only `AfterCommit` applies to a placement.

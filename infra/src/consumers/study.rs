@@ -4,11 +4,14 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::{CrashPoint, Message, Outcome};
-use sea_orm::TransactionTrait;
+use inventory_domain::{ConsumerName, CrashPoint, Message, Outcome};
+use sea_orm::{DatabaseConnection, TransactionTrait};
 
 use super::inbox::{claim_on_conflict, judge_lost_claim};
-use super::{HandleError, StockConsumer, begin_write, finish, work};
+use super::{
+    DetectMode, HandleError, HandlerKind, StockConsumer, Strategy, begin_write, finish, work,
+};
+use crate::faults::Faults;
 
 /// A dedup set held apart from the database, as a cache such as Redis would hold it.
 #[derive(Clone, Default)]
@@ -40,8 +43,13 @@ pub struct MistakenConsumer {
 }
 
 impl MistakenConsumer {
-    pub fn new(inner: StockConsumer) -> Self {
-        Self { inner }
+    /// The inbox's consumer on `db` under `consumer`, failing as `faults` says.
+    pub fn new(db: DatabaseConnection, consumer: ConsumerName, faults: Faults) -> Self {
+        let kind = HandlerKind::Inbox(DetectMode::OnConflict);
+        let inner = StockConsumer::new(db, kind, Strategy::Inbox(DetectMode::OnConflict), consumer);
+        Self {
+            inner: inner.with_faults(faults),
+        }
     }
 
     /// The record is committed on its own, then the work in a second transaction: a crash in

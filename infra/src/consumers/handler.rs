@@ -1,0 +1,241 @@
+//! Which handler runs: [`HandlerKind`] is the one list of the handlers a user can choose (the
+//! `serve` flags, `compare`, the benchmarks and the tests all choose through it), and
+//! [`Handler`] is the chosen one, built and ready for the consumer loop.
+
+use inventory_domain::{ConsumerName, EmailProvider, Message, Outcome, SentLookup};
+use inventory_domain::{ProviderError, StockReservedEmail};
+use sea_orm::{DatabaseConnection, DbBackend};
+
+use super::email::{EmailConsumer, InMemoryEmailProvider};
+use super::natural_pg::PgNaturalKey;
+use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy, one_by_one};
+use crate::faults::Faults;
+use crate::mailbox::FileMailbox;
+
+/// Every handler a user can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HandlerKind {
+    /// No dedup: every delivery reserves again.
+    Naive,
+    /// Looks in the inbox, does the work in a transaction of its own, then records the message:
+    /// a crash in between reserves twice.
+    CheckThenProcess,
+    /// Claims `(message_id, consumer)` first, in the work's transaction.
+    Inbox(DetectMode),
+    /// The reservation's own key `(order_id, book_id)` refuses a second reservation.
+    NaturalKey(NaturalKeyPath),
+    /// The two-phase record around an email, which no transaction can hold.
+    Email,
+}
+
+/// How the natural key reaches the database. All three keep the same rule and the same
+/// promises; they differ in round trips.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NaturalKeyPath {
+    /// The sea-orm entity transaction: the reference, and SQLite's.
+    Orm,
+    /// One statement per message on a connection each lane holds (PostgreSQL).
+    OneStatement,
+    /// The placements a lane already holds, in one statement and one commit (PostgreSQL).
+    Batch,
+}
+
+impl NaturalKeyPath {
+    pub const ALL: [Self; 3] = [Self::Orm, Self::OneStatement, Self::Batch];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Orm => "orm",
+            Self::OneStatement => "one-statement",
+            Self::Batch => "batch",
+        }
+    }
+}
+
+impl HandlerKind {
+    /// Every handler a user can run.
+    pub const ALL: [Self; 9] = [
+        Self::Naive,
+        Self::CheckThenProcess,
+        Self::Inbox(DetectMode::CatchViolation),
+        Self::Inbox(DetectMode::PreCheck),
+        Self::Inbox(DetectMode::OnConflict),
+        Self::NaturalKey(NaturalKeyPath::Orm),
+        Self::NaturalKey(NaturalKeyPath::OneStatement),
+        Self::NaturalKey(NaturalKeyPath::Batch),
+        Self::Email,
+    ];
+
+    /// The study's name of the strategy, as the demo's and the comparison's tables print it.
+    pub fn strategy_name(self) -> &'static str {
+        match self {
+            Self::Naive => "naive",
+            Self::CheckThenProcess => "check-then-process",
+            Self::Inbox(_) => "inbox",
+            Self::NaturalKey(_) => "natural key",
+            Self::Email => "email",
+        }
+    }
+
+    /// A name for this handler alone, fit for a benchmark id, a directory or a flag.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Naive => "naive",
+            Self::CheckThenProcess => "check-then-process",
+            Self::Inbox(DetectMode::CatchViolation) => "inbox-catch-violation",
+            Self::Inbox(DetectMode::PreCheck) => "inbox-pre-check",
+            Self::Inbox(DetectMode::OnConflict) => "inbox-on-conflict",
+            Self::NaturalKey(NaturalKeyPath::Orm) => "natural-key",
+            Self::NaturalKey(NaturalKeyPath::OneStatement) => "natural-key-one-statement",
+            Self::NaturalKey(NaturalKeyPath::Batch) => "natural-key-batch",
+            Self::Email => "email",
+        }
+    }
+
+    /// The natural key through `path`, where the one statement becomes the batch statement
+    /// when lanes hand over more than one message at a time.
+    pub fn natural_key(path: NaturalKeyPath, batch_size: usize) -> Self {
+        Self::NaturalKey(match path {
+            NaturalKeyPath::OneStatement if batch_size > 1 => NaturalKeyPath::Batch,
+            path => path,
+        })
+    }
+
+    /// Whether it runs on PostgreSQL only (its SQL is PostgreSQL's).
+    pub fn postgres_only(self) -> bool {
+        matches!(
+            self,
+            Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch)
+        )
+    }
+
+    /// Whether a lane hands it several fetched messages at once, to commit together.
+    pub fn takes_batches(self) -> bool {
+        self == Self::NaturalKey(NaturalKeyPath::Batch)
+    }
+
+    /// Builds the handler on `db`, recording its dedup rows under `consumer`. The email
+    /// handler needs the `mailbox` its sent mail goes to.
+    pub fn build(
+        self,
+        db: &DatabaseConnection,
+        consumer: ConsumerName,
+        mailbox: Option<Mailbox>,
+    ) -> Result<Handler, BuildError> {
+        if self.postgres_only() && db.get_database_backend() != DbBackend::Postgres {
+            return Err(BuildError::PostgresOnly(self));
+        }
+        let stock = |strategy| StockConsumer::new(db.clone(), self, strategy, consumer.clone());
+        Ok(match self {
+            Self::Naive => Handler::Stock(stock(Strategy::Naive)),
+            Self::CheckThenProcess => Handler::Stock(stock(Strategy::CheckThenProcess)),
+            Self::Inbox(detect) => Handler::Stock(stock(Strategy::Inbox(detect))),
+            Self::NaturalKey(NaturalKeyPath::Orm) => Handler::Stock(stock(Strategy::NaturalKey)),
+            Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch) => {
+                Handler::OneStatement(PgNaturalKey::new(stock(Strategy::NaturalKey)))
+            }
+            Self::Email => Handler::Email(EmailConsumer::new(
+                db.clone(),
+                consumer,
+                mailbox.ok_or(BuildError::NeedsMailbox)?,
+            )),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BuildError {
+    #[error("the {} handler runs on PostgreSQL only", .0.label())]
+    PostgresOnly(HandlerKind),
+    #[error("the email handler needs a mailbox for the mail it sends")]
+    NeedsMailbox,
+}
+
+/// Where the email handler's mail goes: the durable file of `serve`, or memory for the study and
+/// the tests.
+#[derive(Clone)]
+pub enum Mailbox {
+    File(FileMailbox),
+    InMemory(InMemoryEmailProvider),
+}
+
+impl EmailProvider for Mailbox {
+    async fn send(
+        &self,
+        idempotency_key: &str,
+        email: &StockReservedEmail,
+    ) -> Result<(), ProviderError> {
+        match self {
+            Self::File(mailbox) => mailbox.send(idempotency_key, email).await,
+            Self::InMemory(provider) => provider.send(idempotency_key, email).await,
+        }
+    }
+
+    async fn lookup(&self, idempotency_key: &str) -> Result<SentLookup, ProviderError> {
+        match self {
+            Self::File(mailbox) => mailbox.lookup(idempotency_key).await,
+            Self::InMemory(provider) => provider.lookup(idempotency_key).await,
+        }
+    }
+}
+
+/// A built handler of any kind.
+#[derive(Clone)]
+pub enum Handler {
+    /// Through sea-orm: naive, check-then-process, the inbox, the natural key's reference.
+    Stock(StockConsumer),
+    /// The natural key's one statement (and its batch statement) on PostgreSQL.
+    OneStatement(PgNaturalKey),
+    Email(EmailConsumer<Mailbox>),
+}
+
+impl Handler {
+    pub fn kind(&self) -> HandlerKind {
+        match self {
+            Self::Stock(consumer) => consumer.kind(),
+            Self::OneStatement(handler) => handler.kind(),
+            Self::Email(_) => HandlerKind::Email,
+        }
+    }
+
+    /// The name its dedup rows are kept under.
+    pub fn consumer(&self) -> &ConsumerName {
+        match self {
+            Self::Stock(consumer) => consumer.consumer(),
+            Self::OneStatement(handler) => handler.consumer(),
+            Self::Email(consumer) => consumer.consumer(),
+        }
+    }
+
+    /// The same handler, failing as `faults` says (the tests and the study only).
+    pub fn with_faults(&self, faults: Faults) -> Self {
+        match self {
+            Self::Stock(consumer) => Self::Stock(consumer.with_faults(faults)),
+            Self::OneStatement(handler) => Self::OneStatement(handler.with_faults(faults)),
+            Self::Email(consumer) => Self::Email(consumer.with_faults(faults)),
+        }
+    }
+
+    /// Handles one delivery. `Ok` is final for it (ack, or dead-letter a refusal); `Err` means
+    /// nothing was acknowledged and the message will come again or be dead-lettered.
+    pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        match self {
+            Self::Stock(consumer) => consumer.handle(message).await,
+            Self::OneStatement(handler) => handler.handle(message).await,
+            Self::Email(consumer) => consumer.handle(message).await,
+        }
+    }
+}
+
+impl MessageHandler for Handler {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        Handler::handle(self, message).await
+    }
+
+    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        match self {
+            Self::OneStatement(handler) => handler.handle_batch(messages).await,
+            _ => one_by_one(self, messages).await,
+        }
+    }
+}

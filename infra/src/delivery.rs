@@ -1,0 +1,74 @@
+//! A message as a consumer receives it from JetStream: pulling, reading where it came from, and
+//! answering it (ack, nak, term). The consumer loop speaks to NATS through these alone.
+
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::{self, pull};
+
+use crate::jetstream::{NatsError, Origin, nats_error};
+
+/// One delivery of a stored message.
+pub type Delivery = async_nats::jetstream::Message;
+/// The deliveries of a pull consumer, as they arrive.
+pub type Deliveries = pull::Stream;
+/// Why the next delivery could not be pulled (missed heartbeats while NATS reconnects).
+pub type PullError = pull::MessagesError;
+/// A durable pull consumer.
+pub type PullConsumer = consumer::PullConsumer;
+/// A consumer's settings, as the server has them.
+pub type ConsumerConfig = consumer::Config;
+
+/// The consumer's settings as the server has them, whatever this process asked for.
+pub async fn consumer_config(consumer: &mut PullConsumer) -> Result<ConsumerConfig, NatsError> {
+    let info = consumer
+        .info()
+        .await
+        .map_err(|error| nats_error("reading consumer info")(Box::new(error)))?;
+    Ok(info.config.clone())
+}
+
+/// Pulls continuously, `prefetch` messages per request, with heartbeats so a dead connection
+/// is noticed.
+pub async fn pull(consumer: &PullConsumer, prefetch: usize) -> Result<Deliveries, NatsError> {
+    consumer
+        .stream()
+        .max_messages_per_batch(prefetch)
+        .heartbeat(Duration::from_secs(5))
+        .expires(Duration::from_secs(30))
+        .messages()
+        .await
+        .map_err(|error| nats_error("pulling from the consumer")(Box::new(error)))
+}
+
+/// Where a delivery came from; `None` for a message without JetStream metadata.
+pub fn origin(delivery: &Delivery) -> Option<Origin> {
+    let info = delivery.info().ok()?;
+    Some(Origin {
+        subject: delivery.subject.to_string(),
+        stream: info.stream.to_owned(),
+        stream_sequence: info.stream_sequence,
+        deliveries: info.delivered,
+    })
+}
+
+/// Done with it: JetStream will not deliver it again.
+pub async fn ack(delivery: &Delivery) -> Result<(), NatsError> {
+    delivery.ack().await.map_err(nats_error("acking"))
+}
+
+/// Not now: JetStream delivers it again after `delay`.
+pub async fn nak(delivery: &Delivery, delay: Duration) -> Result<(), NatsError> {
+    delivery
+        .ack_with(AckKind::Nak(Some(delay)))
+        .await
+        .map_err(nats_error("nak"))
+}
+
+/// Never again (it was dead-lettered): JetStream stops delivering it.
+pub async fn terminate(delivery: &Delivery) -> Result<(), NatsError> {
+    delivery
+        .ack_with(AckKind::Term)
+        .await
+        .map_err(nats_error("terminating"))
+}

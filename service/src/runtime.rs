@@ -1,0 +1,692 @@
+//! The consumer runtime: one [`RuntimeSettings`] value says where to read, which handler runs
+//! and how the lanes behave; [`ConsumerRuntime`] sets up the streams and the durable consumer
+//! and runs the lanes. `serve`, the comparison, the end-to-end benchmark and the tests all start
+//! consumers through it.
+//!
+//! The path of one message, in this file from top to bottom: a [lane](lane) takes the next
+//! message from the pull stream; [`Worker::process`] reads its delivery count and decodes it
+//! (a body that cannot be decoded is a dead letter here); the handler applies it in one
+//! transaction; [`policy::decide`] says what becomes of it; [`Worker::perform`] acks, naks or
+//! dead-letters it. Nothing is acked before its transaction committed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt};
+use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
+use inventory_infra::db::DatabaseConnection;
+use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer, PullError};
+use inventory_infra::jetstream::{
+    self, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError, Origin, Topology,
+};
+use inventory_infra::{BuildError, HandleError, Handler, HandlerKind, Mailbox, MessageHandler};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, field};
+
+use crate::metrics::ConsumerMetrics;
+use crate::policy::{self, Acked, Action, Failure, RetryPolicy};
+
+/// Everything that says how one consumer runs.
+#[derive(Debug, Clone)]
+pub struct RuntimeSettings {
+    pub topology: Topology,
+    /// The durable consumer, created with these settings if absent; an existing one keeps its
+    /// own, and the runtime follows the server's.
+    pub consumer: ConsumerSettings,
+    pub handler: HandlerKind,
+    /// Messages handled at once, each lane to its end.
+    pub concurrency: usize,
+    /// Messages a lane hands a handler that takes batches ([`HandlerKind::takes_batches`]).
+    pub batch_size: usize,
+    /// Bodies larger than this are dead letters, never parsed.
+    pub max_body_bytes: usize,
+    /// Delay before retrying a transient failure; doubles per delivery up to `max_retry_delay`.
+    pub retry_delay: Duration,
+    pub max_retry_delay: Duration,
+    /// How long a graceful stop waits for in-flight messages.
+    pub shutdown_timeout: Duration,
+}
+
+impl RuntimeSettings {
+    /// The contract's consumer for `handler`, reading `topology`'s subjects, with the `serve`
+    /// defaults: what a caller changes is set on the value returned.
+    pub fn new(topology: Topology, handler: HandlerKind, concurrency: usize) -> Self {
+        // The email goes out for placed orders only; stock follows both events.
+        let filter_subject = match handler {
+            HandlerKind::Email => topology.subject(EventKind::Placed),
+            _ => format!("{}.>", topology.subject_prefix),
+        };
+        Self {
+            consumer: ConsumerSettings {
+                durable_name: default_consumer(handler).to_owned(),
+                filter_subject,
+                ack_wait: Duration::from_secs(30),
+                max_deliver: 10,
+                backoff: Vec::new(),
+                max_ack_pending: 1_000,
+            },
+            topology,
+            handler,
+            concurrency,
+            batch_size: 1,
+            max_body_bytes: 64 * 1024,
+            retry_delay: Duration::from_millis(500),
+            max_retry_delay: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The contract's durable consumer of each handler.
+pub fn default_consumer(handler: HandlerKind) -> &'static str {
+    match handler {
+        HandlerKind::NaturalKey(_) => "inventory-reserve-stock",
+        HandlerKind::Inbox(_) => "inventory-reserve-stock-inbox",
+        HandlerKind::Email => inventory_infra::EMAIL_CONSUMER,
+        HandlerKind::Naive => "inventory-reserve-stock-naive",
+        HandlerKind::CheckThenProcess => "inventory-reserve-stock-check-then-process",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Nats(#[from] NatsError),
+    #[error(transparent)]
+    Handler(#[from] BuildError),
+    #[error("consumer name: {0}")]
+    ConsumerName(#[from] inventory_domain::FieldError),
+    #[error("the message stream of consumer {0} ended")]
+    StreamEnded(String),
+}
+
+/// A consumer set up on the server, ready to start.
+pub struct ConsumerRuntime {
+    settings: RuntimeSettings,
+    db: DatabaseConnection,
+    dead_letters: DeadLetters,
+    consumer: PullConsumer,
+    /// The consumer's settings as the server has them, which rule over `settings.consumer`.
+    server_consumer: ConsumerConfig,
+    duplicate_window: Duration,
+}
+
+impl ConsumerRuntime {
+    /// Creates the streams and the durable consumer where absent, and logs how existing ones
+    /// differ from `settings`.
+    pub async fn prepare(
+        js: &Context,
+        db: DatabaseConnection,
+        settings: RuntimeSettings,
+    ) -> Result<Self, RuntimeError> {
+        let (stream, drifts) = jetstream::ensure_streams(js, &settings.topology).await?;
+        let (mut consumer, consumer_drifts) =
+            jetstream::ensure_consumer(&stream, &settings.consumer).await?;
+        for drift in drifts.iter().chain(&consumer_drifts) {
+            tracing::warn!("{drift}");
+        }
+        let server_consumer = delivery::consumer_config(&mut consumer).await?;
+        Ok(Self {
+            dead_letters: DeadLetters::new(
+                js.clone(),
+                &settings.topology,
+                &settings.consumer.durable_name,
+            ),
+            duplicate_window: stream.cached_info().config.duplicate_window,
+            settings,
+            db,
+            consumer,
+            server_consumer,
+        })
+    }
+
+    pub fn settings(&self) -> &RuntimeSettings {
+        &self.settings
+    }
+
+    /// The durable consumer's settings as the server has them.
+    pub fn server_consumer(&self) -> &ConsumerConfig {
+        &self.server_consumer
+    }
+
+    /// How long the stream drops a resend of a message id it has stored.
+    pub fn duplicate_window(&self) -> Duration {
+        self.duplicate_window
+    }
+
+    /// The settings' handler on this runtime's database, its dedup rows under the consumer's
+    /// name; the email handler sends to `mailbox`.
+    pub fn handler(&self, mailbox: Option<Mailbox>) -> Result<Handler, RuntimeError> {
+        let consumer = ConsumerName::parse(self.settings.consumer.durable_name.clone())?;
+        Ok(self.settings.handler.build(&self.db, consumer, mailbox)?)
+    }
+
+    /// Starts the lanes with `handler` (the settings' own, or one wrapped around it) in a task
+    /// of their own, until `shutdown`.
+    pub fn start<H: MessageHandler>(
+        self,
+        handler: H,
+        metrics: Option<ConsumerMetrics>,
+        shutdown: Shutdown,
+    ) -> Running {
+        let batch_size = if self.settings.handler.takes_batches() {
+            self.settings.batch_size.max(1)
+        } else {
+            1
+        };
+        let worker = Worker {
+            handler,
+            dead_letters: self.dead_letters,
+            lanes: Arc::new(LaneSettings {
+                concurrency: self.settings.concurrency.max(1),
+                batch_size,
+                max_body_bytes: self.settings.max_body_bytes,
+                retry: RetryPolicy {
+                    max_deliver: self.server_consumer.max_deliver,
+                    retry_delay: self.settings.retry_delay,
+                    max_retry_delay: self.settings.max_retry_delay,
+                },
+            }),
+            stats: Arc::new(Stats::default()),
+            database_suspect: Arc::new(AtomicBool::new(false)),
+            metrics,
+        };
+        let stats = worker.stats.clone();
+        let timeout = self.settings.shutdown_timeout;
+        let consumer = self.consumer.clone();
+        let task = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { run(&self.consumer, worker, self.db, shutdown, timeout).await }
+        });
+        Running {
+            shutdown,
+            stats,
+            consumer,
+            task,
+        }
+    }
+}
+
+/// A consumer's lanes, running.
+pub struct Running {
+    pub shutdown: Shutdown,
+    pub stats: Arc<Stats>,
+    consumer: PullConsumer,
+    task: JoinHandle<Result<Ending, RuntimeError>>,
+}
+
+impl Running {
+    /// The durable consumer's counts as the server has them: what is pending and unacked.
+    pub async fn consumer_state(&self) -> Result<ConsumerState, NatsError> {
+        jetstream::consumer_state(&mut self.consumer.clone()).await
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Waits until the lanes end: after `shutdown`, or when the consumer's stream ends.
+    pub async fn wait(self) -> anyhow::Result<Ending> {
+        Ok(self.task.await??)
+    }
+
+    /// Asks for a graceful stop and waits for it.
+    pub async fn stop(self) -> anyhow::Result<Ending> {
+        self.shutdown.graceful.cancel();
+        self.wait().await
+    }
+}
+
+/// How the loop is asked to stop: `graceful` stops fetching and waits for in-flight messages;
+/// `immediate` gives up waiting.
+#[derive(Clone, Default)]
+pub struct Shutdown {
+    pub graceful: CancellationToken,
+    pub immediate: CancellationToken,
+}
+
+/// How the loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Every in-flight message finished.
+    Drained,
+    /// Stopped waiting (second signal or timeout): unfinished messages stay unacked and will be
+    /// redelivered; their transactions were never committed.
+    Abandoned,
+}
+
+/// How the lanes treat messages.
+#[derive(Debug)]
+struct LaneSettings {
+    concurrency: usize,
+    batch_size: usize,
+    max_body_bytes: usize,
+    /// With the consumer's `max_deliver` as the server has it.
+    retry: RetryPolicy,
+}
+
+/// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
+/// in-flight messages.
+///
+/// `concurrency` lanes each take the next message from the shared pull stream and handle it to
+/// its end. Each lane holds its own clone of the handler, so a handler that keeps a connection
+/// per clone keeps one per lane, for as long as the loop runs.
+async fn run<H: MessageHandler>(
+    consumer: &PullConsumer,
+    worker: Worker<H>,
+    db: DatabaseConnection,
+    shutdown: Shutdown,
+    shutdown_timeout: Duration,
+) -> Result<Ending, RuntimeError> {
+    let lanes = worker.lanes.concurrency;
+    // The client asks for more once half a pull is used up: pulling twice what the lanes hold
+    // keeps the next messages on their way while the lanes work.
+    let prefetch = (2 * lanes * worker.lanes.batch_size).max(32);
+    let messages = delivery::pull(consumer, prefetch).await?;
+    let messages = Arc::new(tokio::sync::Mutex::new(messages));
+    // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
+    let stop = shutdown.graceful.child_token();
+    let stream_ended = Arc::new(AtomicBool::new(false));
+    let tracker = TaskTracker::new();
+    for _ in 0..lanes {
+        tracker.spawn(lane(
+            worker.clone(),
+            messages.clone(),
+            db.clone(),
+            stop.clone(),
+            stream_ended.clone(),
+        ));
+    }
+    tracker.close();
+    stop.cancelled().await;
+    if stream_ended.load(Ordering::Relaxed) {
+        return Err(RuntimeError::StreamEnded(
+            consumer.cached_info().name.clone(),
+        ));
+    }
+    tracing::info!(lanes, "stopped fetching; finishing in-flight messages");
+    tokio::select! {
+        () = tracker.wait() => Ok(Ending::Drained),
+        () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
+        () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
+    }
+}
+
+/// One lane: fetch, handle to the end, repeat, until `stop`.
+async fn lane<H: MessageHandler, S>(
+    worker: Worker<H>,
+    messages: Arc<tokio::sync::Mutex<S>>,
+    db: DatabaseConnection,
+    stop: CancellationToken,
+    stream_ended: Arc<AtomicBool>,
+) where
+    S: futures::Stream<Item = Result<Delivery, PullError>> + Unpin,
+{
+    let batch_size = worker.lanes.batch_size;
+    loop {
+        if worker.database_suspect.swap(false, Ordering::Relaxed)
+            && !wait_for_database(&db, &stop).await
+        {
+            return;
+        }
+        let mut batch = Vec::with_capacity(batch_size);
+        {
+            let mut stream = messages.lock().await;
+            let next = tokio::select! {
+                () = stop.cancelled() => return,
+                next = stream.next() => next,
+            };
+            let mut next = Some(next);
+            // After the first message, take what is already fetched, up to the batch size;
+            // a batch never waits for messages that have not arrived.
+            while let Some(item) = next.take() {
+                match item {
+                    Some(Ok(message)) => batch.push(message),
+                    Some(Err(error)) => {
+                        // Missed heartbeats and the like while NATS reconnects; it goes on.
+                        tracing::warn!(%error, "pulling messages");
+                    }
+                    None => {
+                        stream_ended.store(true, Ordering::Relaxed);
+                        stop.cancel();
+                        break;
+                    }
+                }
+                if batch.len() < batch_size {
+                    next = stream.next().now_or_never();
+                }
+            }
+        }
+        match batch.as_slice() {
+            [] => {}
+            [message] => {
+                worker.process(message).instrument(message_span()).await;
+            }
+            messages => {
+                worker.process_batch(messages).await;
+            }
+        }
+    }
+}
+
+/// Waits until the database answers again; false if shutdown came first. While it is down
+/// nothing is fetched, so messages are not burned through their delivery attempts.
+async fn wait_for_database(db: &DatabaseConnection, shutdown: &CancellationToken) -> bool {
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match db.ping().await {
+            Ok(()) => {
+                tracing::info!("database reachable; consuming");
+                return true;
+            }
+            Err(error) => tracing::warn!(%error, "database unreachable; not fetching"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return false,
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// What became of one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    Acked(Acked),
+    DeadLettered(DeadLetterReason),
+    /// Nak'ed, to come again after the delay.
+    Retried(Duration),
+    /// Left unacked (the handler died, or an ack or dead letter could not be sent): JetStream
+    /// redelivers it after the ack wait.
+    LeftForRedelivery,
+}
+
+/// Counts of dispositions since start.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Acked, and not as a duplicate.
+    pub acked: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub retried: AtomicU64,
+    pub left_for_redelivery: AtomicU64,
+}
+
+impl Stats {
+    fn record(&self, disposition: &Disposition) {
+        let counter = match disposition {
+            Disposition::Acked(Acked::Duplicate) => &self.duplicates,
+            Disposition::Acked(_) => &self.acked,
+            Disposition::DeadLettered(_) => &self.dead_lettered,
+            Disposition::Retried(_) => &self.retried,
+            Disposition::LeftForRedelivery => &self.left_for_redelivery,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Every delivery counted so far.
+    pub fn deliveries(&self) -> u64 {
+        [
+            &self.acked,
+            &self.duplicates,
+            &self.dead_lettered,
+            &self.retried,
+            &self.left_for_redelivery,
+        ]
+        .iter()
+        .map(|counter| counter.load(Ordering::Relaxed))
+        .sum()
+    }
+}
+
+fn message_span() -> tracing::Span {
+    tracing::info_span!(
+        "message",
+        message_id = field::Empty,
+        stream_seq = field::Empty,
+        delivered = field::Empty,
+        disposition = field::Empty,
+    )
+}
+
+/// A delivery after decoding: ready for the handler, or already settled (dead-lettered).
+enum Admitted {
+    Decoded(Origin, Message),
+    Settled(Disposition),
+}
+
+/// Everything one delivery needs; cloned into each lane.
+#[derive(Clone)]
+struct Worker<H> {
+    handler: H,
+    dead_letters: DeadLetters,
+    lanes: Arc<LaneSettings>,
+    stats: Arc<Stats>,
+    /// Set when a handler hit a database error: the loop checks the database before fetching.
+    database_suspect: Arc<AtomicBool>,
+    /// Prometheus counters, when `--metrics-addr` is set.
+    metrics: Option<ConsumerMetrics>,
+}
+
+impl<H: MessageHandler> Worker<H> {
+    /// Handles one delivery to its end.
+    async fn process(&self, message: &Delivery) -> Disposition {
+        let started = Instant::now();
+        let in_flight = self.metrics.as_ref().map(ConsumerMetrics::start);
+        let disposition = match self.admit(message).await {
+            Admitted::Settled(disposition) => disposition,
+            Admitted::Decoded(origin, decoded) => {
+                let result = self.handler.handle(&decoded).await;
+                self.settle(message, &origin, result).await
+            }
+        };
+        self.record(&disposition, started);
+        drop(in_flight);
+        tracing::Span::current().record("disposition", field::debug(&disposition));
+        disposition
+    }
+
+    fn record(&self, disposition: &Disposition, started: Instant) {
+        self.stats.record(disposition);
+        if let Some(metrics) = &self.metrics {
+            metrics.record(disposition, started.elapsed());
+        }
+    }
+
+    /// Handles deliveries as one batch: the handler may commit them in one transaction; each
+    /// is then acked, dead-lettered or nak'ed on its own outcome.
+    async fn process_batch(&self, messages: &[Delivery]) -> Vec<Disposition> {
+        let started = Instant::now();
+        let in_flight: Vec<_> = messages
+            .iter()
+            .filter_map(|_| self.metrics.as_ref().map(ConsumerMetrics::start))
+            .collect();
+        let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
+        let mut decoded = Vec::new();
+        let mut origins = Vec::new();
+        for message in messages {
+            let span = message_span();
+            match self.admit(message).instrument(span).await {
+                Admitted::Settled(disposition) => dispositions.push(Some(disposition)),
+                Admitted::Decoded(origin, message) => {
+                    dispositions.push(None);
+                    decoded.push(message);
+                    origins.push(origin);
+                }
+            }
+        }
+        let mut results = self.handler.handle_batch(&decoded).await.into_iter();
+        let mut origins = origins.into_iter();
+        let mut settled = Vec::with_capacity(messages.len());
+        for (message, disposition) in messages.iter().zip(dispositions) {
+            let span = message_span();
+            let disposition = match (disposition, results.next(), origins.next()) {
+                (Some(disposition), _, _) => disposition,
+                (None, Some(result), Some(origin)) => {
+                    span.record("stream_seq", origin.stream_sequence);
+                    span.record("delivered", origin.deliveries);
+                    self.settle(message, &origin, result)
+                        .instrument(span.clone())
+                        .await
+                }
+                // A handler that returned fewer results than messages: leave the rest for
+                // redelivery rather than guess.
+                (None, _, _) => Disposition::LeftForRedelivery,
+            };
+            span.record("disposition", field::debug(&disposition));
+            self.record(&disposition, started);
+            settled.push(disposition);
+        }
+        drop(in_flight);
+        settled
+    }
+
+    /// Reads where a delivery came from and decodes it; a body that cannot be decoded is
+    /// dead-lettered here.
+    async fn admit(&self, message: &Delivery) -> Admitted {
+        let Some(origin) = delivery::origin(message) else {
+            // Not a JetStream delivery: there is nothing to ack, so nothing to do.
+            tracing::error!(subject = %message.subject, "message without JetStream metadata");
+            return Admitted::Settled(Disposition::LeftForRedelivery);
+        };
+        let span = tracing::Span::current();
+        span.record("stream_seq", origin.stream_sequence);
+        span.record("delivered", origin.deliveries);
+        match self.decode(message) {
+            Ok(decoded) => {
+                span.record("message_id", field::display(&decoded.key));
+                Admitted::Decoded(origin, decoded)
+            }
+            Err((reason, detail)) => {
+                let action = Action::DeadLetter { reason, detail };
+                Admitted::Settled(self.perform(message, &origin, action).await)
+            }
+        }
+    }
+
+    fn decode(&self, message: &Delivery) -> Result<Message, (DeadLetterReason, String)> {
+        if message.payload.len() > self.lanes.max_body_bytes {
+            return Err((
+                DeadLetterReason::Malformed,
+                format!(
+                    "body of {} bytes is over the {}-byte limit; not parsed",
+                    message.payload.len(),
+                    self.lanes.max_body_bytes
+                ),
+            ));
+        }
+        let kind = EventKind::from_subject(&message.subject).ok_or_else(|| {
+            (
+                DeadLetterReason::Invalid,
+                format!("subject {} carries no order event", message.subject),
+            )
+        })?;
+        Message::decode(kind, &message.payload).map_err(|error| (error.reason(), error.to_string()))
+    }
+
+    /// Asks the policy what becomes of the handler's answer, and does it.
+    async fn settle(
+        &self,
+        message: &Delivery,
+        origin: &Origin,
+        result: Result<Outcome, HandleError>,
+    ) -> Disposition {
+        let retry = &self.lanes.retry;
+        let action = match &result {
+            Ok(outcome) => policy::decide(Ok(outcome), origin.deliveries, retry),
+            Err(error) => policy::decide(Err(&self.failure(error)), origin.deliveries, retry),
+        };
+        self.perform(message, origin, action).await
+    }
+
+    /// How the policy sees a handler's error; a database error also pauses fetching until the
+    /// database answers.
+    fn failure(&self, error: &HandleError) -> Failure {
+        match error {
+            HandleError::Crashed(point) => {
+                tracing::warn!(point = point.as_str(), "handler crashed (injected)");
+                Failure::Crashed
+            }
+            error => {
+                if error.is_database() {
+                    self.database_suspect.store(true, Ordering::Relaxed);
+                }
+                tracing::warn!(%error, "handling failed");
+                Failure::Transient {
+                    detail: error.to_string(),
+                }
+            }
+        }
+    }
+
+    /// Sends what `action` says: the only place a delivery is acked, nak'ed or terminated.
+    async fn perform(&self, message: &Delivery, origin: &Origin, action: Action) -> Disposition {
+        match action {
+            Action::Ack(acked) => match delivery::ack(message).await {
+                Ok(()) => {
+                    // A duplicate is a success like any other, not news.
+                    if acked == Acked::Duplicate {
+                        tracing::debug!(outcome = acked.label(), "acked");
+                    } else {
+                        tracing::info!(outcome = acked.label(), "acked");
+                    }
+                    Disposition::Acked(acked)
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "ack not sent; the redelivery will be a duplicate");
+                    Disposition::LeftForRedelivery
+                }
+            },
+            Action::Nak(delay) => {
+                tracing::warn!(retry_in = ?delay, "nak");
+                match delivery::nak(message, delay).await {
+                    Ok(()) => Disposition::Retried(delay),
+                    Err(_) => Disposition::LeftForRedelivery,
+                }
+            }
+            Action::LeaveUnacked => Disposition::LeftForRedelivery,
+            Action::DeadLetter { reason, detail } => {
+                self.dead_letter(message, origin, reason, &detail).await
+            }
+        }
+    }
+
+    /// Publishes the dead letter, and only once the DLQ stream stored it terminates the
+    /// original, so a poison message is neither lost nor redelivered forever.
+    async fn dead_letter(
+        &self,
+        message: &Delivery,
+        origin: &Origin,
+        reason: DeadLetterReason,
+        detail: &str,
+    ) -> Disposition {
+        let published = self
+            .dead_letters
+            .publish(
+                origin,
+                message.headers.as_ref(),
+                message.payload.clone(),
+                reason,
+                detail,
+            )
+            .await;
+        if let Err(error) = published {
+            tracing::warn!(%error, reason = reason.as_str(), "dead letter not stored");
+            let action = policy::dead_letter_not_stored(origin.deliveries, &self.lanes.retry);
+            return Box::pin(self.perform(message, origin, action)).await;
+        }
+        tracing::warn!(reason = reason.as_str(), detail, "dead-lettered");
+        match delivery::terminate(message).await {
+            Ok(()) => Disposition::DeadLettered(reason),
+            Err(error) => {
+                // The dead letter is stored under an id derived from this delivery: the
+                // redelivery stores no second copy.
+                tracing::warn!(%error, "term not sent");
+                Disposition::LeftForRedelivery
+            }
+        }
+    }
+}
