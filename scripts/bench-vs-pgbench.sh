@@ -14,7 +14,7 @@ messages=${2:-20000}
 server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 books=1000
 
-cargo build --release --locked -p inventory-service >&2
+cargo build --release --locked -p inventory-service -p inventory-benches >&2
 inventory=target/release/inventory
 
 db="pgbench_reserve_$$"

@@ -9,7 +9,11 @@
 //! `dedup_cost_sqlite` (a temporary SQLite file). Every benchmark has a database of its own,
 //! created on first use and dropped when the benchmark is done; building the messages is not
 //! timed (`iter_custom`).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test or benchmark fails by panicking"
+)]
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@
 //! publish, then consume until every message is acked); criterion times the consuming part,
 //! which the run measures itself. Needs PostgreSQL (DATABASE_URL or the local server) and NATS
 //! (NATS_URL or the local server).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(clippy::unwrap_used, reason = "a benchmark fails by panicking")]
 
 use std::time::Duration;
 

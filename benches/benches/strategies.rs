@@ -10,7 +10,11 @@
 //!
 //! Groups: `strategies` (PostgreSQL) and `strategies_sqlite`; every benchmark has a database
 //! of its own, dropped when it is done.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test or benchmark fails by panicking"
+)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

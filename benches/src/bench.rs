@@ -359,7 +359,6 @@ struct LogSpan {
     seen_end: u64,
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn run_once(
     observer: &DatabaseConnection,
     server: &str,
@@ -390,7 +389,10 @@ async fn run_once(
     Ok(run)
 }
 
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the inputs of one measured run: where it reads its figures, the mode, the ratio, the size"
+)]
 async fn measure(
     observer: &DatabaseConnection,
     fresh: &FreshDatabase,

@@ -18,8 +18,7 @@ use std::time::{Duration, Instant};
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
 use inventory_domain::{
-    BookId, CrashPoint, DedupKey, Event, Message, MessageId, OrderId, OrderPlaced, Outcome,
-    Quantity, StockItem,
+    BookId, CrashPoint, Message, MessageId, OrderId, Outcome, Quantity, StockItem,
 };
 use inventory_infra::db::{self, DatabaseConnection, FreshDatabase};
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
@@ -250,10 +249,8 @@ impl PlannedOrder {
 
     /// The faulty producer's resend: the same order under a new message id.
     fn resend(&self) -> Result<Message> {
-        Ok(Message {
-            key: DedupKey::MessageId(MessageId::parse(format!("{}-resent", self.key()))?),
-            ..self.message.clone()
-        })
+        let id = MessageId::parse(format!("{}-resent", self.key()))?;
+        Ok(self.message.resent_as(id))
     }
 }
 
@@ -278,16 +275,12 @@ impl Workload {
         for i in 0..count {
             let book = usize::try_from(rng.below(books.len() as u64))?;
             let quantity = i64::try_from(1 + rng.below(MAX_QUANTITY))?;
-            let message = Message {
-                key: DedupKey::MessageId(MessageId::parse(format!("order-{i}"))?),
-                correlation_id: None,
-                occurred_at: None,
-                event: Event::Placed(OrderPlaced {
-                    order_id: OrderId::from(rng.uuid()),
-                    book_id: books[book],
-                    quantity: Quantity::new(quantity)?,
-                }),
-            };
+            let message = Message::placed(
+                OrderId::from(rng.uuid()),
+                books[book],
+                Quantity::new(quantity)?,
+            )
+            .resent_as(MessageId::parse(format!("order-{i}"))?);
             orders.push(PlannedOrder {
                 message,
                 book,

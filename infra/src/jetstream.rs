@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use async_nats::Client;
 use async_nats::HeaderMap;
 pub use async_nats::jetstream::Context;
 use async_nats::jetstream::ErrorCode;
@@ -653,4 +654,9 @@ pub async fn connect_with(
 /// The JetStream context of a client.
 pub fn context(client: async_nats::Client) -> Context {
     jetstream::new(client)
+}
+
+/// Whether the client holds a connection to a server now (it reconnects on its own).
+pub fn is_connected(client: &Client) -> bool {
+    client.connection_state() == async_nats::connection::State::Connected
 }

@@ -82,10 +82,7 @@ impl NatsArgs {
     }
 
     /// Connects with these flags' URL, credentials and TLS.
-    pub async fn connect(
-        &self,
-        name: &str,
-    ) -> Result<async_nats::Client, inventory_infra::jetstream::NatsError> {
+    pub async fn connect(&self, name: &str) -> Result<jetstream::Client, jetstream::NatsError> {
         jetstream::connect_with(&self.nats_url, name, &self.security()).await
     }
 }

@@ -14,6 +14,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use inventory_infra::db::DatabaseConnection;
+use inventory_infra::jetstream;
 use prometheus::{
     Encoder as _, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -170,7 +171,7 @@ impl ConsumerMetrics {
 #[derive(Clone)]
 struct Health {
     metrics: Metrics,
-    nats: async_nats::Client,
+    nats: jetstream::Client,
     db: DatabaseConnection,
 }
 
@@ -179,7 +180,7 @@ struct Health {
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
-    nats: async_nats::Client,
+    nats: jetstream::Client,
     db: DatabaseConnection,
     stop: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
@@ -219,7 +220,7 @@ async fn render_metrics(State(health): State<Health>) -> impl IntoResponse {
 }
 
 async fn healthz(State(health): State<Health>) -> impl IntoResponse {
-    let nats_ok = health.nats.connection_state() == async_nats::connection::State::Connected;
+    let nats_ok = jetstream::is_connected(&health.nats);
     // Bounded: a database that hangs must not hang the probe too.
     let db_ok = matches!(
         tokio::time::timeout(Duration::from_secs(2), health.db.ping()).await,

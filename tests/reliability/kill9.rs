@@ -3,10 +3,9 @@
 
 use std::time::{Duration, Instant};
 
+use inventory_benches::workload::SplitMix64;
 use inventory_tests::workload::{self, SendKind, Workload, stream_state};
 use inventory_tests::{Backend, TestDb};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use crate::support::{Scenario, seed};
 
@@ -20,7 +19,7 @@ const MIN_KILLS: usize = 12;
 #[ignore = "slow tier: run by scripts/test.sh"]
 async fn kill_9_at_random_moments_neither_loses_nor_doubles_a_reservation() {
     let seed = seed("kill -9");
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut random = SplitMix64::new(seed);
     let db = TestDb::new(Backend::Postgres).await;
     // One book: every order contends for the same stock row.
     let book = db.dune(1_000_000).await;
@@ -40,8 +39,8 @@ async fn kill_9_at_random_moments_neither_loses_nor_doubles_a_reservation() {
     let mut kills = 0;
     let mut mid_stream = 0;
     while !producer.is_finished() || kills < MIN_KILLS {
-        tokio::time::sleep(Duration::from_millis(rng.random_range(300..1_200))).await;
-        let victim = rng.random_range(0..instances.len());
+        tokio::time::sleep(Duration::from_millis(300 + random.below(900))).await;
+        let victim = usize::try_from(random.below(instances.len() as u64)).unwrap_or(0);
         // The instances drain each burst faster than it is published: wait (briefly) for one
         // in flight, so the kill interrupts work rather than an idle consumer.
         let mut state = stream_state(&js, &scenario.topology, &scenario.names.consumer).await;
@@ -59,7 +58,7 @@ async fn kill_9_at_random_moments_neither_loses_nor_doubles_a_reservation() {
             mid_stream += 1;
         }
         // Sometimes both are down for a moment.
-        tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
+        tokio::time::sleep(Duration::from_millis(random.below(500))).await;
         let label = format!(
             "{}-{kills}",
             instances[victim].label.split('-').next().unwrap()

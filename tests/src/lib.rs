@@ -15,7 +15,11 @@
 //!   the check of the promise after a fault scenario.
 //! - [`corpus`]: the hostile-input corpus under `tests/corpus/`, files and generated bodies.
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![expect(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test or benchmark fails by panicking"
+)]
 
 pub mod binary;
 pub mod broker;

@@ -14,12 +14,10 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::PublishMessage;
 use futures::StreamExt;
+use inventory_benches::workload::SplitMix64;
 use inventory_domain::{BookId, Message, OrderId};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{OrderPublisher, Topology};
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 use crate::placed;
@@ -64,9 +62,9 @@ impl Workload {
         seed: u64,
     ) -> Self {
         assert!(new_ids + same_ids <= orders, "more resends than orders");
-        let mut rng = StdRng::seed_from_u64(seed);
+        let mut random = SplitMix64::new(seed);
         let mut indices: Vec<usize> = (0..orders).collect();
-        indices.shuffle(&mut rng);
+        random.shuffle(&mut indices);
         let mut resend = vec![None; orders];
         for &i in &indices[..new_ids] {
             resend[i] = Some(SendKind::NewId);
@@ -89,7 +87,7 @@ impl Workload {
                     _ => message.clone(),
                 };
                 due.push((
-                    i + rng.random_range(1..=50),
+                    i + 1 + usize::try_from(random.below(50)).unwrap_or(0),
                     Send {
                         message: copy,
                         kind,
