@@ -142,6 +142,19 @@ pub enum StockCommand {
     },
 }
 
+/// A command's result as the process's exit code: 0 when it succeeded, 1 when it ran and
+/// failed (its error printed) or came out other than expected.
+pub fn exit_code(result: Result<bool>) -> std::process::ExitCode {
+    match result {
+        Ok(true) => std::process::ExitCode::SUCCESS,
+        Ok(false) => std::process::ExitCode::FAILURE,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// A small pool: these commands run a handful of statements.
 const COMMAND_POOL: u32 = 2;
 

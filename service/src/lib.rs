@@ -1,15 +1,17 @@
-//! The `inventory` binary's library: command-line interface, configuration and wiring.
+//! The Inventory service: the `inventory` binary and its serving path. It depends on `domain`,
+//! `infra` and general-purpose crates only; the study and the measurements (`inventory demo`,
+//! `compare`, `bench`) live in `inventory-benches`, whose binary [`study`] hands them to.
 //!
 //! # Layout
+//! - [`runtime`]: the consumer runtime: one [`runtime::RuntimeSettings`] value, the streams and
+//!   the durable consumer set up, the lanes, and the path of one message from pull to ack;
+//!   [`policy`]: what becomes of a delivery (ack, nak after a delay, dead letter), as a pure
+//!   function.
+//! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
+//!   horizon guard ([`retention`]), Prometheus metrics and the health check ([`metrics`]).
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands.
-//! - [`serve`]: the JetStream subscriber loop and its wiring; [`metrics`]: its Prometheus
-//!   metrics and health check; [`retention`]: its background purge and the horizon guard.
-//! - [`dlq`]: listing and replaying dead letters.
-//! - [`publish`]: the producer command.
-//! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
-//! - [`compare`]: the end-to-end comparison of the strategies through JetStream.
-//! - [`bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
-//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench script beside it.
+//! - [`dlq`]: listing and replaying dead letters; [`publish`]: the producer command.
+//! - [`study`]: `inventory demo|compare|bench`, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.
 
 pub mod args;

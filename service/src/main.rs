@@ -14,12 +14,5 @@ async fn main() -> ExitCode {
         _ => "warn",
     };
     telemetry::init(default_filter);
-    match cli::run(cli).await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(error) => {
-            eprintln!("error: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code(cli::run(cli).await)
 }

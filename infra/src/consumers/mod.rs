@@ -1,15 +1,17 @@
-//! The consumer strategies: each takes one decoded message and returns a typed [`Outcome`].
+//! The handlers: each takes one decoded message and returns a typed [`Outcome`]. Which one runs
+//! is a [`HandlerKind`] (in [`handler`], the one list a user chooses from):
 //!
-//! - [`Strategy::Naive`]: no dedup at all; every delivery reserves again.
-//! - [`Strategy::CheckThenProcess`]: look in the inbox, do the work in its own transaction, then
-//!   write the inbox row. A crash between the two reopens the window.
-//! - [`Strategy::Inbox`]: claim `(message_id, consumer)` first, in the same transaction as the
-//!   work; the unique key is the arbiter between concurrent copies.
-//! - [`Strategy::NaturalKey`]: the reservation's own key `(order_id, book_id)` refuses a second
-//!   reservation, whatever the message id.
+//! - naive: no dedup at all; every delivery reserves again.
+//! - check-then-process: look in the inbox, do the work in its own transaction, then write the
+//!   inbox row. A crash between the two reopens the window.
+//! - the inbox: claim `(message_id, consumer)` first, in the same transaction as the work; the
+//!   unique key is the arbiter between concurrent copies.
+//! - the natural key: the reservation's own key `(order_id, book_id)` refuses a second
+//!   reservation, whatever the message id; through sea-orm (`natural.rs`, the
+//!   reference) or as one statement on PostgreSQL ([`natural_pg`]).
 //!
-//! The two-phase email consumer is in [`email`]; deliberately wrong designs the demo contrasts
-//! with these are in [`study`].
+//! The first four run in [`StockConsumer`]; the two-phase email consumer is in [`email`];
+//! deliberately wrong designs the demo contrasts with these are in [`study`].
 
 pub mod email;
 pub mod handler;
