@@ -3,7 +3,8 @@
 //! everything public speaks in domain types.
 //!
 //! # Layout
-//! - [`db`]: connecting with consumer-friendly settings, applying migrations.
+//! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
+//!   error's code means for a retry (`DbFailure`).
 //! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows.
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
 //!   email consumer, and the study of designs that fail.
