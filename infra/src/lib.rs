@@ -5,9 +5,11 @@
 //! # Layout
 //! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
 //!   error's code means for a retry (`DbFailure`).
-//! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows.
+//! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows;
+//!   `DataError`, a value that does not fit between a column and its domain type.
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
-//!   email consumer, and the study of designs that fail.
+//!   email consumer, the study of designs that fail, and `HandleError`, whose kind says whether
+//!   a failed delivery is retried or dead-lettered.
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
 //! - [`retention`]: purging completed inbox rows in bounded batches.
 //! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher.
@@ -30,4 +32,4 @@ pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider}
 pub use consumers::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
 pub use faults::{Faults, Hold};
 pub use mailbox::{FileMailbox, MailboxError};
-pub use stock::{InboxEntry, RecordedReservation, StockRepository};
+pub use stock::{DataError, InboxEntry, RecordedReservation, StockRepository};

@@ -16,7 +16,7 @@ use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::MessagesError as PullError;
 use futures::{FutureExt, StreamExt};
-use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
+use inventory_domain::{ConsumerName, DeadLetterReason, ErrorKind, EventKind, Message, Outcome};
 use inventory_infra::consumers::natural_pg::PgNaturalKey;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, ConsumerSettings, DeadLetters, Origin};
@@ -275,28 +275,34 @@ impl<H: MessageHandler> Worker<H> {
                     Disposition::LeftForRedelivery
                 }
             },
-            Err(inventory_infra::HandleError::Crashed(point)) => {
-                tracing::warn!(point = point.as_str(), "handler crashed (injected)");
-                Disposition::LeftForRedelivery
-            }
-            Err(error) => {
-                if error.is_database() {
-                    self.database_suspect.store(true, Ordering::Relaxed);
+            Err(error) => match error.kind() {
+                ErrorKind::Crashed(point) => {
+                    tracing::warn!(point = point.as_str(), "handler crashed (injected)");
+                    Disposition::LeftForRedelivery
                 }
-                if self.settings.is_last_delivery(origin.deliveries) {
-                    let detail =
-                        format!("last of {} deliveries failed: {error}", origin.deliveries);
-                    return self
-                        .dead_letter(message, origin, DeadLetterReason::MaxDeliveries, &detail)
-                        .await;
+                ErrorKind::Permanent(refusal) => {
+                    self.dead_letter(message, origin, refusal.reason, &refusal.detail)
+                        .await
                 }
-                let delay = self.settings.retry_delay_after(origin.deliveries);
-                tracing::warn!(%error, retry_in = ?delay, "transient failure; nak");
-                match message.ack_with(AckKind::Nak(Some(delay))).await {
-                    Ok(()) => Disposition::Retried(delay),
-                    Err(_) => Disposition::LeftForRedelivery,
+                ErrorKind::Transient => {
+                    if error.is_database() {
+                        self.database_suspect.store(true, Ordering::Relaxed);
+                    }
+                    if self.settings.is_last_delivery(origin.deliveries) {
+                        let detail =
+                            format!("last of {} deliveries failed: {error}", origin.deliveries);
+                        return self
+                            .dead_letter(message, origin, DeadLetterReason::MaxDeliveries, &detail)
+                            .await;
+                    }
+                    let delay = self.settings.retry_delay_after(origin.deliveries);
+                    tracing::warn!(%error, retry_in = ?delay, "transient failure; nak");
+                    match message.ack_with(AckKind::Nak(Some(delay))).await {
+                        Ok(()) => Disposition::Retried(delay),
+                        Err(_) => Disposition::LeftForRedelivery,
+                    }
                 }
-            }
+            },
         }
     }
 
