@@ -5,10 +5,15 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::HeaderMap;
-use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::context::{
+    ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
+    GetStreamError, GetStreamErrorKind, PublishError, PublishErrorKind, RequestError,
+    RequestErrorKind,
+};
 use async_nats::jetstream::message::PublishMessage as Publish;
-use async_nats::jetstream::{self, Context, consumer, stream};
+use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+use async_nats::jetstream::{self, Context, ErrorCode, consumer, stream};
+use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
 use inventory_domain::{DeadLetterReason, EventKind, Message};
 
@@ -17,17 +22,141 @@ use inventory_domain::{DeadLetterReason, EventKind, Message};
 #[error("{doing}: {source}")]
 pub struct NatsError {
     doing: String,
+    kind: NatsErrorKind,
     #[source]
     source: async_nats::Error,
 }
 
-fn nats_error(doing: impl Into<String>) -> impl FnOnce(async_nats::Error) -> NatsError {
-    let doing = doing.into();
-    move |source| NatsError { doing, source }
+impl NatsError {
+    pub fn kind(&self) -> NatsErrorKind {
+        self.kind
+    }
 }
 
-fn boxed<E: std::error::Error + Send + Sync + 'static>(error: E) -> async_nats::Error {
-    Box::new(error)
+/// What kind of failure a NATS call met, for callers to branch on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NatsErrorKind {
+    /// Connecting failed: a URL or credentials file that does not read, a server that cannot
+    /// be reached or that refuses the client.
+    Connect,
+    /// The server did not answer in time.
+    TimedOut,
+    /// The stream named, or the one that should hold the subject published to, does not exist.
+    StreamNotFound,
+    Other,
+}
+
+/// The async-nats errors this module meets, each knowing its [`NatsErrorKind`].
+trait Classified: std::error::Error + Send + Sync + Sized + 'static {
+    fn nats_kind(&self) -> NatsErrorKind;
+}
+
+fn is_stream_not_found(error: &jetstream::Error) -> bool {
+    error.error_code() == ErrorCode::STREAM_NOT_FOUND
+}
+
+impl Classified for PublishError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            PublishErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            PublishErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for RequestError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            RequestErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for GetStreamError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            GetStreamErrorKind::JetStream(error) if is_stream_not_found(&error) => {
+                NatsErrorKind::StreamNotFound
+            }
+            // The request's own error says whether it timed out.
+            GetStreamErrorKind::Request => std::error::Error::source(self)
+                .and_then(|source| source.downcast_ref::<RequestError>())
+                .map_or(NatsErrorKind::Other, Classified::nats_kind),
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for CreateStreamError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            CreateStreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConsumerError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            ConsumerErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            ConsumerErrorKind::JetStream(error) if is_stream_not_found(&error) => {
+                NatsErrorKind::StreamNotFound
+            }
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConsumerInfoError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            ConsumerInfoErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            ConsumerInfoErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConnectError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        NatsErrorKind::Connect
+    }
+}
+
+/// Wraps an async-nats error with what was being done and its kind.
+fn nats_error<E: Classified>(doing: impl Into<String>) -> impl FnOnce(E) -> NatsError {
+    let doing = doing.into();
+    move |error| NatsError {
+        doing,
+        kind: error.nats_kind(),
+        source: Box::new(error),
+    }
+}
+
+/// For a consumer lookup, which boxes its error.
+fn consumer_lookup_error(doing: String) -> impl FnOnce(async_nats::Error) -> NatsError {
+    move |error| NatsError {
+        doing,
+        kind: error
+            .downcast_ref::<ConsumerInfoError>()
+            .map_or(NatsErrorKind::Other, Classified::nats_kind),
+        source: error,
+    }
+}
+
+/// A failure to read what connecting needs: the URL, the credentials file.
+fn connect_setup_error<E>(doing: String) -> impl FnOnce(E) -> NatsError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    move |error| NatsError {
+        doing,
+        kind: NatsErrorKind::Connect,
+        source: Box::new(error),
+    }
 }
 
 /// Names of the streams and subjects, the contract's by default; tests use their own.
@@ -140,8 +269,7 @@ async fn ensure_stream(
         Err(error)
             if matches!(
                 error.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref js)
-                    if js.error_code() == ErrorCode::STREAM_NOT_FOUND
+                GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js)
             ) =>
         {
             match js.create_stream(wanted.clone()).await {
@@ -150,15 +278,15 @@ async fn ensure_stream(
                 Err(_) => js
                     .get_stream(&wanted.name)
                     .await
-                    .map_err(|error| nats_error(doing.clone())(boxed(error)))?,
+                    .map_err(nats_error(doing.clone()))?,
             }
         }
-        Err(error) => return Err(nats_error(doing)(boxed(error))),
+        Err(error) => return Err(nats_error(doing)(error)),
     };
     let existing = stream
         .info()
         .await
-        .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+        .map_err(nats_error(doing.clone()))?
         .config
         .clone();
     let object = format!("stream {}", wanted.name);
@@ -243,13 +371,13 @@ pub async fn ensure_consumer(
                 Err(_) => stream
                     .get_consumer(&settings.durable_name)
                     .await
-                    .map_err(|error| nats_error(doing.clone())(error))?,
+                    .map_err(consumer_lookup_error(doing.clone()))?,
             },
         };
     let existing = consumer
         .info()
         .await
-        .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+        .map_err(nats_error(doing.clone()))?
         .config
         .clone();
     let object = format!("consumer {}", settings.durable_name);
@@ -322,6 +450,7 @@ impl OrderPublisher {
         let key = message.key.storage_key();
         let body = message.to_plain_json().ok_or_else(|| NatsError {
             doing: format!("publishing {key}"),
+            kind: NatsErrorKind::Other,
             source: "a CloudEvent key has no plain JSON body".into(),
         })?;
         let subject = self.topology.subject(message.event.kind());
@@ -342,8 +471,8 @@ impl OrderPublisher {
                 .message_id(message_id)
                 .payload(body.clone());
             let result = match self.js.send_publish(subject.to_owned(), publish).await {
-                Ok(ack) => ack.await.map_err(boxed),
-                Err(error) => Err(boxed(error)),
+                Ok(ack) => ack.await,
+                Err(error) => Err(error),
             };
             match result {
                 Ok(ack) => {
@@ -468,9 +597,9 @@ impl DeadLetters {
             .js
             .send_publish(self.subject.clone(), publish)
             .await
-            .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+            .map_err(nats_error(doing.clone()))?
             .await
-            .map_err(|error| nats_error(doing)(boxed(error)))?;
+            .map_err(nats_error(doing))?;
         Ok(PublishReceipt {
             sequence: ack.sequence,
             duplicate: ack.duplicate,
@@ -492,7 +621,7 @@ pub async fn consumer_state(
     let info = consumer
         .info()
         .await
-        .map_err(|error| nats_error("reading consumer info")(boxed(error)))?;
+        .map_err(nats_error("reading consumer info"))?;
     Ok(ConsumerState {
         pending: info.num_pending,
         ack_pending: info.num_ack_pending,
@@ -561,18 +690,14 @@ pub async fn connect_with(
     name: &str,
     security: &NatsSecurity,
 ) -> Result<async_nats::Client, NatsError> {
+    let reading_url = || format!("reading the NATS URL {}", crate::redact::redact_url(url));
     let parsed: Vec<async_nats::ServerAddr> = url
         .split(',')
         .map(str::trim)
         .filter(|server| !server.is_empty())
         .map(str::parse)
         .collect::<Result<_, _>>()
-        .map_err(|error| {
-            nats_error(format!(
-                "reading the NATS URL {}",
-                crate::redact::redact_url(url)
-            ))(boxed(error))
-        })?;
+        .map_err(connect_setup_error(reading_url()))?;
     // Credentials in a URL move into the options: async-nats logs the server addresses it
     // dials at debug, password and all.
     let mut url_credentials = None;
@@ -591,12 +716,7 @@ pub async fn connect_with(
             async_nats::ServerAddr::from_url(bare)
         })
         .collect::<Result<_, _>>()
-        .map_err(|error| {
-            nats_error(format!(
-                "reading the NATS URL {}",
-                crate::redact::redact_url(url)
-            ))(boxed(error))
-        })?;
+        .map_err(connect_setup_error(reading_url()))?;
     let mut options = async_nats::ConnectOptions::new();
     match url_credentials {
         Some((user, Some(password))) => options = options.user_and_password(user, password),
@@ -605,12 +725,13 @@ pub async fn connect_with(
         None => {}
     }
     if let Some(path) = &security.credentials_file {
-        options = options.credentials_file(path).await.map_err(|error| {
-            nats_error(format!(
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(connect_setup_error(format!(
                 "reading the NATS credentials file {}",
                 path.display()
-            ))(boxed(error))
-        })?;
+            )))?;
     }
     if let Some(user) = &security.user {
         options =
@@ -641,12 +762,10 @@ pub async fn connect_with(
         })
         .connect(servers.as_slice())
         .await
-        .map_err(|error| {
-            nats_error(format!(
-                "connecting to NATS at {}",
-                crate::redact::redact_url(url)
-            ))(boxed(error))
-        })
+        .map_err(nats_error(format!(
+            "connecting to NATS at {}",
+            crate::redact::redact_url(url)
+        )))
 }
 
 /// The JetStream context of a client.
