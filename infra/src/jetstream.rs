@@ -1,5 +1,8 @@
 //! NATS JetStream adapters: the streams and durable consumers of the contract, the producer
-//! that keeps its message id across retries, and the dead-letter publisher.
+//! that keeps its message id across retries, and the dead letters (their format, writer and
+//! reader in `dead_letter`).
+
+mod dead_letter;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,7 +18,9 @@ use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
 use async_nats::jetstream::{self, Context, ErrorCode, consumer, stream};
 use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
-use inventory_domain::{DeadLetterReason, EventKind, Message};
+use inventory_domain::{EventKind, Message};
+
+pub use dead_letter::{DeadLetter, DeadLetters, Origin, dlq_headers};
 
 /// A NATS or JetStream call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -494,116 +499,6 @@ impl OrderPublisher {
                 }
             }
         }
-    }
-}
-
-/// Dead-letter headers of the contract.
-pub mod dlq_headers {
-    pub const REASON: &str = "Dlq-Reason";
-    pub const DETAIL: &str = "Dlq-Detail";
-    pub const STREAM: &str = "Dlq-Stream";
-    pub const STREAM_SEQUENCE: &str = "Dlq-Stream-Sequence";
-    pub const DELIVERIES: &str = "Dlq-Deliveries";
-    /// Not in the contract's list: the subject the original was published to, for a replay.
-    pub const SUBJECT: &str = "Dlq-Subject";
-    /// The original's `Nats-Msg-Id`, which the dead letter's own id replaces.
-    pub const ORIGINAL_MSG_ID: &str = "Dlq-Original-Msg-Id";
-}
-
-/// Where a delivery came from, for its dead letter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Origin {
-    pub subject: String,
-    pub stream: String,
-    pub stream_sequence: u64,
-    pub deliveries: i64,
-}
-
-/// Publishes a consumer's dead letters to `dlq.<consumer>` on the dead-letter stream.
-#[derive(Clone)]
-pub struct DeadLetters {
-    js: Context,
-    subject: String,
-    consumer: String,
-}
-
-/// Header values are one line; details are cut so a hostile body cannot bloat the DLQ.
-fn header_value(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(1_000)
-        .collect()
-}
-
-impl DeadLetters {
-    pub fn new(js: Context, topology: &Topology, consumer: &str) -> Self {
-        Self {
-            js,
-            subject: topology.dlq_subject(consumer),
-            consumer: consumer.to_owned(),
-        }
-    }
-
-    /// Publishes the dead letter and waits for the stream to store it. Its `Nats-Msg-Id` is
-    /// derived from the consumer and the original's stream sequence, so publishing it again
-    /// after a crash stores it once.
-    pub async fn publish(
-        &self,
-        origin: &Origin,
-        original_headers: Option<&HeaderMap>,
-        body: Bytes,
-        reason: DeadLetterReason,
-        detail: &str,
-    ) -> Result<PublishReceipt, NatsError> {
-        let mut headers = HeaderMap::new();
-        let mut original_id = None;
-        if let Some(original) = original_headers {
-            for (name, values) in original.iter() {
-                let name_text: &str = name.as_ref();
-                if name_text.eq_ignore_ascii_case(async_nats::header::NATS_MESSAGE_ID.as_ref()) {
-                    original_id = values.first().map(|value| value.as_str().to_owned());
-                    continue;
-                }
-                for value in values {
-                    headers.append(name.clone(), value.clone());
-                }
-            }
-        }
-        let mut set = |name: &'static str, value: String| {
-            headers.insert(name, header_value(&value).as_str());
-        };
-        set(dlq_headers::REASON, reason.as_str().to_owned());
-        set(dlq_headers::DETAIL, detail.to_owned());
-        set(dlq_headers::STREAM, origin.stream.clone());
-        set(
-            dlq_headers::STREAM_SEQUENCE,
-            origin.stream_sequence.to_string(),
-        );
-        set(dlq_headers::DELIVERIES, origin.deliveries.to_string());
-        set(dlq_headers::SUBJECT, origin.subject.clone());
-        if let Some(original_id) = original_id {
-            set(dlq_headers::ORIGINAL_MSG_ID, original_id);
-        }
-        let id = format!(
-            "dlq:{}:{}:{}",
-            self.consumer, origin.stream, origin.stream_sequence
-        );
-        let publish = Publish::build()
-            .message_id(&id)
-            .headers(headers)
-            .payload(body);
-        let doing = format!("publishing dead letter {id}");
-        let ack = self
-            .js
-            .send_publish(self.subject.clone(), publish)
-            .await
-            .map_err(nats_error(doing.clone()))?
-            .await
-            .map_err(nats_error(doing))?;
-        Ok(PublishReceipt {
-            sequence: ack.sequence,
-            duplicate: ack.duplicate,
-        })
     }
 }
 

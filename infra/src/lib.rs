@@ -12,8 +12,9 @@
 //!   a failed delivery is retried or dead-lettered.
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
 //! - [`retention`]: purging completed inbox rows in bounded batches.
-//! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher,
-//!   and what kind of failure a NATS call met (`NatsErrorKind`).
+//! - [`jetstream`]: the streams and durable consumers, the producer, what kind of failure a NATS
+//!   call met (`NatsErrorKind`), and the dead-letter format: its headers and ids, the publisher,
+//!   and `DeadLetter`, one read back from the dead-letter stream.
 //! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
 //!   lines in a local file, looked up by idempotency key).
 //! - [`redact`]: masking credentials in URLs before they reach a log.
