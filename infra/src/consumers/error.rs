@@ -325,10 +325,16 @@ CREATE TRIGGER injected_failure BEFORE INSERT ON stock_reservations
                 Err(HandleError::Data(DataError::Unreadable { .. }))
             ));
         }
+        // In a batch, the other placement is reserved by the statement and reported so.
         let batch = [copy, placed(OrderId::new_v7(), book, 1)];
         let results = one_statement.handle_batch(&batch).await;
         assert!(is_permanent(&results[0]), "{:?}", results[0]);
-        assert!(results[1].is_ok(), "{:?}", results[1]);
+        assert!(
+            matches!(results[1], Ok(Outcome::Processed(Effect::Reserved { .. }))),
+            "{:?}",
+            results[1]
+        );
+        assert_eq!(reserved(&db, book).await, 1);
         db.remove().await.expect("database removed");
     }
 }
