@@ -667,3 +667,41 @@ pub async fn connect_with(
 pub fn context(client: async_nats::Client) -> Context {
     jetstream::new(client)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_that_cannot_be_made_is_a_connect_error() {
+        for url in ["nats://127.0.0.1:1", "nats://exa mple:4222"] {
+            let error = connect(url, "kind test")
+                .await
+                .expect_err("nothing to connect to");
+            assert_eq!(error.kind(), NatsErrorKind::Connect, "{error}");
+        }
+    }
+
+    /// Needs a NATS server with JetStream: `NATS_URL`, else the local one.
+    #[tokio::test]
+    async fn publishing_where_no_stream_listens_is_stream_not_found() {
+        let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+        let client = connect(&url, "kind test")
+            .await
+            .expect("a NATS server (set NATS_URL)");
+        let topology = Topology {
+            subject_prefix: format!("nowhere_{}", uuid::Uuid::new_v4().simple()),
+            ..Topology::default()
+        };
+        let publisher = OrderPublisher {
+            attempts: 1,
+            ..OrderPublisher::new(context(client), topology.clone())
+        };
+        let subject = topology.subject(EventKind::Placed);
+        let error = publisher
+            .publish_raw(&subject, "m-1", Bytes::from_static(b"{}"))
+            .await
+            .expect_err("no stream holds the subject");
+        assert_eq!(error.kind(), NatsErrorKind::StreamNotFound, "{error}");
+    }
+}
