@@ -52,7 +52,7 @@ pub enum NatsErrorKind {
 }
 
 /// The async-nats errors this module meets, each knowing its [`NatsErrorKind`].
-trait Classified: std::error::Error + Send + Sync + Sized + 'static {
+trait Classified: std::error::Error + Send + Sync + 'static {
     fn nats_kind(&self) -> NatsErrorKind;
 }
 

@@ -58,7 +58,7 @@ pub(crate) fn stock_item_from(model: stock_items::Model) -> StockItem {
 pub enum DataError {
     #[error("stored {column} {value} is not valid")]
     Unreadable { column: &'static str, value: String },
-    /// Only for rows nothing in this crate deletes: after the conflict, only a person can have.
+    /// Used only for rows nothing in this crate deletes: only a person can have removed it.
     #[error("no {table} row, although inserting it conflicted on its key")]
     Vanished { table: &'static str },
     #[error("{column} {value} does not fit its column")]

@@ -27,6 +27,7 @@ pub enum DbFailure {
 }
 
 impl DbFailure {
+    /// What `error` means for a retry.
     pub fn of(error: &DbErr) -> Self {
         match error {
             DbErr::ConnectionAcquire(_) | DbErr::Conn(_) => Self::Unavailable,
