@@ -7,7 +7,8 @@
 //!   `BookId`, `ConsumerName`) and the `DedupKey` derived from a message.
 //! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`, the payload hash.
 //! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
-//! - [`outcome`]: what handling a message came to, and the contract's dead-letter reasons.
+//! - [`outcome`]: what handling a message came to, what a failure means for its delivery
+//!   (retry, dead-letter, crashed), and the contract's dead-letter reasons.
 //! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
 //!   the guard against a shorter retention.
 //! - [`ports`]: the email provider trait (send, and lookup by idempotency key) and the crash
@@ -25,6 +26,6 @@ pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Qu
 pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,
 };
-pub use outcome::{DeadLetterReason, Effect, Outcome, Refusal};
+pub use outcome::{DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};
 pub use ports::{CrashPoint, EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 pub use stock::{ReservationDecision, ReservationStatus, StockItem};

@@ -1,8 +1,10 @@
-//! What handling a message came to, and the dead-letter reasons of the contract.
+//! What handling a message came to, what a failure to handle it means for its delivery, and the
+//! dead-letter reasons of the contract.
 
 use std::fmt;
 
 use crate::ids::Quantity;
+use crate::ports::CrashPoint;
 
 /// The contract's `Dlq-Reason` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -13,6 +15,9 @@ pub enum DeadLetterReason {
     PayloadMismatch,
     ConflictingReservation,
     MaxDeliveries,
+    /// Only a person can settle it: an interrupted send the provider cannot account for, or
+    /// stored data the handler cannot use (a corrupt or vanished row, a write the database
+    /// refuses by constraint). Retrying would meet the same state.
     NeedsReconciliation,
 }
 
@@ -107,6 +112,20 @@ impl fmt::Display for Outcome {
             other => f.write_str(other.label()),
         }
     }
+}
+
+/// What a failure to handle a message means for its delivery. Handlers' errors say it by their
+/// type, so the consumer decides between retrying and dead-lettering with a `match`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Nothing was applied and a later attempt may succeed (the database unreachable, a lost
+    /// race with another transaction, the email provider down): retry after a delay.
+    Transient,
+    /// Nothing was applied and every attempt would fail the same way: dead-letter it now.
+    Permanent(Refusal),
+    /// An injected crash: the handler "died" at this point as a killed process would, so the
+    /// delivery is left unsettled and comes again after its ack wait.
+    Crashed(CrashPoint),
 }
 
 #[cfg(test)]

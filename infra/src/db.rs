@@ -1,7 +1,11 @@
-//! Connecting to PostgreSQL or SQLite with settings fit for a consumer, and applying migrations.
+//! Connecting to PostgreSQL or SQLite with settings fit for a consumer, applying migrations,
+//! and what a database error means for a retry ([`DbFailure`]).
+
+mod failure;
 
 use std::time::Duration;
 
+pub use failure::{DbErrorCode, DbFailure};
 use inventory_migrations::{Migrator, MigratorTrait};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
 use sea_orm::{ConnectOptions, ConnectionTrait, DbErr};

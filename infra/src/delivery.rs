@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{self, pull};
 
-use crate::jetstream::{NatsError, Origin, nats_error};
+use crate::jetstream::{NatsError, Origin, boxed_nats_error, nats_error};
 
 /// One delivery of a stored message.
 pub type Delivery = async_nats::jetstream::Message;
@@ -24,7 +24,7 @@ pub async fn consumer_config(consumer: &mut PullConsumer) -> Result<ConsumerConf
     let info = consumer
         .info()
         .await
-        .map_err(|error| nats_error("reading consumer info")(Box::new(error)))?;
+        .map_err(nats_error("reading consumer info"))?;
     Ok(info.config.clone())
 }
 
@@ -38,7 +38,7 @@ pub async fn pull(consumer: &PullConsumer, prefetch: usize) -> Result<Deliveries
         .expires(Duration::from_secs(30))
         .messages()
         .await
-        .map_err(|error| nats_error("pulling from the consumer")(Box::new(error)))
+        .map_err(nats_error("pulling from the consumer"))
 }
 
 /// Where a delivery came from; `None` for a message without JetStream metadata.
@@ -54,7 +54,7 @@ pub fn origin(delivery: &Delivery) -> Option<Origin> {
 
 /// Done with it: JetStream will not deliver it again.
 pub async fn ack(delivery: &Delivery) -> Result<(), NatsError> {
-    delivery.ack().await.map_err(nats_error("acking"))
+    delivery.ack().await.map_err(boxed_nats_error("acking"))
 }
 
 /// Not now: JetStream delivers it again after `delay`.
@@ -62,7 +62,7 @@ pub async fn nak(delivery: &Delivery, delay: Duration) -> Result<(), NatsError> 
     delivery
         .ack_with(AckKind::Nak(Some(delay)))
         .await
-        .map_err(nats_error("nak"))
+        .map_err(boxed_nats_error("nak"))
 }
 
 /// Never again (it was dead-lettered): JetStream stops delivering it.
@@ -70,5 +70,5 @@ pub async fn terminate(delivery: &Delivery) -> Result<(), NatsError> {
     delivery
         .ack_with(AckKind::Term)
         .await
-        .map_err(nats_error("terminating"))
+        .map_err(boxed_nats_error("terminating"))
 }

@@ -1,35 +1,187 @@
 //! NATS JetStream adapters: the streams and durable consumers of the contract, the producer
-//! that keeps its message id across retries, and the dead-letter publisher.
+//! that keeps its message id across retries, and the dead letters (their format, writer and
+//! reader in `dead_letter`).
+
+mod dead_letter;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 pub use async_nats::Client;
-use async_nats::HeaderMap;
 pub use async_nats::jetstream::Context;
-use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::context::{
+    ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
+    GetStreamError, GetStreamErrorKind, PublishError, PublishErrorKind, RequestError,
+    RequestErrorKind,
+};
 use async_nats::jetstream::message::PublishMessage as Publish;
-use async_nats::jetstream::{self, consumer, stream};
+use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+use async_nats::jetstream::{self, ErrorCode, consumer, stream};
+use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
-use inventory_domain::{DeadLetterReason, EventKind, Message};
+use inventory_domain::{EventKind, Message};
+
+pub use dead_letter::{DeadLetter, DeadLetters, Origin, dlq_headers};
 
 /// A NATS or JetStream call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]
 #[error("{doing}: {source}")]
 pub struct NatsError {
     doing: String,
+    kind: NatsErrorKind,
     #[source]
     source: async_nats::Error,
 }
 
-pub(crate) fn nats_error(doing: impl Into<String>) -> impl FnOnce(async_nats::Error) -> NatsError {
-    let doing = doing.into();
-    move |source| NatsError { doing, source }
+impl NatsError {
+    pub fn kind(&self) -> NatsErrorKind {
+        self.kind
+    }
 }
 
-fn boxed<E: std::error::Error + Send + Sync + 'static>(error: E) -> async_nats::Error {
-    Box::new(error)
+/// What kind of failure a NATS call met, for callers to branch on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NatsErrorKind {
+    /// Connecting failed: a URL or credentials file that does not read, a server that cannot
+    /// be reached or that refuses the client.
+    Connect,
+    /// The server did not answer in time.
+    TimedOut,
+    /// The stream named, or the one that should hold the subject published to, does not exist.
+    StreamNotFound,
+    Other,
+}
+
+/// The async-nats errors this module meets, each knowing its [`NatsErrorKind`].
+pub(crate) trait Classified: std::error::Error + Send + Sync + 'static {
+    fn nats_kind(&self) -> NatsErrorKind;
+}
+
+fn is_stream_not_found(error: &jetstream::Error) -> bool {
+    error.error_code() == ErrorCode::STREAM_NOT_FOUND
+}
+
+impl Classified for PublishError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            PublishErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            PublishErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for RequestError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            RequestErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for GetStreamError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            GetStreamErrorKind::JetStream(error) if is_stream_not_found(&error) => {
+                NatsErrorKind::StreamNotFound
+            }
+            // The request's own error says whether it timed out.
+            GetStreamErrorKind::Request => std::error::Error::source(self)
+                .and_then(|source| source.downcast_ref::<RequestError>())
+                .map_or(NatsErrorKind::Other, Classified::nats_kind),
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for CreateStreamError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            CreateStreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConsumerError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            ConsumerErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            ConsumerErrorKind::JetStream(error) if is_stream_not_found(&error) => {
+                NatsErrorKind::StreamNotFound
+            }
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConsumerInfoError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            ConsumerInfoErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            ConsumerInfoErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConnectError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        NatsErrorKind::Connect
+    }
+}
+
+/// Wraps an async-nats error with what was being done and its kind.
+pub(crate) fn nats_error<E: Classified>(doing: impl Into<String>) -> impl FnOnce(E) -> NatsError {
+    let doing = doing.into();
+    move |error| NatsError {
+        doing,
+        kind: error.nats_kind(),
+        source: Box::new(error),
+    }
+}
+
+impl Classified for consumer::StreamError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            consumer::StreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+/// For a call that boxes its error and says nothing of its kind (an ack, a nak, a term).
+pub(crate) fn boxed_nats_error(doing: &str) -> impl FnOnce(async_nats::Error) -> NatsError {
+    move |error| NatsError {
+        doing: doing.to_owned(),
+        kind: NatsErrorKind::Other,
+        source: error,
+    }
+}
+
+/// For a consumer lookup, which boxes its error.
+fn consumer_lookup_error(doing: String) -> impl FnOnce(async_nats::Error) -> NatsError {
+    move |error| NatsError {
+        doing,
+        kind: error
+            .downcast_ref::<ConsumerInfoError>()
+            .map_or(NatsErrorKind::Other, Classified::nats_kind),
+        source: error,
+    }
+}
+
+/// A failure to read what connecting needs: the URL, the credentials file.
+fn connect_setup_error<E>(doing: String) -> impl FnOnce(E) -> NatsError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    move |error| NatsError {
+        doing,
+        kind: NatsErrorKind::Connect,
+        source: Box::new(error),
+    }
 }
 
 /// Names of the streams and subjects, the contract's by default; tests use their own.
@@ -142,8 +294,7 @@ async fn ensure_stream(
         Err(error)
             if matches!(
                 error.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref js)
-                    if js.error_code() == ErrorCode::STREAM_NOT_FOUND
+                GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js)
             ) =>
         {
             match js.create_stream(wanted.clone()).await {
@@ -152,15 +303,15 @@ async fn ensure_stream(
                 Err(_) => js
                     .get_stream(&wanted.name)
                     .await
-                    .map_err(|error| nats_error(doing.clone())(boxed(error)))?,
+                    .map_err(nats_error(doing.clone()))?,
             }
         }
-        Err(error) => return Err(nats_error(doing)(boxed(error))),
+        Err(error) => return Err(nats_error(doing)(error)),
     };
     let existing = stream
         .info()
         .await
-        .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+        .map_err(nats_error(doing.clone()))?
         .config
         .clone();
     let object = format!("stream {}", wanted.name);
@@ -245,13 +396,13 @@ pub async fn ensure_consumer(
                 Err(_) => stream
                     .get_consumer(&settings.durable_name)
                     .await
-                    .map_err(|error| nats_error(doing.clone())(error))?,
+                    .map_err(consumer_lookup_error(doing.clone()))?,
             },
         };
     let existing = consumer
         .info()
         .await
-        .map_err(|error| nats_error(doing.clone())(boxed(error)))?
+        .map_err(nats_error(doing.clone()))?
         .config
         .clone();
     let object = format!("consumer {}", settings.durable_name);
@@ -324,6 +475,7 @@ impl OrderPublisher {
         let key = message.key.storage_key();
         let body = message.to_plain_json().ok_or_else(|| NatsError {
             doing: format!("publishing {key}"),
+            kind: NatsErrorKind::Other,
             source: "a CloudEvent key has no plain JSON body".into(),
         })?;
         let subject = self.topology.subject(message.event.kind());
@@ -344,8 +496,8 @@ impl OrderPublisher {
                 .message_id(message_id)
                 .payload(body.clone());
             let result = match self.js.send_publish(subject.to_owned(), publish).await {
-                Ok(ack) => ack.await.map_err(boxed),
-                Err(error) => Err(boxed(error)),
+                Ok(ack) => ack.await,
+                Err(error) => Err(error),
             };
             match result {
                 Ok(ack) => {
@@ -370,116 +522,6 @@ impl OrderPublisher {
     }
 }
 
-/// Dead-letter headers of the contract.
-pub mod dlq_headers {
-    pub const REASON: &str = "Dlq-Reason";
-    pub const DETAIL: &str = "Dlq-Detail";
-    pub const STREAM: &str = "Dlq-Stream";
-    pub const STREAM_SEQUENCE: &str = "Dlq-Stream-Sequence";
-    pub const DELIVERIES: &str = "Dlq-Deliveries";
-    /// Not in the contract's list: the subject the original was published to, for a replay.
-    pub const SUBJECT: &str = "Dlq-Subject";
-    /// The original's `Nats-Msg-Id`, which the dead letter's own id replaces.
-    pub const ORIGINAL_MSG_ID: &str = "Dlq-Original-Msg-Id";
-}
-
-/// Where a delivery came from, for its dead letter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Origin {
-    pub subject: String,
-    pub stream: String,
-    pub stream_sequence: u64,
-    pub deliveries: i64,
-}
-
-/// Publishes a consumer's dead letters to `dlq.<consumer>` on the dead-letter stream.
-#[derive(Clone)]
-pub struct DeadLetters {
-    js: Context,
-    subject: String,
-    consumer: String,
-}
-
-/// Header values are one line; details are cut so a hostile body cannot bloat the DLQ.
-fn header_value(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(1_000)
-        .collect()
-}
-
-impl DeadLetters {
-    pub fn new(js: Context, topology: &Topology, consumer: &str) -> Self {
-        Self {
-            js,
-            subject: topology.dlq_subject(consumer),
-            consumer: consumer.to_owned(),
-        }
-    }
-
-    /// Publishes the dead letter and waits for the stream to store it. Its `Nats-Msg-Id` is
-    /// derived from the consumer and the original's stream sequence, so publishing it again
-    /// after a crash stores it once.
-    pub async fn publish(
-        &self,
-        origin: &Origin,
-        original_headers: Option<&HeaderMap>,
-        body: Bytes,
-        reason: DeadLetterReason,
-        detail: &str,
-    ) -> Result<PublishReceipt, NatsError> {
-        let mut headers = HeaderMap::new();
-        let mut original_id = None;
-        if let Some(original) = original_headers {
-            for (name, values) in original.iter() {
-                let name_text: &str = name.as_ref();
-                if name_text.eq_ignore_ascii_case(async_nats::header::NATS_MESSAGE_ID.as_ref()) {
-                    original_id = values.first().map(|value| value.as_str().to_owned());
-                    continue;
-                }
-                for value in values {
-                    headers.append(name.clone(), value.clone());
-                }
-            }
-        }
-        let mut set = |name: &'static str, value: String| {
-            headers.insert(name, header_value(&value).as_str());
-        };
-        set(dlq_headers::REASON, reason.as_str().to_owned());
-        set(dlq_headers::DETAIL, detail.to_owned());
-        set(dlq_headers::STREAM, origin.stream.clone());
-        set(
-            dlq_headers::STREAM_SEQUENCE,
-            origin.stream_sequence.to_string(),
-        );
-        set(dlq_headers::DELIVERIES, origin.deliveries.to_string());
-        set(dlq_headers::SUBJECT, origin.subject.clone());
-        if let Some(original_id) = original_id {
-            set(dlq_headers::ORIGINAL_MSG_ID, original_id);
-        }
-        let id = format!(
-            "dlq:{}:{}:{}",
-            self.consumer, origin.stream, origin.stream_sequence
-        );
-        let publish = Publish::build()
-            .message_id(&id)
-            .headers(headers)
-            .payload(body);
-        let doing = format!("publishing dead letter {id}");
-        let ack = self
-            .js
-            .send_publish(self.subject.clone(), publish)
-            .await
-            .map_err(|error| nats_error(doing.clone())(boxed(error)))?
-            .await
-            .map_err(|error| nats_error(doing)(boxed(error)))?;
-        Ok(PublishReceipt {
-            sequence: ack.sequence,
-            duplicate: ack.duplicate,
-        })
-    }
-}
-
 /// Counts of a consumer's state, for tests and operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConsumerState {
@@ -494,7 +536,7 @@ pub async fn consumer_state(
     let info = consumer
         .info()
         .await
-        .map_err(|error| nats_error("reading consumer info")(boxed(error)))?;
+        .map_err(nats_error("reading consumer info"))?;
     Ok(ConsumerState {
         pending: info.num_pending,
         ack_pending: info.num_ack_pending,
@@ -563,18 +605,14 @@ pub async fn connect_with(
     name: &str,
     security: &NatsSecurity,
 ) -> Result<async_nats::Client, NatsError> {
+    let reading_url = || format!("reading the NATS URL {}", crate::redact::redact_url(url));
     let parsed: Vec<async_nats::ServerAddr> = url
         .split(',')
         .map(str::trim)
         .filter(|server| !server.is_empty())
         .map(str::parse)
         .collect::<Result<_, _>>()
-        .map_err(|error| {
-            nats_error(format!(
-                "reading the NATS URL {}",
-                crate::redact::redact_url(url)
-            ))(boxed(error))
-        })?;
+        .map_err(connect_setup_error(reading_url()))?;
     // Credentials in a URL move into the options: async-nats logs the server addresses it
     // dials at debug, password and all.
     let mut url_credentials = None;
@@ -593,12 +631,7 @@ pub async fn connect_with(
             async_nats::ServerAddr::from_url(bare)
         })
         .collect::<Result<_, _>>()
-        .map_err(|error| {
-            nats_error(format!(
-                "reading the NATS URL {}",
-                crate::redact::redact_url(url)
-            ))(boxed(error))
-        })?;
+        .map_err(connect_setup_error(reading_url()))?;
     let mut options = async_nats::ConnectOptions::new();
     match url_credentials {
         Some((user, Some(password))) => options = options.user_and_password(user, password),
@@ -607,12 +640,13 @@ pub async fn connect_with(
         None => {}
     }
     if let Some(path) = &security.credentials_file {
-        options = options.credentials_file(path).await.map_err(|error| {
-            nats_error(format!(
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(connect_setup_error(format!(
                 "reading the NATS credentials file {}",
                 path.display()
-            ))(boxed(error))
-        })?;
+            )))?;
     }
     if let Some(user) = &security.user {
         options =
@@ -643,12 +677,10 @@ pub async fn connect_with(
         })
         .connect(servers.as_slice())
         .await
-        .map_err(|error| {
-            nats_error(format!(
-                "connecting to NATS at {}",
-                crate::redact::redact_url(url)
-            ))(boxed(error))
-        })
+        .map_err(nats_error(format!(
+            "connecting to NATS at {}",
+            crate::redact::redact_url(url)
+        )))
 }
 
 /// The JetStream context of a client.
@@ -659,4 +691,42 @@ pub fn context(client: async_nats::Client) -> Context {
 /// Whether the client holds a connection to a server now (it reconnects on its own).
 pub fn is_connected(client: &Client) -> bool {
     client.connection_state() == async_nats::connection::State::Connected
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_that_cannot_be_made_is_a_connect_error() {
+        for url in ["nats://127.0.0.1:1", "nats://exa mple:4222"] {
+            let error = connect(url, "kind test")
+                .await
+                .expect_err("nothing to connect to");
+            assert_eq!(error.kind(), NatsErrorKind::Connect, "{error}");
+        }
+    }
+
+    /// Needs a NATS server with JetStream: `NATS_URL`, else the local one.
+    #[tokio::test]
+    async fn publishing_where_no_stream_listens_is_stream_not_found() {
+        let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+        let client = connect(&url, "kind test")
+            .await
+            .expect("a NATS server (set NATS_URL)");
+        let topology = Topology {
+            subject_prefix: format!("nowhere_{}", uuid::Uuid::new_v4().simple()),
+            ..Topology::default()
+        };
+        let publisher = OrderPublisher {
+            attempts: 1,
+            ..OrderPublisher::new(context(client), topology.clone())
+        };
+        let subject = topology.subject(EventKind::Placed);
+        let error = publisher
+            .publish_raw(&subject, "m-1", Bytes::from_static(b"{}"))
+            .await
+            .expect_err("no stream holds the subject");
+        assert_eq!(error.kind(), NatsErrorKind::StreamNotFound, "{error}");
+    }
 }

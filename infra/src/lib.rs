@@ -3,13 +3,18 @@
 //! everything public speaks in domain types.
 //!
 //! # Layout
-//! - [`db`]: connecting with consumer-friendly settings, applying migrations.
-//! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows.
+//! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
+//!   error's code means for a retry (`DbFailure`).
+//! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows;
+//!   `DataError`, a value that does not fit between a column and its domain type.
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
-//!   email consumer, and the study of designs that fail.
+//!   email consumer, the study of designs that fail, and `HandleError`, whose kind says whether
+//!   a failed delivery is retried or dead-lettered.
 //! - [`faults`]: crash and hold injection at the handlers' crash points.
 //! - [`retention`]: purging completed inbox rows in bounded batches.
-//! - [`jetstream`]: the streams and durable consumers, the producer, the dead-letter publisher.
+//! - [`jetstream`]: the streams and durable consumers, the producer, what kind of failure a NATS
+//!   call met (`NatsErrorKind`), and the dead-letter format: its headers and ids, the publisher,
+//!   and `DeadLetter`, one read back from the dead-letter stream.
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
 //!   lines in a local file, looked up by idempotency key).
@@ -34,4 +39,4 @@ pub use consumers::{
 };
 pub use faults::{Faults, Hold};
 pub use mailbox::{FileMailbox, MailboxError};
-pub use stock::{InboxEntry, RecordedReservation, StockRepository};
+pub use stock::{DataError, InboxEntry, RecordedReservation, StockRepository};

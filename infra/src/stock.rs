@@ -51,20 +51,50 @@ pub(crate) fn stock_item_from(model: stock_items::Model) -> StockItem {
     }
 }
 
-/// A value read back from a column that only this crate writes; a bad one means a corrupt row.
-pub(crate) fn stored<T>(value: Option<T>, what: &str) -> Result<T, DbErr> {
-    value.ok_or_else(|| DbErr::Type(format!("unexpected stored {what}")))
+/// A value that does not fit between a column and its domain type: a row this crate wrote that
+/// no longer reads back as valid, a row a key conflict reported that a read then did not find,
+/// a value too large for its column. The same read or write fails the same way every time.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DataError {
+    #[error("stored {column} {value} is not valid")]
+    Unreadable { column: &'static str, value: String },
+    /// Used only for rows nothing in this crate deletes: only a person can have removed it.
+    #[error("no {table} row, although inserting it conflicted on its key")]
+    Vanished { table: &'static str },
+    #[error("{column} {value} does not fit its column")]
+    TooLarge { column: &'static str, value: String },
 }
 
-pub(crate) fn quantity_from(stored_quantity: i32) -> Result<Quantity, DbErr> {
-    stored(Quantity::new(stored_quantity.into()).ok(), "quantity")
+impl From<DataError> for DbErr {
+    /// For the repository, which reports it as sea-orm reports a column that does not decode.
+    fn from(error: DataError) -> Self {
+        DbErr::Type(error.to_string())
+    }
 }
 
-pub(crate) fn status_from(stored_status: &str) -> Result<ReservationStatus, DbErr> {
-    stored(
-        ReservationStatus::parse(stored_status),
-        "reservation status",
-    )
+pub(crate) fn quantity_from(stored: i32) -> Result<Quantity, DataError> {
+    Quantity::new(stored.into()).map_err(|_| DataError::Unreadable {
+        column: "reservation quantity",
+        value: stored.to_string(),
+    })
+}
+
+pub(crate) fn status_from(stored: &str) -> Result<ReservationStatus, DataError> {
+    ReservationStatus::parse(stored).ok_or_else(|| DataError::Unreadable {
+        column: "reservation status",
+        value: format!("{stored:?}"),
+    })
+}
+
+/// `value` for an `int4` column.
+pub(crate) fn int_column<T>(column: &'static str, value: T) -> Result<i32, DataError>
+where
+    T: TryInto<i32> + Copy + std::fmt::Display,
+{
+    value.try_into().map_err(|_| DataError::TooLarge {
+        column,
+        value: value.to_string(),
+    })
 }
 
 #[derive(Clone)]
@@ -79,7 +109,7 @@ impl StockRepository {
 
     /// Sets a book's title and copies on hand; what is reserved stays as it is.
     pub async fn put(&self, item: &StockItem) -> Result<(), DbErr> {
-        let on_hand = stored(i32::try_from(item.on_hand).ok(), "on_hand")?;
+        let on_hand = int_column("on_hand", item.on_hand)?;
         let row = stock_items::ActiveModel {
             book_id: Set(item.book_id.as_uuid()),
             title: Set(item.title.clone()),

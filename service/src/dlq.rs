@@ -1,86 +1,25 @@
 //! `inventory dlq list` and `inventory dlq replay`: what is in the dead-letter stream, and
-//! putting a dead letter back on its original subject once its cause is fixed.
+//! putting a dead letter back on its original subject once its cause is fixed. The format
+//! (headers, ids, reading a stored dead letter) is infra's [`DeadLetter`]; this is the commands.
 //!
 //! A replay republishes the original body to the subject in `Dlq-Subject`, so the consumer's
 //! dedup applies as to any copy: the dedup key is the message id in the body (or the
 //! CloudEvents source and id), which the replay leaves untouched. A copy already handled is
 //! acked as a duplicate; one refused before (an unknown book since added) is processed.
 //!
-//! The replay's `Nats-Msg-Id` is `<original id>:replay:<dead letter sequence>`, not the
-//! original id: the orders stream would drop the original id as a duplicate while it is inside
-//! its duplicate window, and a message dead-lettered seconds ago is. The id is still stable per
-//! dead letter, so a replay retried after a crash (published, not yet deleted from the DLQ) is
-//! stored once. Only after the orders stream stored it is the dead letter deleted.
-
-use std::collections::BTreeMap;
+//! The replay's `Nats-Msg-Id` ([`DeadLetter::replay_message_id`]) is stable per dead letter, so
+//! a replay retried after a crash (published, not yet deleted from the DLQ) is stored once.
+//! Only after the orders stream stored it is the dead letter deleted.
 
 use anyhow::{Context as _, bail};
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
-use async_nats::jetstream::message::{PublishMessage, StreamMessage};
+use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
-use bytes::Bytes;
-use inventory_infra::jetstream::{Topology, dlq_headers, header_map};
+use inventory_infra::jetstream::{Topology, dlq_headers};
 use serde::Serialize;
 
-/// A dead letter as `dlq list` shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct DeadLetter {
-    /// Its sequence in the dead-letter stream: what `dlq replay --seq` takes.
-    pub seq: u64,
-    pub reason: String,
-    pub detail: String,
-    /// The consumer that gave up on it (the last token of its DLQ subject).
-    pub consumer: String,
-    pub original_subject: Option<String>,
-    pub original_stream: Option<String>,
-    pub original_sequence: Option<u64>,
-    pub original_message_id: Option<String>,
-    pub deliveries: Option<i64>,
-    /// When the DLQ stored it, Unix seconds; and how long ago that was.
-    pub stored_at: i64,
-    pub age_seconds: i64,
-    #[serde(skip)]
-    pub headers: BTreeMap<String, String>,
-    #[serde(skip)]
-    pub body: Bytes,
-}
-
-impl DeadLetter {
-    fn from_stored(message: StreamMessage, now: i64) -> Self {
-        let headers = header_map(Some(&message.headers));
-        let get = |name: &str| headers.get(name).cloned();
-        let stored_at = message.time.unix_timestamp();
-        Self {
-            seq: message.sequence,
-            reason: get(dlq_headers::REASON).unwrap_or_default(),
-            detail: get(dlq_headers::DETAIL).unwrap_or_default(),
-            consumer: message
-                .subject
-                .rsplit('.')
-                .next()
-                .unwrap_or_default()
-                .to_owned(),
-            original_subject: get(dlq_headers::SUBJECT),
-            original_stream: get(dlq_headers::STREAM),
-            original_sequence: get(dlq_headers::STREAM_SEQUENCE).and_then(|s| s.parse().ok()),
-            original_message_id: get(dlq_headers::ORIGINAL_MSG_ID),
-            deliveries: get(dlq_headers::DELIVERIES).and_then(|s| s.parse().ok()),
-            stored_at,
-            age_seconds: (now - stored_at).max(0),
-            headers,
-            body: message.payload,
-        }
-    }
-
-    /// The `Nats-Msg-Id` of its replay: stable per dead letter, unlike the original id.
-    pub fn replay_message_id(&self) -> String {
-        match &self.original_message_id {
-            Some(id) => format!("{id}:replay:{}", self.seq),
-            None => format!("replay:{}", self.seq),
-        }
-    }
-}
+pub use inventory_infra::jetstream::DeadLetter;
 
 async fn dlq_stream(js: &Context, topology: &Topology) -> anyhow::Result<Stream> {
     js.get_stream(&topology.dlq_stream)
@@ -130,19 +69,6 @@ pub struct Replayed {
     pub duplicate: bool,
 }
 
-/// Headers the replay carries: the original's, without the dead letter's own.
-fn replay_headers(letter: &DeadLetter) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    for (name, value) in &letter.headers {
-        let dead_letter_header = name.to_ascii_lowercase().starts_with("dlq-")
-            || name.eq_ignore_ascii_case(async_nats::header::NATS_MESSAGE_ID.as_ref());
-        if !dead_letter_header {
-            headers.insert(name.as_str(), value.as_str());
-        }
-    }
-    headers
-}
-
 /// Republishes `letter` to its original subject, then deletes it from the DLQ.
 pub async fn replay(
     js: &Context,
@@ -157,9 +83,13 @@ pub async fn replay(
         );
     };
     let message_id = letter.replay_message_id();
+    let mut headers = HeaderMap::new();
+    for (name, value) in letter.original_headers() {
+        headers.insert(name, value);
+    }
     let publish = PublishMessage::build()
         .message_id(&message_id)
-        .headers(replay_headers(letter))
+        .headers(headers)
         .payload(letter.body.clone());
     let ack = js
         .send_publish(subject.clone(), publish)

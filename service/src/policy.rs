@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inventory_domain::{DeadLetterReason, Effect, Outcome};
+use inventory_domain::{DeadLetterReason, Effect, ErrorKind, Outcome};
 
 /// The consumer's redelivery settings, as the server has them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,20 +28,6 @@ impl RetryPolicy {
     fn is_last_delivery(&self, delivered: i64) -> bool {
         self.max_deliver > 0 && delivered >= self.max_deliver
     }
-}
-
-/// Why handling failed, as far as the policy cares.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Failure {
-    /// It may work later (the database is down, a deadlock, a provider outage).
-    Transient { detail: String },
-    /// It will never work: the message goes to the dead letters now.
-    Permanent {
-        reason: DeadLetterReason,
-        detail: String,
-    },
-    /// The handler died (an injected crash): nothing is sent, as from a killed process.
-    Crashed,
 }
 
 /// How an acked delivery ended.
@@ -83,8 +69,13 @@ pub enum Action {
     LeaveUnacked,
 }
 
-/// The decision for one handled delivery, `delivered` being JetStream's delivery count.
-pub fn decide(handled: Result<&Outcome, &Failure>, delivered: i64, retry: &RetryPolicy) -> Action {
+/// The decision for one handled delivery: its outcome, or the kind of its error with the
+/// error's own words; `delivered` is JetStream's delivery count.
+pub fn decide(
+    handled: Result<&Outcome, (&ErrorKind, &str)>,
+    delivered: i64,
+    retry: &RetryPolicy,
+) -> Action {
     match handled {
         Ok(Outcome::Processed(Effect::Rejected { .. })) => Action::Ack(Acked::Rejected),
         Ok(Outcome::Processed(Effect::EmailReconciled)) => Action::Ack(Acked::Reconciled),
@@ -94,18 +85,18 @@ pub fn decide(handled: Result<&Outcome, &Failure>, delivered: i64, retry: &Retry
             reason: refusal.reason,
             detail: refusal.detail.clone(),
         },
-        Err(Failure::Permanent { reason, detail }) => Action::DeadLetter {
-            reason: *reason,
-            detail: detail.clone(),
+        Err((ErrorKind::Permanent(refusal), _)) => Action::DeadLetter {
+            reason: refusal.reason,
+            detail: refusal.detail.clone(),
         },
-        Err(Failure::Crashed) => Action::LeaveUnacked,
-        Err(Failure::Transient { detail }) if retry.is_last_delivery(delivered) => {
+        Err((ErrorKind::Crashed(_), _)) => Action::LeaveUnacked,
+        Err((ErrorKind::Transient, error)) if retry.is_last_delivery(delivered) => {
             Action::DeadLetter {
                 reason: DeadLetterReason::MaxDeliveries,
-                detail: format!("last of {delivered} deliveries failed: {detail}"),
+                detail: format!("last of {delivered} deliveries failed: {error}"),
             }
         }
-        Err(Failure::Transient { .. }) => Action::Nak(retry.delay_after(delivered)),
+        Err((ErrorKind::Transient, _)) => Action::Nak(retry.delay_after(delivered)),
     }
 }
 
@@ -116,7 +107,7 @@ pub fn dead_letter_not_stored(delivered: i64, retry: &RetryPolicy) -> Action {
 
 #[cfg(test)]
 mod tests {
-    use inventory_domain::Quantity;
+    use inventory_domain::{CrashPoint, Quantity, Refusal};
 
     use super::*;
 
@@ -130,11 +121,7 @@ mod tests {
         }
     }
 
-    fn transient() -> Failure {
-        Failure::Transient {
-            detail: "connection refused".into(),
-        }
-    }
+    const REFUSED: &str = "connection refused";
 
     fn quantity(copies: i64) -> Quantity {
         Quantity::new(copies).expect("a valid quantity")
@@ -193,14 +180,14 @@ mod tests {
                 detail: "no such book".into()
             }
         );
-        let permanent = Failure::Permanent {
-            reason: DeadLetterReason::Invalid,
+        let permanent = ErrorKind::Permanent(Refusal {
+            reason: DeadLetterReason::NeedsReconciliation,
             detail: "stored quantity 0 is out of range".into(),
-        };
+        });
         assert_eq!(
-            decide(Err(&permanent), 1, &retry(10)),
+            decide(Err((&permanent, "unusable data")), 1, &retry(10)),
             Action::DeadLetter {
-                reason: DeadLetterReason::Invalid,
+                reason: DeadLetterReason::NeedsReconciliation,
                 detail: "stored quantity 0 is out of range".into()
             }
         );
@@ -220,7 +207,11 @@ mod tests {
         ];
         for (max_deliver, delivered, action) in table {
             assert_eq!(
-                decide(Err(&transient()), delivered, &retry(max_deliver)),
+                decide(
+                    Err((&ErrorKind::Transient, REFUSED)),
+                    delivered,
+                    &retry(max_deliver)
+                ),
                 action,
                 "max_deliver {max_deliver}, delivery {delivered}"
             );
@@ -231,7 +222,11 @@ mod tests {
     fn the_last_allowed_delivery_failing_becomes_a_max_deliveries_dead_letter() {
         for (max_deliver, delivered) in [(10, 10), (3, 3), (3, 4), (1, 1)] {
             assert_eq!(
-                decide(Err(&transient()), delivered, &retry(max_deliver)),
+                decide(
+                    Err((&ErrorKind::Transient, REFUSED)),
+                    delivered,
+                    &retry(max_deliver)
+                ),
                 Action::DeadLetter {
                     reason: DeadLetterReason::MaxDeliveries,
                     detail: format!("last of {delivered} deliveries failed: connection refused"),
@@ -245,7 +240,11 @@ mod tests {
     fn a_crashed_handler_sends_nothing_whatever_the_delivery() {
         for delivered in [1, 10, 11] {
             assert_eq!(
-                decide(Err(&Failure::Crashed), delivered, &retry(10)),
+                decide(
+                    Err((&ErrorKind::Crashed(CrashPoint::AfterCommit), "crashed")),
+                    delivered,
+                    &retry(10)
+                ),
                 Action::LeaveUnacked
             );
         }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
-use inventory_domain::{ConsumerName, DeadLetterReason, EventKind, Message, Outcome};
+use inventory_domain::{ConsumerName, DeadLetterReason, ErrorKind, EventKind, Message, Outcome};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer, PullError};
 use inventory_infra::jetstream::{
@@ -27,7 +27,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, field};
 
 use crate::metrics::ConsumerMetrics;
-use crate::policy::{self, Acked, Action, Failure, RetryPolicy};
+use crate::policy::{self, Acked, Action, RetryPolicy};
 
 /// Everything that says how one consumer runs.
 #[derive(Debug, Clone)]
@@ -597,29 +597,32 @@ impl<H: MessageHandler> Worker<H> {
         let retry = &self.lanes.retry;
         let action = match &result {
             Ok(outcome) => policy::decide(Ok(outcome), origin.deliveries, retry),
-            Err(error) => policy::decide(Err(&self.failure(error)), origin.deliveries, retry),
+            Err(error) => {
+                let kind = self.kind_of(error);
+                let text = error.to_string();
+                policy::decide(Err((&kind, &text)), origin.deliveries, retry)
+            }
         };
         self.perform(message, origin, action).await
     }
 
-    /// How the policy sees a handler's error; a database error also pauses fetching until the
-    /// database answers.
-    fn failure(&self, error: &HandleError) -> Failure {
-        match error {
-            HandleError::Crashed(point) => {
+    /// What a handler's error means for its delivery, logged; a database error also pauses
+    /// fetching until the database answers.
+    fn kind_of(&self, error: &HandleError) -> ErrorKind {
+        let kind = error.kind();
+        match &kind {
+            ErrorKind::Crashed(point) => {
                 tracing::warn!(point = point.as_str(), "handler crashed (injected)");
-                Failure::Crashed
             }
-            error => {
+            ErrorKind::Permanent(_) => tracing::warn!(%error, "permanent failure"),
+            ErrorKind::Transient => {
                 if error.is_database() {
                     self.database_suspect.store(true, Ordering::Relaxed);
                 }
-                tracing::warn!(%error, "handling failed");
-                Failure::Transient {
-                    detail: error.to_string(),
-                }
+                tracing::warn!(%error, "transient failure");
             }
         }
+        kind
     }
 
     /// Sends what `action` says: the only place a delivery is acked, nak'ed or terminated.

@@ -11,9 +11,11 @@
 //!   reference) or as one statement on PostgreSQL ([`natural_pg`]).
 //!
 //! The first four run in [`StockConsumer`]; the two-phase email consumer is in [`email`];
-//! deliberately wrong designs the demo contrasts with these are in [`study`].
+//! deliberately wrong designs the demo contrasts with these are in [`study`]. Why a handler
+//! failed, and whether that is worth a retry, is in [`HandleError`].
 
 pub mod email;
+mod error;
 pub mod handler;
 mod inbox;
 mod natural;
@@ -25,7 +27,6 @@ use std::future::Future;
 
 use inventory_domain::{
     ConsumerName, CrashPoint, DeadLetterReason, EmailProvider, Message, Outcome, PayloadHash,
-    ProviderError,
 };
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbErr, SqliteTransactionMode, TransactionOptions,
@@ -35,27 +36,7 @@ use sea_orm::{
 use crate::faults::Faults;
 pub use handler::{BuildError, Handler, HandlerKind, Mailbox, NaturalKeyPath};
 
-/// Why handling failed without an outcome. None of these acks the message: it is redelivered.
-#[derive(Debug, thiserror::Error)]
-pub enum HandleError {
-    /// The database failed or was unreachable: retry later (nak with a delay).
-    #[error("database error: {0}")]
-    Database(#[from] DbErr),
-    /// The provider did not take the email: retry later.
-    #[error(transparent)]
-    Provider(#[from] ProviderError),
-    /// An injected crash: the handler "died" at this point, as a killed process would.
-    #[error("crashed at {}", .0.as_str())]
-    Crashed(CrashPoint),
-}
-
-impl HandleError {
-    /// A failure of the database, which may be down as a whole: the consumer checks whether
-    /// it is reachable before fetching more.
-    pub fn is_database(&self) -> bool {
-        matches!(self, Self::Database(_))
-    }
-}
+pub use error::HandleError;
 
 /// What the consumer loop needs of a handler: one message in, one outcome out.
 pub trait MessageHandler: Clone + Send + Sync + 'static {

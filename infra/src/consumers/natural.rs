@@ -19,7 +19,7 @@ use sea_orm::{
 use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
 use super::{HandleError, StockConsumer, begin_write, finish};
 use crate::entities::{order_states, stock_reservations};
-use crate::stock::quantity_from;
+use crate::stock::{DataError, quantity_from};
 
 impl StockConsumer {
     pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {
@@ -57,7 +57,9 @@ impl StockConsumer {
             ))
             .one(txn)
             .await?
-            .ok_or_else(|| DbErr::RecordNotFound("reservation vanished after a conflict".into()))?;
+            .ok_or(DataError::Vanished {
+                table: "stock_reservations",
+            })?;
             return Ok(second_request(
                 quantity_from(existing.quantity)?,
                 placed.quantity,

@@ -12,19 +12,20 @@
 use std::sync::Arc;
 
 use inventory_domain::{
-    CrashPoint, Effect, Event, Message, OrderPlaced, Outcome, Quantity, ReservationStatus,
+    CrashPoint, Effect, ErrorKind, Event, Message, OrderPlaced, Outcome, Quantity,
+    ReservationStatus,
 };
-use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection};
+use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
 use sea_orm::sqlx::{self, ConnectOptions, Row};
 use sea_orm::{DbErr, RuntimeErr};
 use tokio::sync::Mutex;
 
 use inventory_domain::stock::second_request_for_reservation as second_request;
 
-use super::work::unknown_book;
+use super::work::{quantity_column, unknown_book};
 use super::{HandleError, HandlerKind, MessageHandler, StockConsumer};
 use crate::faults::Faults;
-use crate::stock::stored;
+use crate::stock::{DataError, int_column, quantity_from, status_from};
 
 /// Looks for the reservation first: a copy of a placement already decided reads and writes
 /// nothing (no lock, no transaction id, no WAL). Otherwise locks the stock row (all copies of
@@ -221,11 +222,13 @@ impl PgNaturalKey {
         result
     }
 
-    /// Placements through the batch statement, one result per placement in order.
+    /// Placements through the batch statement. `Err`: the statement failed and nothing of the
+    /// batch committed. `Ok`: it committed, with one result per placement in order; a
+    /// placement whose row cannot be read fails alone.
     async fn reserve_batch(
         &self,
         placements: &[(String, &OrderPlaced)],
-    ) -> Result<Vec<Outcome>, HandleError> {
+    ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
         self.with_connection(async |connection| {
             let mut orders = Vec::with_capacity(placements.len());
             let mut books = Vec::with_capacity(placements.len());
@@ -235,12 +238,9 @@ impl PgNaturalKey {
             for (index, (key, placed)) in placements.iter().enumerate() {
                 orders.push(placed.order_id.as_uuid());
                 books.push(placed.book_id.as_uuid());
-                quantities.push(stored(
-                    i32::try_from(placed.quantity.get()).ok(),
-                    "quantity",
-                )?);
+                quantities.push(quantity_column(placed.quantity.get())?);
                 keys.push(key.clone());
-                indexes.push(stored(i32::try_from(index).ok(), "batch index")?);
+                indexes.push(int_column("batch index", index)?);
             }
             let rows = sqlx::query(RESERVE_BATCH_SQL)
                 .bind(&orders)
@@ -251,43 +251,76 @@ impl PgNaturalKey {
                 .fetch_all(&mut *connection)
                 .await
                 .map_err(database_error)?;
-            let mut outcomes: Vec<Outcome> = Vec::with_capacity(placements.len());
+            let mut results: Vec<Result<Outcome, HandleError>> =
+                Vec::with_capacity(placements.len());
             for ((key, placed), row) in placements.iter().zip(&rows) {
-                let book_found: bool = row.try_get("book_found").map_err(database_error)?;
-                let inserted: Option<String> =
-                    row.try_get("inserted_status").map_err(database_error)?;
-                let existing: Option<i32> =
-                    row.try_get("existing_quantity").map_err(database_error)?;
                 let earlier_in_batch = placements
                     .iter()
-                    .zip(&outcomes)
-                    .find(|((_, other), outcome)| {
+                    .zip(&results)
+                    .find(|((_, other), result)| {
                         other.order_id == placed.order_id
                             && other.book_id == placed.book_id
-                            && outcome.processed()
+                            && result.as_ref().is_ok_and(Outcome::processed)
                     })
                     .map(|((_, other), _)| other.quantity);
-                let outcome = if !book_found {
-                    unknown_book(placed.book_id)
-                } else if let Some(status) = inserted {
-                    placement_effect(&status, placed, None)?
-                } else if let Some(existing) = existing {
-                    second_request(
-                        stored(Quantity::new(existing.into()).ok(), "quantity")?,
-                        placed.quantity,
-                    )
-                } else if let Some(earlier) = earlier_in_batch {
-                    second_request(earlier, placed.quantity)
-                } else {
-                    // Stock too short for the whole batch, or a copy another lane committed
-                    // meanwhile: decided on its own, exactly as without batching.
-                    decide(connection, key, placed).await?
-                };
-                outcomes.push(outcome);
+                results.push(batch_outcome(connection, row, key, placed, earlier_in_batch).await);
             }
-            Ok(outcomes)
+            Ok(results)
         })
         .await
+    }
+
+    /// Placements through the single statement, one after another.
+    async fn reserve_one_by_one(
+        &self,
+        placements: &[(String, &OrderPlaced)],
+    ) -> Vec<Result<Outcome, HandleError>> {
+        let mut results = Vec::with_capacity(placements.len());
+        for (key, placed) in placements {
+            results.push(
+                self.with_connection(async |connection| decide(connection, key, placed).await)
+                    .await,
+            );
+        }
+        results
+    }
+
+    /// The crash point after the placements committed: a crash there loses every result.
+    async fn after_commit(
+        &self,
+        results: Vec<Result<Outcome, HandleError>>,
+    ) -> Vec<Result<Outcome, HandleError>> {
+        match self.faults.pass(CrashPoint::AfterCommit).await {
+            Ok(()) => results,
+            Err(crash) => results.iter().map(|_| Err(crash.clone())).collect(),
+        }
+    }
+}
+
+/// What the batch statement's row says of one placement; `earlier_in_batch` is the quantity of
+/// a copy of it earlier in the same batch that the statement decided.
+async fn batch_outcome(
+    connection: &mut PgConnection,
+    row: &PgRow,
+    key: &str,
+    placed: &OrderPlaced,
+    earlier_in_batch: Option<Quantity>,
+) -> Result<Outcome, HandleError> {
+    let book_found: bool = row.try_get("book_found").map_err(database_error)?;
+    let inserted: Option<String> = row.try_get("inserted_status").map_err(database_error)?;
+    let existing: Option<i32> = row.try_get("existing_quantity").map_err(database_error)?;
+    if !book_found {
+        Ok(unknown_book(placed.book_id))
+    } else if let Some(status) = inserted {
+        placement_effect(&status, placed, None)
+    } else if let Some(existing) = existing {
+        Ok(second_request(quantity_from(existing)?, placed.quantity))
+    } else if let Some(earlier) = earlier_in_batch {
+        Ok(second_request(earlier, placed.quantity))
+    } else {
+        // Stock too short for the whole batch, or a copy another lane committed meanwhile:
+        // decided on its own, exactly as without batching.
+        decide(connection, key, placed).await
     }
 }
 
@@ -296,7 +329,7 @@ fn placement_effect(
     placed: &OrderPlaced,
     available: Option<i32>,
 ) -> Result<Outcome, HandleError> {
-    let status = stored(ReservationStatus::parse(status), "reservation status")?;
+    let status = status_from(status)?;
     Ok(Outcome::Processed(match status {
         ReservationStatus::Reserved => Effect::Reserved {
             quantity: placed.quantity,
@@ -316,7 +349,7 @@ async fn decide(
 ) -> Result<Outcome, HandleError> {
     let order = placed.order_id.as_uuid();
     let book = placed.book_id.as_uuid();
-    let quantity = stored(i32::try_from(placed.quantity.get()).ok(), "quantity")?;
+    let quantity = quantity_column(placed.quantity.get())?;
     let row = sqlx::query(RESERVE_SQL)
         .bind(order)
         .bind(book)
@@ -346,9 +379,10 @@ async fn decide(
             .transpose()
             .map_err(database_error)?;
     }
-    let existing = stored(existing, "reservation after a conflict")?;
-    let existing = stored(Quantity::new(existing.into()).ok(), "quantity")?;
-    Ok(second_request(existing, placed.quantity))
+    let existing = existing.ok_or(DataError::Vanished {
+        table: "stock_reservations",
+    })?;
+    Ok(second_request(quantity_from(existing)?, placed.quantity))
 }
 
 impl MessageHandler for PgNaturalKey {
@@ -376,32 +410,22 @@ impl MessageHandler for PgNaturalKey {
                 Event::Cancelled(_) => None,
             })
             .collect();
-        let mut placed_outcomes = match self.reserve_batch(&placements).await {
-            Ok(outcomes) => match self.faults.pass(CrashPoint::AfterCommit).await {
-                Ok(()) => outcomes.into_iter().map(Ok).collect::<Vec<_>>(),
-                Err(crash) => {
-                    // The whole batch died after its commit: nothing of it is acked.
-                    let point = crash_point(&crash);
-                    outcomes
-                        .iter()
-                        .map(|_| Err(HandleError::Crashed(point)))
-                        .collect()
-                }
-            },
-            Err(error) => {
-                // Nothing of the batch committed: every placement in it is retried.
-                let text = error.to_string();
-                placements
-                    .iter()
-                    .map(|_| Err(HandleError::Database(DbErr::Custom(text.clone()))))
-                    .collect()
+        let placed_results = match self.reserve_batch(&placements).await {
+            Ok(results) => self.after_commit(results).await,
+            // Nothing committed, and the statement is refused for good: possibly for one
+            // placement's sake, so each is decided alone and only its own refusal dead-letters it.
+            Err(error) if matches!(error.kind(), ErrorKind::Permanent(_)) => {
+                let results = self.reserve_one_by_one(&placements).await;
+                self.after_commit(results).await
             }
-        }
-        .into_iter();
+            // Nothing committed: every placement is retried.
+            Err(error) => placements.iter().map(|_| Err(error.clone())).collect(),
+        };
+        let mut placed_results = placed_results.into_iter();
         let mut results = Vec::with_capacity(messages.len());
         for message in messages {
             results.push(match &message.event {
-                Event::Placed(_) => placed_outcomes.next().unwrap_or_else(|| {
+                Event::Placed(_) => placed_results.next().unwrap_or_else(|| {
                     Err(HandleError::Database(DbErr::Custom(
                         "batch statement returned too few rows".into(),
                     )))
@@ -410,12 +434,5 @@ impl MessageHandler for PgNaturalKey {
             });
         }
         results
-    }
-}
-
-fn crash_point(error: &HandleError) -> CrashPoint {
-    match error {
-        HandleError::Crashed(point) => *point,
-        _ => CrashPoint::AfterCommit,
     }
 }

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use super::HandleError;
 use crate::entities::{reservation_log, stock_items};
-use crate::stock::{quantity_from, stock_item_from, stored};
+use crate::stock::{DataError, int_column, quantity_from, stock_item_from};
 
 /// Applies `event` through `conn`: inside the caller's transaction, or (in the study of a
 /// mistake) through another connection.
@@ -82,8 +82,8 @@ pub(crate) fn unknown_book(book_id: BookId) -> Outcome {
     )
 }
 
-pub(crate) fn quantity_column(quantity: u32) -> Result<i32, DbErr> {
-    stored(i32::try_from(quantity).ok(), "quantity")
+pub(crate) fn quantity_column(quantity: u32) -> Result<i32, DataError> {
+    int_column("quantity", quantity)
 }
 
 /// The stock row, locked for this transaction on PostgreSQL (SQLite has one writer anyway).
@@ -102,8 +102,8 @@ pub(crate) async fn set_reserved(
     conn: &impl ConnectionTrait,
     book_id: BookId,
     reserved: i64,
-) -> Result<(), DbErr> {
-    let reserved = stored(i32::try_from(reserved).ok(), "reserved")?;
+) -> Result<(), HandleError> {
+    let reserved = int_column("reserved", reserved)?;
     stock_items::Entity::update_many()
         .col_expr(stock_items::Column::Reserved, Expr::value(reserved))
         .filter(stock_items::Column::BookId.eq(book_id.as_uuid()))
@@ -116,7 +116,7 @@ pub(crate) async fn release_stock(
     conn: &impl ConnectionTrait,
     book_id: BookId,
     quantity: u32,
-) -> Result<(), DbErr> {
+) -> Result<(), HandleError> {
     stock_items::Entity::update_many()
         .col_expr(
             stock_items::Column::Reserved,
