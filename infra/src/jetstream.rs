@@ -22,7 +22,7 @@ use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
 use inventory_domain::{EventKind, Message};
 
-pub use dead_letter::{DeadLetter, DeadLetters, Origin, dlq_headers};
+pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, dlq_headers};
 
 /// A NATS or JetStream call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -149,6 +149,18 @@ impl Classified for consumer::StreamError {
             consumer::StreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
             _ => NatsErrorKind::Other,
         }
+    }
+}
+
+/// For an error that says nothing of its kind.
+fn unclassified<E>(doing: String) -> impl FnOnce(E) -> NatsError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    move |error| NatsError {
+        doing,
+        kind: NatsErrorKind::Other,
+        source: Box::new(error),
     }
 }
 

@@ -11,21 +11,11 @@
 //! a replay retried after a crash (published, not yet deleted from the DLQ) is stored once.
 //! Only after the orders stream stored it is the dead letter deleted.
 
-use anyhow::{Context as _, bail};
-use async_nats::HeaderMap;
-use async_nats::jetstream::Context;
-use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
-use inventory_infra::jetstream::{Topology, dlq_headers};
+use anyhow::bail;
+use inventory_infra::jetstream::{Context, DeadLetterStream, Topology, dlq_headers};
 use serde::Serialize;
 
 pub use inventory_infra::jetstream::DeadLetter;
-
-async fn dlq_stream(js: &Context, topology: &Topology) -> anyhow::Result<Stream> {
-    js.get_stream(&topology.dlq_stream)
-        .await
-        .with_context(|| format!("opening the dead-letter stream {}", topology.dlq_stream))
-}
 
 /// The dead letters in the DLQ stream, oldest first; only those with `reason` if given.
 pub async fn list(
@@ -33,28 +23,14 @@ pub async fn list(
     topology: &Topology,
     reason: Option<&str>,
 ) -> anyhow::Result<Vec<DeadLetter>> {
-    let mut stream = dlq_stream(js, topology).await?;
-    let state = stream.info().await?.state.clone();
     let now = chrono::Utc::now().timestamp();
-    let mut letters = Vec::new();
-    if state.messages == 0 {
-        return Ok(letters);
-    }
-    for seq in state.first_sequence..=state.last_sequence {
-        let message = match stream.get_raw_message(seq).await {
-            Ok(message) => message,
-            // Replayed (deleted) ones leave gaps in the sequence.
-            Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => continue,
-            Err(error) => {
-                return Err(error).with_context(|| format!("reading dead letter {seq}"));
-            }
-        };
-        let letter = DeadLetter::from_stored(message, now);
-        if reason.is_none_or(|reason| letter.reason == reason) {
-            letters.push(letter);
-        }
-    }
-    Ok(letters)
+    let letters = DeadLetterStream::new(js.clone(), topology.clone())
+        .read_all(now)
+        .await?;
+    Ok(letters
+        .into_iter()
+        .filter(|letter| reason.is_none_or(|reason| letter.reason == reason))
+        .collect())
 }
 
 /// One dead letter put back.
@@ -82,32 +58,15 @@ pub async fn replay(
             dlq_headers::SUBJECT
         );
     };
-    let message_id = letter.replay_message_id();
-    let mut headers = HeaderMap::new();
-    for (name, value) in letter.original_headers() {
-        headers.insert(name, value);
-    }
-    let publish = PublishMessage::build()
-        .message_id(&message_id)
-        .headers(headers)
-        .payload(letter.body.clone());
-    let ack = js
-        .send_publish(subject.clone(), publish)
-        .await
-        .with_context(|| format!("replaying dead letter {} to {subject}", letter.seq))?
-        .await
-        .with_context(|| format!("replaying dead letter {} to {subject}", letter.seq))?;
-    let stream = dlq_stream(js, topology).await?;
-    stream
-        .delete_message(letter.seq)
-        .await
-        .with_context(|| format!("deleting replayed dead letter {}", letter.seq))?;
+    let receipt = DeadLetterStream::new(js.clone(), topology.clone())
+        .replay(letter, &subject)
+        .await?;
     Ok(Replayed {
         seq: letter.seq,
         subject,
-        message_id,
-        stream_sequence: ack.sequence,
-        duplicate: ack.duplicate,
+        message_id: letter.replay_message_id(),
+        stream_sequence: receipt.sequence,
+        duplicate: receipt.duplicate,
     })
 }
 

@@ -10,11 +10,12 @@ use std::collections::BTreeMap;
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::message::{PublishMessage as Publish, StreamMessage};
+use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
 use bytes::Bytes;
 use inventory_domain::DeadLetterReason;
 use serde::Serialize;
 
-use super::{NatsError, PublishReceipt, Topology, header_map, nats_error};
+use super::{NatsError, PublishReceipt, Topology, header_map, nats_error, unclassified};
 
 /// Dead-letter headers of the contract.
 pub mod dlq_headers {
@@ -223,6 +224,89 @@ impl DeadLetter {
                 !(name.to_ascii_lowercase().starts_with("dlq-") || is_original_id(name))
             })
             .map(|(name, value)| (name.as_str(), value.as_str()))
+    }
+}
+
+/// The dead-letter stream as operators work on it: what it holds, and putting one back.
+pub struct DeadLetterStream {
+    js: Context,
+    topology: Topology,
+}
+
+impl DeadLetterStream {
+    pub fn new(js: Context, topology: Topology) -> Self {
+        Self { js, topology }
+    }
+
+    async fn stream(&self) -> Result<Stream, NatsError> {
+        let name = &self.topology.dlq_stream;
+        self.js
+            .get_stream(name)
+            .await
+            .map_err(nats_error(format!("opening the dead-letter stream {name}")))
+    }
+
+    /// Every dead letter it holds, oldest first; `now` (Unix seconds) gives their ages.
+    pub async fn read_all(&self, now: i64) -> Result<Vec<DeadLetter>, NatsError> {
+        let mut stream = self.stream().await?;
+        let state = stream
+            .info()
+            .await
+            .map_err(nats_error("reading the dead-letter stream"))?
+            .state
+            .clone();
+        let mut letters = Vec::new();
+        if state.messages == 0 {
+            return Ok(letters);
+        }
+        for seq in state.first_sequence..=state.last_sequence {
+            match stream.get_raw_message(seq).await {
+                Ok(message) => letters.push(DeadLetter::from_stored(message, now)),
+                // Replayed (deleted) ones leave gaps in the sequence.
+                Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => {}
+                Err(error) => {
+                    return Err(unclassified(format!("reading dead letter {seq}"))(error));
+                }
+            }
+        }
+        Ok(letters)
+    }
+
+    /// Republishes `letter` to `subject` (its original one) with its original headers under
+    /// its replay id, and only once the orders stream stored it deletes it from here.
+    pub async fn replay(
+        &self,
+        letter: &DeadLetter,
+        subject: &str,
+    ) -> Result<PublishReceipt, NatsError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in letter.original_headers() {
+            headers.insert(name, value);
+        }
+        let publish = Publish::build()
+            .message_id(letter.replay_message_id())
+            .headers(headers)
+            .payload(letter.body.clone());
+        let doing = format!("replaying dead letter {} to {subject}", letter.seq);
+        let ack = self
+            .js
+            .send_publish(subject.to_owned(), publish)
+            .await
+            .map_err(nats_error(doing.clone()))?
+            .await
+            .map_err(nats_error(doing))?;
+        self.stream()
+            .await?
+            .delete_message(letter.seq)
+            .await
+            .map_err(unclassified(format!(
+                "deleting replayed dead letter {}",
+                letter.seq
+            )))?;
+        Ok(PublishReceipt {
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
     }
 }
 
