@@ -3,10 +3,10 @@
 //! and runs the lanes. `serve`, the comparison, the end-to-end benchmark and the tests all start
 //! consumers through it.
 //!
-//! The path of one message, in this file from top to bottom: a [lane](lane) takes the next
-//! message from the pull stream; [`Worker::process`] reads its delivery count and decodes it
-//! (a body that cannot be decoded is a dead letter here); the handler applies it in one
-//! transaction; [`policy::decide`] says what becomes of it; [`Worker::perform`] acks, naks or
+//! The path of one message, in this file from top to bottom: a lane (`lane`) takes the next
+//! message from the pull stream; `Worker::process` reads its delivery count and decodes it (a
+//! body that cannot be decoded is a dead letter here); the handler applies it in one
+//! transaction; [`policy::decide`] says what becomes of it; `Worker::perform` acks, naks or
 //! dead-letters it. Nothing is acked before its transaction committed.
 
 use std::sync::Arc;
