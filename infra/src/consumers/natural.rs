@@ -7,8 +7,8 @@
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, ReservationDecision,
-    ReservationStatus,
+    CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, Quantity,
+    ReservationDecision, ReservationStatus,
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
@@ -32,17 +32,33 @@ impl StockConsumer {
         finish(txn, &self.faults, result).await
     }
 
+    /// The steps of `RESERVE_SQL` (natural_pg.rs), in its order: the reservation, the stock
+    /// row, the order's row, then the reservation inserted with what was decided.
     async fn reserve(
         &self,
         txn: &DatabaseTransaction,
         key: &str,
         placed: &OrderPlaced,
     ) -> Result<Outcome, HandleError> {
+        if let Some(existing) = reserved_quantity(txn, placed).await? {
+            return Ok(second_request(existing, placed.quantity));
+        }
+        let Some(stock) = lock_stock(txn, placed.book_id).await? else {
+            return Ok(unknown_book(placed.book_id));
+        };
+        let decision = if order_is_cancelled(txn, placed).await? {
+            None
+        } else {
+            Some(stock.decide_reservation(placed.quantity))
+        };
+        let status = decision
+            .as_ref()
+            .map_or(ReservationStatus::Released, ReservationDecision::status);
         let row = stock_reservations::ActiveModel {
             order_id: Set(placed.order_id.as_uuid()),
             book_id: Set(placed.book_id.as_uuid()),
             quantity: Set(quantity_column(placed.quantity.get())?),
-            status: Set(ReservationStatus::Reserved.as_str().to_owned()),
+            status: Set(status.as_str().to_owned()),
             message_id: Set(key.to_owned()),
             created_at: Set(Utc::now()),
         };
@@ -51,35 +67,19 @@ impl StockConsumer {
             .exec_without_returning(txn)
             .await?;
         if !matches!(inserted, TryInsertResult::Inserted(rows) if rows > 0) {
-            let existing = stock_reservations::Entity::find_by_id((
-                placed.order_id.as_uuid(),
-                placed.book_id.as_uuid(),
-            ))
-            .one(txn)
-            .await?
-            .ok_or_else(|| DbErr::RecordNotFound("reservation vanished after a conflict".into()))?;
-            return Ok(second_request(
-                quantity_from(existing.quantity)?,
-                placed.quantity,
-            ));
+            // A copy committed while this one waited for the stock row: this statement sees it.
+            let existing = reserved_quantity(txn, placed).await?.ok_or_else(|| {
+                DbErr::RecordNotFound("reservation vanished after a conflict".into())
+            })?;
+            return Ok(second_request(existing, placed.quantity));
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
-        if order_is_cancelled(txn, placed).await? {
-            set_status(txn, placed, ReservationStatus::Released).await?;
+        let Some(decision) = decision else {
             return Ok(Outcome::Processed(Effect::ArrivedAfterCancellation));
-        }
-        let Some(stock) = lock_stock(txn, placed.book_id).await? else {
-            return Ok(unknown_book(placed.book_id));
         };
-        let decision = stock.decide_reservation(placed.quantity);
-        match decision {
-            ReservationDecision::Reserve { reserved_after } => {
-                set_reserved(txn, placed.book_id, reserved_after).await?;
-            }
-            ReservationDecision::Reject { .. } => {
-                set_status(txn, placed, ReservationStatus::Rejected).await?;
-            }
+        if let ReservationDecision::Reserve { reserved_after } = decision {
+            set_reserved(txn, placed.book_id, reserved_after).await?;
         }
         Ok(Outcome::Processed(decision.effect(placed.quantity)))
     }
@@ -163,19 +163,14 @@ async fn order_is_cancelled(
     Ok(state.cancelled_at.is_some())
 }
 
-async fn set_status(
+/// The quantity of the order's reservation of this book, if it has one.
+async fn reserved_quantity(
     conn: &impl ConnectionTrait,
     placed: &OrderPlaced,
-    status: ReservationStatus,
-) -> Result<(), DbErr> {
-    stock_reservations::Entity::update_many()
-        .col_expr(
-            stock_reservations::Column::Status,
-            Expr::value(status.as_str()),
-        )
-        .filter(stock_reservations::Column::OrderId.eq(placed.order_id.as_uuid()))
-        .filter(stock_reservations::Column::BookId.eq(placed.book_id.as_uuid()))
-        .exec(conn)
-        .await?;
-    Ok(())
+) -> Result<Option<Quantity>, DbErr> {
+    stock_reservations::Entity::find_by_id((placed.order_id.as_uuid(), placed.book_id.as_uuid()))
+        .one(conn)
+        .await?
+        .map(|row| quantity_from(row.quantity))
+        .transpose()
 }
