@@ -12,7 +12,8 @@
 use std::sync::Arc;
 
 use inventory_domain::{
-    CrashPoint, Effect, Event, Message, OrderPlaced, Outcome, Quantity, ReservationStatus,
+    CrashPoint, Effect, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
+    ReservationStatus,
 };
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection};
 use sea_orm::sqlx::{self, ConnectOptions, Row};
@@ -361,9 +362,27 @@ impl MessageHandler for PgNaturalKey {
         }
     }
 
-    /// The placements in one statement, then the cancellations one by one (a cancellation
-    /// wins whichever comes first, so their order against the placements does not matter).
+    /// Each run of placements in one statement, each cancellation in its place between them:
+    /// a cancellation decides what a later placement of its order comes to, and frees copies a
+    /// later placement of another order may take, so nothing moves past one.
     async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let mut results = Vec::with_capacity(messages.len());
+        for run in messages.chunk_by(|a, b| a.event.kind() == b.event.kind()) {
+            if run[0].event.kind() == EventKind::Placed {
+                results.extend(self.handle_placements(run).await);
+            } else {
+                for message in run {
+                    results.push(self.reference.handle(message).await);
+                }
+            }
+        }
+        results
+    }
+}
+
+impl PgNaturalKey {
+    /// Placements in one statement, one result each, in order.
+    async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements: Vec<(String, &OrderPlaced)> = messages
             .iter()
             .filter_map(|message| match &message.event {
@@ -393,18 +412,16 @@ impl MessageHandler for PgNaturalKey {
             }
         }
         .into_iter();
-        let mut results = Vec::with_capacity(messages.len());
-        for message in messages {
-            results.push(match &message.event {
-                Event::Placed(_) => placed_outcomes.next().unwrap_or_else(|| {
+        placements
+            .iter()
+            .map(|_| {
+                placed_outcomes.next().unwrap_or_else(|| {
                     Err(HandleError::Database(DbErr::Custom(
                         "batch statement returned too few rows".into(),
                     )))
-                }),
-                Event::Cancelled(_) => self.reference.handle(message).await,
-            });
-        }
-        results
+                })
+            })
+            .collect()
     }
 }
 
