@@ -5,6 +5,7 @@ mod compare;
 mod corpus;
 mod crash_points;
 mod demo;
+mod differential;
 mod dlq;
 mod email;
 mod harness;
