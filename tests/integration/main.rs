@@ -10,6 +10,7 @@ mod dlq;
 mod email;
 mod harness;
 mod inbox;
+mod lock_order;
 mod migrations;
 mod naive;
 mod natural;

@@ -3,6 +3,20 @@
 //! Placement and cancellation of one order both write its `order_states` row, which serializes
 //! them on PostgreSQL: a cancellation that commits first is seen by the placement, and one that
 //! commits second sees the placement's reservation, so a cancellation always wins.
+//!
+//! # Lock order
+//!
+//! Every path of the natural key (this handler, both statements in `natural_pg.rs`, placement
+//! and cancellation) takes its row locks in one order, so two messages never wait for each
+//! other in a cycle (a deadlock, which PostgreSQL breaks by failing one of them):
+//!
+//! 1. `stock_items` rows, by `book_id`;
+//! 2. `order_states` rows, by `order_id`;
+//! 3. `stock_reservations` keys.
+//!
+//! Reads that lock nothing come first: a placement looks for its reservation, a cancellation
+//! for the books its order holds. A cancellation locks those books, then claims its order's
+//! row, and starts over if a placement of the order committed in between.
 
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
@@ -12,24 +26,30 @@ use inventory_domain::{
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, Set,
-    TryInsertResult,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect, Set, TryInsertResult,
 };
+use uuid::Uuid;
 
 use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
 use super::{HandleError, StockConsumer, begin_write, finish};
-use crate::entities::{order_states, stock_reservations};
+use crate::entities::{order_states, stock_items, stock_reservations};
 use crate::stock::quantity_from;
 
 impl StockConsumer {
     pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let txn = begin_write(&self.db).await?;
-        let result = match &message.event {
-            Event::Placed(placed) => self.reserve(&txn, &key, placed).await,
-            Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,
-        };
-        finish(txn, &self.faults, result).await
+        loop {
+            let txn = begin_write(&self.db).await?;
+            let result = match &message.event {
+                Event::Placed(placed) => self.reserve(&txn, &key, placed).await.map(Some),
+                Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,
+            };
+            match result.transpose() {
+                Some(result) => return finish(txn, &self.faults, result).await,
+                None => txn.rollback().await?,
+            }
+        }
     }
 
     /// The steps of `RESERVE_SQL` (natural_pg.rs), in its order: the reservation, the stock
@@ -84,14 +104,26 @@ impl StockConsumer {
         Ok(Outcome::Processed(decision.effect(placed.quantity)))
     }
 
+    /// `None`: a placement of the order committed after the books to lock were read; the
+    /// caller starts over.
     async fn cancel(
         &self,
         txn: &DatabaseTransaction,
         key: &str,
         cancelled: &OrderCancelled,
-    ) -> Result<Outcome, HandleError> {
+    ) -> Result<Option<Outcome>, HandleError> {
+        let order = cancelled.order_id.as_uuid();
+        let books: Vec<Uuid> = held(txn, order).await?.iter().map(|r| r.book_id).collect();
+        if !books.is_empty() {
+            stock_items::Entity::find()
+                .filter(stock_items::Column::BookId.is_in(books.iter().copied()))
+                .order_by_asc(stock_items::Column::BookId)
+                .lock_exclusive()
+                .all(txn)
+                .await?;
+        }
         let row = order_states::ActiveModel {
-            order_id: Set(cancelled.order_id.as_uuid()),
+            order_id: Set(order),
             cancelled_at: Set(Some(Utc::now())),
             cancel_message_id: Set(Some(key.to_owned())),
         };
@@ -113,15 +145,15 @@ impl StockConsumer {
             .exec_without_returning(txn)
             .await?;
         if !matches!(won, TryInsertResult::Inserted(rows) if rows > 0) {
-            return Ok(Outcome::Duplicate);
+            return Ok(Some(Outcome::Duplicate));
+        }
+        // No placement of the order can commit from here on: the order's row is taken.
+        let held = held(txn, order).await?;
+        if held.iter().any(|r| !books.contains(&r.book_id)) {
+            return Ok(None);
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
-        let held = stock_reservations::Entity::find()
-            .filter(stock_reservations::Column::OrderId.eq(cancelled.order_id.as_uuid()))
-            .filter(stock_reservations::Column::Status.eq(ReservationStatus::Reserved.as_str()))
-            .all(txn)
-            .await?;
         let mut copies = 0;
         for reservation in held {
             let quantity = quantity_from(reservation.quantity)?;
@@ -137,8 +169,21 @@ impl StockConsumer {
             release_stock(txn, reservation.book_id.into(), quantity.get()).await?;
             copies += i64::from(quantity.get());
         }
-        Ok(Outcome::Processed(Effect::Released { copies }))
+        Ok(Some(Outcome::Processed(Effect::Released { copies })))
     }
+}
+
+/// The order's reservations that hold stock, by book.
+async fn held(
+    conn: &impl ConnectionTrait,
+    order: Uuid,
+) -> Result<Vec<stock_reservations::Model>, DbErr> {
+    stock_reservations::Entity::find()
+        .filter(stock_reservations::Column::OrderId.eq(order))
+        .filter(stock_reservations::Column::Status.eq(ReservationStatus::Reserved.as_str()))
+        .order_by_asc(stock_reservations::Column::BookId)
+        .all(conn)
+        .await
 }
 
 /// Touches the order's state row (creating it if need be) and reads whether it is cancelled.

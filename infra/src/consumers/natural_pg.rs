@@ -4,7 +4,9 @@
 //! cancellation that came first wins, a rejection is kept, an unknown book writes nothing), in
 //! one round trip: the statement stops at a reservation already there; else it locks the stock
 //! row, touches the order's state row, decides, inserts the reservation unless its key is taken
-//! meanwhile, and moves stock only if that insert won.
+//! meanwhile, and moves stock only if that insert won. Both statements take their locks in the
+//! order `natural.rs` sets down for every path.
+//!
 //! It commits on its own, so there is no open transaction between the steps. Each clone opens
 //! its own connection, so a consumer lane never borrows one from a pool (sqlx pings a pooled
 //! connection on every return) and prepared statements stay cached.
@@ -95,7 +97,7 @@ WITH input AS (
     ORDER BY input.order_id, input.book_id, input.idx
 ), guard AS (
     INSERT INTO order_states (order_id)
-    SELECT DISTINCT order_id FROM fresh
+    SELECT DISTINCT order_id FROM fresh ORDER BY order_id
     ON CONFLICT (order_id) DO UPDATE SET order_id = EXCLUDED.order_id
     RETURNING order_id, cancelled_at IS NOT NULL AS cancelled
 ), wanted AS (
