@@ -57,9 +57,10 @@ pub struct ServeArgs {
     pub nats: NatsArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
-    /// Messages a lane hands the handler at once. The natural key on PostgreSQL commits a batch
-    /// in one statement and acks each message after that commit; other handlers take them one
-    /// by one. 1 (no batching) by default.
+    /// Messages a lane hands the handler at once. The natural key on PostgreSQL commits each run
+    /// of placements in a batch in one statement (a cancellation between them is handled in its
+    /// place) and acks each message after its commit; other handlers take them one by one. 1 (no
+    /// batching) by default.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub batch_size: u16,
     /// Messages handled at once; the pool size by default.

@@ -3,46 +3,82 @@
 //! Placement and cancellation of one order both write its `order_states` row, which serializes
 //! them on PostgreSQL: a cancellation that commits first is seen by the placement, and one that
 //! commits second sees the placement's reservation, so a cancellation always wins.
+//!
+//! # Lock order
+//!
+//! Every path of the natural key (this handler, both statements in `natural_pg.rs`, placement
+//! and cancellation) takes its row locks in one order, so two messages never wait for each
+//! other in a cycle (a deadlock, which PostgreSQL breaks by failing one of them):
+//!
+//! 1. `stock_items` rows, by `book_id`;
+//! 2. `order_states` rows, by `order_id`;
+//! 3. `stock_reservations` keys.
+//!
+//! Reads that lock nothing come first: a placement looks for its reservation, a cancellation
+//! for the books its order holds. A cancellation locks those books, then claims its order's
+//! row, and starts over if a placement of the order committed in between.
 
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, ReservationDecision,
-    ReservationStatus,
+    CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, Quantity,
+    ReservationDecision, ReservationStatus,
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, Set,
-    TryInsertResult,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect, Set, TryInsertResult,
 };
+use uuid::Uuid;
 
 use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
 use super::{HandleError, StockConsumer, begin_write, finish};
-use crate::entities::{order_states, stock_reservations};
+use crate::entities::{order_states, stock_items, stock_reservations};
 use crate::stock::{DataError, quantity_from};
 
 impl StockConsumer {
     pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let txn = begin_write(&self.db).await?;
-        let result = match &message.event {
-            Event::Placed(placed) => self.reserve(&txn, &key, placed).await,
-            Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,
-        };
-        finish(txn, &self.faults, result).await
+        loop {
+            let txn = begin_write(&self.db).await?;
+            let result = match &message.event {
+                Event::Placed(placed) => self.reserve(&txn, &key, placed).await.map(Some),
+                Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,
+            };
+            match result.transpose() {
+                Some(result) => return finish(txn, &self.faults, result).await,
+                None => txn.rollback().await?,
+            }
+        }
     }
 
+    /// The steps of `RESERVE_SQL` (natural_pg.rs), in its order: the reservation, the stock
+    /// row, the order's row, then the reservation inserted with what was decided.
     async fn reserve(
         &self,
         txn: &DatabaseTransaction,
         key: &str,
         placed: &OrderPlaced,
     ) -> Result<Outcome, HandleError> {
+        if let Some(existing) = reserved_quantity(txn, placed).await? {
+            return Ok(second_request(existing, placed.quantity));
+        }
+        let Some(stock) = lock_stock(txn, placed.book_id).await? else {
+            return Ok(unknown_book(placed.book_id));
+        };
+        let decision = if order_is_cancelled(txn, placed).await? {
+            None
+        } else {
+            Some(stock.decide_reservation(placed.quantity))
+        };
+        let status = decision
+            .as_ref()
+            .map_or(ReservationStatus::Released, ReservationDecision::status);
         let row = stock_reservations::ActiveModel {
             order_id: Set(placed.order_id.as_uuid()),
             book_id: Set(placed.book_id.as_uuid()),
             quantity: Set(quantity_column(placed.quantity.get())?),
-            status: Set(ReservationStatus::Reserved.as_str().to_owned()),
+            status: Set(status.as_str().to_owned()),
             message_id: Set(key.to_owned()),
             created_at: Set(Utc::now()),
         };
@@ -51,49 +87,45 @@ impl StockConsumer {
             .exec_without_returning(txn)
             .await?;
         if !matches!(inserted, TryInsertResult::Inserted(rows) if rows > 0) {
-            let existing = stock_reservations::Entity::find_by_id((
-                placed.order_id.as_uuid(),
-                placed.book_id.as_uuid(),
-            ))
-            .one(txn)
-            .await?
-            .ok_or(DataError::Vanished {
-                table: "stock_reservations",
-            })?;
-            return Ok(second_request(
-                quantity_from(existing.quantity)?,
-                placed.quantity,
-            ));
+            // A copy committed while this one waited for the stock row: this statement sees it.
+            let existing = reserved_quantity(txn, placed)
+                .await?
+                .ok_or(DataError::Vanished {
+                    table: "stock_reservations",
+                })?;
+            return Ok(second_request(existing, placed.quantity));
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
-        if order_is_cancelled(txn, placed).await? {
-            set_status(txn, placed, ReservationStatus::Released).await?;
+        let Some(decision) = decision else {
             return Ok(Outcome::Processed(Effect::ArrivedAfterCancellation));
-        }
-        let Some(stock) = lock_stock(txn, placed.book_id).await? else {
-            return Ok(unknown_book(placed.book_id));
         };
-        let decision = stock.decide_reservation(placed.quantity);
-        match decision {
-            ReservationDecision::Reserve { reserved_after } => {
-                set_reserved(txn, placed.book_id, reserved_after).await?;
-            }
-            ReservationDecision::Reject { .. } => {
-                set_status(txn, placed, ReservationStatus::Rejected).await?;
-            }
+        if let ReservationDecision::Reserve { reserved_after } = decision {
+            set_reserved(txn, placed.book_id, reserved_after).await?;
         }
         Ok(Outcome::Processed(decision.effect(placed.quantity)))
     }
 
+    /// `None`: a placement of the order committed after the books to lock were read; the
+    /// caller starts over.
     async fn cancel(
         &self,
         txn: &DatabaseTransaction,
         key: &str,
         cancelled: &OrderCancelled,
-    ) -> Result<Outcome, HandleError> {
+    ) -> Result<Option<Outcome>, HandleError> {
+        let order = cancelled.order_id.as_uuid();
+        let books: Vec<Uuid> = held(txn, order).await?.iter().map(|r| r.book_id).collect();
+        if !books.is_empty() {
+            stock_items::Entity::find()
+                .filter(stock_items::Column::BookId.is_in(books.iter().copied()))
+                .order_by_asc(stock_items::Column::BookId)
+                .lock_exclusive()
+                .all(txn)
+                .await?;
+        }
         let row = order_states::ActiveModel {
-            order_id: Set(cancelled.order_id.as_uuid()),
+            order_id: Set(order),
             cancelled_at: Set(Some(Utc::now())),
             cancel_message_id: Set(Some(key.to_owned())),
         };
@@ -115,15 +147,15 @@ impl StockConsumer {
             .exec_without_returning(txn)
             .await?;
         if !matches!(won, TryInsertResult::Inserted(rows) if rows > 0) {
-            return Ok(Outcome::Duplicate);
+            return Ok(Some(Outcome::Duplicate));
+        }
+        // No placement of the order can commit from here on: the order's row is taken.
+        let held = held(txn, order).await?;
+        if held.iter().any(|r| !books.contains(&r.book_id)) {
+            return Ok(None);
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
-        let held = stock_reservations::Entity::find()
-            .filter(stock_reservations::Column::OrderId.eq(cancelled.order_id.as_uuid()))
-            .filter(stock_reservations::Column::Status.eq(ReservationStatus::Reserved.as_str()))
-            .all(txn)
-            .await?;
         let mut copies = 0;
         for reservation in held {
             let quantity = quantity_from(reservation.quantity)?;
@@ -139,8 +171,21 @@ impl StockConsumer {
             release_stock(txn, reservation.book_id.into(), quantity.get()).await?;
             copies += i64::from(quantity.get());
         }
-        Ok(Outcome::Processed(Effect::Released { copies }))
+        Ok(Some(Outcome::Processed(Effect::Released { copies })))
     }
+}
+
+/// The order's reservations that hold stock, by book.
+async fn held(
+    conn: &impl ConnectionTrait,
+    order: Uuid,
+) -> Result<Vec<stock_reservations::Model>, DbErr> {
+    stock_reservations::Entity::find()
+        .filter(stock_reservations::Column::OrderId.eq(order))
+        .filter(stock_reservations::Column::Status.eq(ReservationStatus::Reserved.as_str()))
+        .order_by_asc(stock_reservations::Column::BookId)
+        .all(conn)
+        .await
 }
 
 /// Touches the order's state row (creating it if need be) and reads whether it is cancelled.
@@ -165,19 +210,16 @@ async fn order_is_cancelled(
     Ok(state.cancelled_at.is_some())
 }
 
-async fn set_status(
+/// The quantity of the order's reservation of this book, if it has one.
+async fn reserved_quantity(
     conn: &impl ConnectionTrait,
     placed: &OrderPlaced,
-    status: ReservationStatus,
-) -> Result<(), DbErr> {
-    stock_reservations::Entity::update_many()
-        .col_expr(
-            stock_reservations::Column::Status,
-            Expr::value(status.as_str()),
-        )
-        .filter(stock_reservations::Column::OrderId.eq(placed.order_id.as_uuid()))
-        .filter(stock_reservations::Column::BookId.eq(placed.book_id.as_uuid()))
-        .exec(conn)
-        .await?;
-    Ok(())
+) -> Result<Option<Quantity>, HandleError> {
+    let row = stock_reservations::Entity::find_by_id((
+        placed.order_id.as_uuid(),
+        placed.book_id.as_uuid(),
+    ))
+    .one(conn)
+    .await?;
+    Ok(row.map(|row| quantity_from(row.quantity)).transpose()?)
 }

@@ -4,7 +4,9 @@
 //! cancellation that came first wins, a rejection is kept, an unknown book writes nothing), in
 //! one round trip: the statement stops at a reservation already there; else it locks the stock
 //! row, touches the order's state row, decides, inserts the reservation unless its key is taken
-//! meanwhile, and moves stock only if that insert won.
+//! meanwhile, and moves stock only if that insert won. Both statements take their locks in the
+//! order `natural.rs` sets down for every path.
+//!
 //! It commits on its own, so there is no open transaction between the steps. Each clone opens
 //! its own connection, so a consumer lane never borrows one from a pool (sqlx pings a pooled
 //! connection on every return) and prepared statements stay cached.
@@ -12,7 +14,7 @@
 use std::sync::Arc;
 
 use inventory_domain::{
-    CrashPoint, Effect, ErrorKind, Event, Message, OrderPlaced, Outcome, Quantity,
+    CrashPoint, Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
     ReservationStatus,
 };
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
@@ -27,17 +29,25 @@ use super::{HandleError, HandlerKind, MessageHandler, StockConsumer};
 use crate::faults::Faults;
 use crate::stock::{DataError, int_column, quantity_from, status_from};
 
-/// Looks for the reservation first: a copy of a placement already decided reads and writes
-/// nothing (no lock, no transaction id, no WAL). Otherwise locks the stock row (all copies of
-/// one book's orders queue there), then decides.
+/// One placement: the steps of the reference handler's `reserve`, in its order, with the
+/// rule of `StockItem::decide_reservation` in `decided`. Comments are `/* */`: the pgbench
+/// script runs this text as one line.
 pub const RESERVE_SQL: &str = "\
 WITH existing AS (
+    /* Before any lock, so that a copy of a decided placement ends here, having read one row
+       and written nothing. */
     SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2
 ), stock AS (
+    /* Every placement of the book queues on this lock. Once granted, FOR UPDATE reads the row
+       as last committed, so available counts what others reserved meanwhile. */
     SELECT on_hand - reserved AS available
     FROM stock_items WHERE book_id = $2 AND NOT EXISTS (SELECT 1 FROM existing)
     FOR UPDATE
 ), guard AS (
+    /* A no-op update rather than DO NOTHING, for its row lock and its RETURNING. The lock
+       makes a cancellation of the order wait for this statement, or this one for it, and
+       RETURNING reads the row as last committed, so a cancellation that committed while this
+       statement waited still wins. */
     INSERT INTO order_states (order_id)
     SELECT $1 FROM stock
     ON CONFLICT (order_id) DO UPDATE SET order_id = EXCLUDED.order_id
@@ -49,6 +59,9 @@ WITH existing AS (
            stock.available
     FROM stock CROSS JOIN guard
 ), inserted AS (
+    /* A copy that committed while this one waited for the stock row holds the key, and
+       existing, read before the wait, cannot see it. Then nothing is inserted, nothing moves,
+       and the caller reads the key again (EXISTING_SQL). */
     INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
     SELECT $1, $2, $3, decided.status, $4, now() FROM decided
     ON CONFLICT (order_id, book_id) DO NOTHING
@@ -62,28 +75,33 @@ SELECT EXISTS (SELECT 1 FROM stock) OR EXISTS (SELECT 1 FROM existing) AS book_f
        (SELECT available FROM decided) AS available,
        (SELECT quantity FROM existing) AS existing_quantity";
 
-/// A batch of placements in one statement, so one commit. Orders for a book whose stock cannot
-/// cover the whole batch's requests are left undecided here and decided one by one after, so a
-/// batch never rejects what one-by-one handling would have reserved.
+/// A batch of placements in one statement, so one commit, under the rule of [`RESERVE_SQL`].
+/// Orders for a book whose stock cannot cover the whole batch's requests are left undecided
+/// here and decided one by one after, so a batch never rejects what one-by-one handling would
+/// have reserved.
 ///
-/// stock_reservations is probed per placement (a LATERAL with LIMIT, a scalar subquery), never
-/// joined: a join planned while the table was small (a fresh database, before autovacuum's
-/// first ANALYZE) hashes the whole table on every batch as it grows, and a lane's prepared
-/// statement keeps that plan until the next ANALYZE. Seen: 7,000 instead of 16,000 messages/s.
-/// The per-placement results come from a materialized `outcome` joined once, not a subquery
-/// per input row: that one rescanned `inserted` and `decided` for every row, cubic in the
-/// batch size (28 ms for a batch of 64, 5 ms now).
+/// A lane's prepared statement may keep a generic plan made while the tables were small (a
+/// fresh database, before the first ANALYZE), with one-row estimates everywhere; the shapes
+/// below stay cheap under such a plan as the tables and the batch grow.
 pub const RESERVE_BATCH_SQL: &str = "\
 WITH input AS (
+    /* idx is a placement's place in the batch: its result's row, and which copy of a key
+       counts. */
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[])
         AS input(order_id, book_id, quantity, message_id, idx)
 ), books AS (
+    /* Locked in book order, as on every path, so that two batches sharing books never wait
+       for each other in a cycle. */
     SELECT book_id, on_hand - reserved AS available
     FROM stock_items
     WHERE book_id IN (SELECT book_id FROM input)
     ORDER BY book_id
     FOR UPDATE
 ), fresh AS (
+    /* Each key's first placement in the batch, unless the key has a reservation already.
+       That is probed per placement (LATERAL, LIMIT 1, one index lookup each), never joined,
+       since under a plan made on a small table the join hashes all of stock_reservations on
+       every batch. */
     SELECT DISTINCT ON (input.order_id, input.book_id) input.*
     FROM input JOIN books USING (book_id)
     LEFT JOIN LATERAL (
@@ -94,8 +112,10 @@ WITH input AS (
     WHERE existing.taken IS NULL
     ORDER BY input.order_id, input.book_id, input.idx
 ), guard AS (
+    /* The no-op update of RESERVE_SQL, for the row locks and the cancellations as last
+       committed, taken in order_id order. */
     INSERT INTO order_states (order_id)
-    SELECT DISTINCT order_id FROM fresh
+    SELECT DISTINCT order_id FROM fresh ORDER BY order_id
     ON CONFLICT (order_id) DO UPDATE SET order_id = EXCLUDED.order_id
     RETURNING order_id, cancelled_at IS NOT NULL AS cancelled
 ), wanted AS (
@@ -104,6 +124,8 @@ WITH input AS (
     WHERE NOT guard.cancelled
     GROUP BY fresh.book_id
 ), decided AS (
+    /* A book that cannot cover everything wanted of it decides nothing here. A cancelled
+       order's placement is released whatever the stock. */
     SELECT fresh.*, CASE WHEN guard.cancelled THEN 'released' ELSE 'reserved' END AS status
     FROM fresh
     JOIN guard USING (order_id)
@@ -125,6 +147,8 @@ WITH input AS (
     ) won
     WHERE stock_items.book_id = won.book_id
 ), outcome AS MATERIALIZED (
+    /* Computed once. Inlined, the planner may rerun this join for every input row, cheap by
+       its one-row estimates and slow at a batch of 64. */
     SELECT decided.idx, inserted.status
     FROM inserted JOIN decided USING (order_id, book_id)
 )
@@ -138,8 +162,9 @@ LEFT JOIN books USING (book_id)
 LEFT JOIN outcome USING (idx)
 ORDER BY input.idx";
 
-/// The statement's snapshot predates a concurrent copy that committed while this one waited
-/// for the stock row; this fresh read finds the reservation that copy wrote.
+/// A statement sees only what was committed when it began, so when a copy committed while
+/// [`RESERVE_SQL`] waited for the stock row, that statement's insert finds the key taken but
+/// its `existing` cannot read the row. A new statement can.
 const EXISTING_SQL: &str =
     "SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2";
 
@@ -400,9 +425,27 @@ impl MessageHandler for PgNaturalKey {
         }
     }
 
-    /// The placements in one statement, then the cancellations one by one (a cancellation
-    /// wins whichever comes first, so their order against the placements does not matter).
+    /// Each run of placements in one statement, each cancellation in its place between them:
+    /// a cancellation decides what a later placement of its order comes to, and frees copies a
+    /// later placement of another order may take, so nothing moves past one.
     async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let mut results = Vec::with_capacity(messages.len());
+        for run in messages.chunk_by(|a, b| a.event.kind() == b.event.kind()) {
+            if run[0].event.kind() == EventKind::Placed {
+                results.extend(self.handle_placements(run).await);
+            } else {
+                for message in run {
+                    results.push(self.reference.handle(message).await);
+                }
+            }
+        }
+        results
+    }
+}
+
+impl PgNaturalKey {
+    /// Placements in one statement, one result each, in order.
+    async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements: Vec<(String, &OrderPlaced)> = messages
             .iter()
             .filter_map(|message| match &message.event {
@@ -422,17 +465,15 @@ impl MessageHandler for PgNaturalKey {
             Err(error) => placements.iter().map(|_| Err(error.clone())).collect(),
         };
         let mut placed_results = placed_results.into_iter();
-        let mut results = Vec::with_capacity(messages.len());
-        for message in messages {
-            results.push(match &message.event {
-                Event::Placed(_) => placed_results.next().unwrap_or_else(|| {
+        placements
+            .iter()
+            .map(|_| {
+                placed_results.next().unwrap_or_else(|| {
                     Err(HandleError::Database(DbErr::Custom(
                         "batch statement returned too few rows".into(),
                     )))
-                }),
-                Event::Cancelled(_) => self.reference.handle(message).await,
-            });
-        }
-        results
+                })
+            })
+            .collect()
     }
 }
