@@ -2,7 +2,7 @@
 //! messages never wait for each other in a cycle (a deadlock, SQLSTATE 40P01).
 
 use inventory_domain::{CrashPoint, Message, OrderId, Outcome};
-use inventory_infra::{Faults, HandleError, HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_infra::{Faults, HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::ConnectionTrait;
 
@@ -17,17 +17,6 @@ SELECT order_id, gen_random_uuid(), 1, 'reserved', 'other', now()
 FROM (SELECT gen_random_uuid() AS order_id FROM generate_series(1, 1000)) orders,
      generate_series(1, 10);
 ANALYZE stock_reservations";
-
-async fn one_by_one(
-    handler: &impl MessageHandler,
-    messages: &[Message],
-) -> Vec<Result<Outcome, HandleError>> {
-    let mut results = Vec::with_capacity(messages.len());
-    for message in messages {
-        results.push(handler.handle(message).await);
-    }
-    results
-}
 
 /// Two orders over the same two books, placed book by book in opposite orders on two
 /// connections at once, then both cancelled at once: through the sea-orm handler and the one
@@ -56,25 +45,16 @@ async fn orders_over_two_books_in_opposite_order_never_deadlock() {
         ];
         for [first, second] in phases {
             let (first, second) = match round % 5 {
-                0 => tokio::join!(
-                    one_by_one(&reference, first),
-                    one_by_one(&statements, second)
-                ),
-                1 => tokio::join!(
-                    one_by_one(&statements, first),
-                    one_by_one(&reference, second)
-                ),
-                2 => tokio::join!(
-                    one_by_one(&reference, first),
-                    one_by_one(&reference, second)
-                ),
+                0 => tokio::join!(reference.handle_each(first), statements.handle_each(second)),
+                1 => tokio::join!(statements.handle_each(first), reference.handle_each(second)),
+                2 => tokio::join!(reference.handle_each(first), reference.handle_each(second)),
                 3 => tokio::join!(
-                    one_by_one(&statements, first),
-                    one_by_one(&other_lane, second)
+                    statements.handle_each(first),
+                    other_lane.handle_each(second)
                 ),
                 _ => tokio::join!(
                     statements.handle_batch(first),
-                    one_by_one(&reference, second)
+                    reference.handle_each(second)
                 ),
             };
             failures.extend(

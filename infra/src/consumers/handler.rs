@@ -8,7 +8,7 @@ use sea_orm::{DatabaseConnection, DbBackend};
 
 use super::email::{EmailConsumer, InMemoryEmailProvider};
 use super::natural_pg::PgNaturalKey;
-use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy, one_by_one};
+use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
 use crate::faults::Faults;
 use crate::mailbox::FileMailbox;
 
@@ -235,7 +235,7 @@ impl MessageHandler for Handler {
     async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         match self {
             Self::OneStatement(handler) => handler.handle_batch(messages).await,
-            _ => one_by_one(self, messages).await,
+            _ => self.handle_each(messages).await,
         }
     }
 }

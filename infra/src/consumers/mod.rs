@@ -51,20 +51,23 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
         &self,
         messages: &[Message],
     ) -> impl Future<Output = Vec<Result<Outcome, HandleError>>> + Send {
-        one_by_one(self, messages)
+        self.handle_each(messages)
     }
-}
 
-/// Each message on its own, one after another: what a handler without a batch path does.
-pub(crate) async fn one_by_one<H: MessageHandler>(
-    handler: &H,
-    messages: &[Message],
-) -> Vec<Result<Outcome, HandleError>> {
-    let mut results = Vec::with_capacity(messages.len());
-    for message in messages {
-        results.push(handler.handle(message).await);
+    /// Each message on its own, one after another: what a handler without a batch path does
+    /// with a batch.
+    fn handle_each(
+        &self,
+        messages: &[Message],
+    ) -> impl Future<Output = Vec<Result<Outcome, HandleError>>> + Send {
+        async move {
+            let mut results = Vec::with_capacity(messages.len());
+            for message in messages {
+                results.push(self.handle(message).await);
+            }
+            results
+        }
     }
-    results
 }
 
 impl MessageHandler for StockConsumer {
