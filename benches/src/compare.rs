@@ -1025,11 +1025,10 @@ impl Run {
         };
         let expected_reserved: i64 = self.workload.orders.iter().map(|o| o.quantity).sum();
         let actual_reserved = stock.total_reserved().await?;
-        let delivered = total(|s| &s.acked)
-            + total(|s| &s.duplicates)
-            + total(|s| &s.dead_lettered)
-            + total(|s| &s.retried)
-            + total(|s| &s.left_for_redelivery);
+        let delivered: i64 = stats
+            .iter()
+            .map(|stats| i64::try_from(stats.deliveries()).unwrap_or(i64::MAX))
+            .sum();
         let (seen, unplanned) = self.seen(&script);
         let (copies_at_once, copies_on_two_instances) = self.copies_at_once(&script);
         let mut row = StrategyRow {
