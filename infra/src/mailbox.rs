@@ -3,7 +3,8 @@
 //! "processing" record by looking its idempotency key up.
 //!
 //! A send is acknowledged only after its line is on disk (`fsync`), and a key already in the file
-//! is not written again. At open, the lines are read back into an index of keys; a corrupt last
+//! is not written again. Since that hides a consumer sending twice, every call is logged (at info:
+//! written, or a repeat not written) and counted by the process. At open, the lines are read back into an index of keys; a corrupt last
 //! line is the torn write of a send that never returned, so it is cut off with a warning. A
 //! corrupt line elsewhere is not a torn write, and opening fails rather than guessing. One
 //! mailbox owns the file at a time: the file is locked while it is open.
@@ -13,6 +14,7 @@ use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use chrono::{DateTime, Utc};
 use inventory_domain::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
@@ -73,6 +75,8 @@ struct SentMail {
 pub struct FileMailbox {
     path: Arc<Path>,
     state: Arc<Mutex<State>>,
+    /// Calls to `send` since this mailbox was opened, repeats included.
+    send_calls: Arc<AtomicUsize>,
 }
 
 struct State {
@@ -97,6 +101,7 @@ impl FileMailbox {
         Ok(Self {
             path,
             state: Arc::new(Mutex::new(state)),
+            send_calls: Arc::default(),
         })
     }
 
@@ -109,6 +114,11 @@ impl FileMailbox {
         self.state.lock().await.keys.len()
     }
 
+    /// Calls to `send` since this mailbox was opened, those under a key already sent included.
+    pub fn send_calls(&self) -> usize {
+        self.send_calls.load(Ordering::SeqCst)
+    }
+
     async fn append(
         &self,
         idempotency_key: &str,
@@ -117,7 +127,12 @@ impl FileMailbox {
         // An owned guard moves into the blocking task: if this future is dropped mid-write, the
         // task still finishes the append and updates the index before anyone else gets in.
         let mut state = Arc::clone(&self.state).lock_owned().await;
+        self.send_calls.fetch_add(1, Ordering::SeqCst);
         if state.keys.contains(idempotency_key) {
+            tracing::info!(
+                key = idempotency_key,
+                "mailbox: a send under a key already sent; not written again"
+            );
             return Ok(());
         }
         let record = SentMail {
@@ -131,7 +146,9 @@ impl FileMailbox {
         line.push(b'\n');
         let path = Arc::clone(&self.path);
         tokio::task::spawn_blocking(move || state.append(&path, record.idempotency_key, &line))
-            .await?
+            .await??;
+        tracing::info!(key = idempotency_key, "mailbox: mail written");
+        Ok(())
     }
 }
 

@@ -1,10 +1,12 @@
 //! Reading and setting stock, and reading back what the consumers recorded.
 
+use std::collections::HashMap;
+
 use inventory_domain::{BookId, OrderId, Quantity, ReservationStatus, StockItem};
 use sea_orm::sea_query::{ExprTrait, OnConflict};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter, QueryOrder,
-    QuerySelect, Set,
+    ColumnTrait, ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait, QueryFilter,
+    QueryOrder, QuerySelect, Set, Statement,
 };
 
 use crate::entities::{inbox, reservation_log, stock_items, stock_reservations};
@@ -199,10 +201,13 @@ impl StockRepository {
         Ok(total.flatten().unwrap_or(0))
     }
 
-    /// Orders holding more than one reservation of the same book (status `reserved`), counted
-    /// per (order, book). In `reservation_log` the strategies without a natural key can reserve
-    /// an order twice; in `stock_reservations` the primary key `(order_id, book_id)` forbids it,
-    /// and the count is read all the same rather than assumed.
+    /// Orders reserved more than once, as far as the database can show it. The strategies
+    /// without a natural key log every reservation, so an (order, book) with two `reserved` log
+    /// rows is one. The natural key keeps one row per (order, book), so a second reservation
+    /// leaves no row: it shows as stock moved for nothing. Every reservation of any strategy
+    /// moves `stock_items.reserved` by its row's quantity in the same transaction, so a book
+    /// whose reserved copies exceed the sum of its `reserved` rows (both tables) holds at least
+    /// one order reserved again, and is counted once.
     pub async fn orders_reserved_more_than_once(&self) -> Result<u64, DbErr> {
         let reserved = ReservationStatus::Reserved.as_str();
         let logged: Vec<(uuid::Uuid, uuid::Uuid)> = reservation_log::Entity::find()
@@ -216,18 +221,59 @@ impl StockRepository {
             .into_tuple()
             .all(&self.db)
             .await?;
-        let keyed: Vec<(uuid::Uuid, uuid::Uuid)> = stock_reservations::Entity::find()
+        let mut recorded: HashMap<uuid::Uuid, i64> = HashMap::new();
+        let log_rows: Vec<(uuid::Uuid, Option<i64>)> = reservation_log::Entity::find()
             .select_only()
-            .column(stock_reservations::Column::OrderId)
-            .column(stock_reservations::Column::BookId)
-            .filter(stock_reservations::Column::Status.eq(reserved))
-            .group_by(stock_reservations::Column::OrderId)
-            .group_by(stock_reservations::Column::BookId)
-            .having(stock_reservations::Column::OrderId.count().gt(1))
+            .column(reservation_log::Column::BookId)
+            .column_as(reservation_log::Column::Quantity.sum(), "copies")
+            .filter(reservation_log::Column::Status.eq(reserved))
+            .group_by(reservation_log::Column::BookId)
             .into_tuple()
             .all(&self.db)
             .await?;
-        Ok((logged.len() + keyed.len()) as u64)
+        let keyed_rows: Vec<(uuid::Uuid, Option<i64>)> = stock_reservations::Entity::find()
+            .select_only()
+            .column(stock_reservations::Column::BookId)
+            .column_as(stock_reservations::Column::Quantity.sum(), "copies")
+            .filter(stock_reservations::Column::Status.eq(reserved))
+            .group_by(stock_reservations::Column::BookId)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        for (book, copies) in log_rows.into_iter().chain(keyed_rows) {
+            *recorded.entry(book).or_default() += copies.unwrap_or(0);
+        }
+        let stock: Vec<(uuid::Uuid, i32)> = stock_items::Entity::find()
+            .select_only()
+            .column(stock_items::Column::BookId)
+            .column(stock_items::Column::Reserved)
+            .into_tuple()
+            .all(&self.db)
+            .await?;
+        let moved_for_nothing = stock
+            .into_iter()
+            .filter(|(book, moved)| i64::from(*moved) > recorded.get(book).copied().unwrap_or(0))
+            .count();
+        Ok((logged.len() + moved_for_nothing) as u64)
+    }
+
+    /// Sessions of this database waiting for a lock that another holds, from PostgreSQL's
+    /// `pg_stat_activity`: proof that a concurrent copy is blocked rather than merely slow.
+    /// `None` on SQLite, which shows no lock waits.
+    pub async fn sessions_waiting_for_a_lock(&self) -> Result<Option<i64>, DbErr> {
+        if self.db.get_database_backend() != DbBackend::Postgres {
+            return Ok(None);
+        }
+        let row = self
+            .db
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                "SELECT count(*) AS waiting FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            ))
+            .await?
+            .ok_or_else(|| DbErr::RecordNotFound("count(*) returned no row".into()))?;
+        Ok(Some(row.try_get("", "waiting")?))
     }
 
     pub async fn inbox_entry(

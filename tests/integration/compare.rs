@@ -9,6 +9,8 @@ use inventory_benches::compare::{
 use inventory_infra::{DetectMode, HandlerKind, NaturalKeyPath};
 use inventory_tests::nats::shared_url;
 use inventory_tests::postgres::server_url;
+use inventory_tests::{TestDb, placed};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 async fn settings(seed: u64, database_url: String) -> Settings {
     Settings {
@@ -75,6 +77,12 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
         // broker redelivered on its own.
         assert_eq!(row.delivered, 78 + row.unplanned_deliveries, "{table}");
         assert_eq!(row.ack_withheld, 6, "{table}");
+        // The two-copies case is a race only if the copies were handled at the same time.
+        assert!(
+            row.copies_at_once > 0,
+            "{}: no pair overlapped\n{table}",
+            row.strategy
+        );
     }
     assert!(report.as_predicted, "{table}");
 
@@ -151,4 +159,25 @@ async fn overlapping_rates_are_refused_before_anything_is_made() {
     wrong.rates.concurrent_copies = 0.7;
     let error = compare::run(&wrong).await.unwrap_err();
     assert!(error.to_string().contains("add up"), "{error}");
+}
+
+/// The "orders >1" figure sees an order the natural key reserved twice: its table keeps one row
+/// per order, so the second reservation shows only as stock moved past the rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_order_the_natural_key_reserved_twice_is_counted() {
+    let db = TestDb::new(inventory_tests::Backend::Postgres).await;
+    let handler = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
+    let book = db.dune(10).await;
+    assert!(handler.handle(&placed(book, 2)).await.unwrap().processed());
+    assert_eq!(db.stock.orders_reserved_more_than_once().await.unwrap(), 0);
+    // What a handler that moves stock on a copy whose key was taken leaves behind.
+    db.conn
+        .execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "UPDATE stock_items SET reserved = reserved + 2 WHERE book_id = $1",
+            [book.as_uuid().into()],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(db.stock.orders_reserved_more_than_once().await.unwrap(), 1);
 }

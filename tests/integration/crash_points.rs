@@ -8,14 +8,14 @@
 //! The handler-level versions of these (no broker) are in `natural.rs`, `inbox.rs`, `naive.rs`
 //! and `email.rs`; here the redelivery is JetStream's own.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
-use inventory_domain::{BookId, ConsumerName, CrashPoint};
+use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, Outcome};
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider,
-    MessageHandler, NaturalKeyPath,
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind,
+    InMemoryEmailProvider, MessageHandler, NaturalKeyPath,
 };
 use inventory_service::runtime::Stats;
 use inventory_tests::broker::{Broker, RunningService, eventually};
@@ -166,6 +166,23 @@ async fn check_then_process_crash_after_commit_is_redelivered_and_reserves_twice
     .await;
 }
 
+/// A handler that keeps each delivery's outcome, so a test can say what the redelivery did.
+#[derive(Clone)]
+struct Recorded<H> {
+    inner: H,
+    outcomes: Arc<Mutex<Vec<&'static str>>>,
+}
+
+impl<H: MessageHandler> MessageHandler for Recorded<H> {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let result = self.inner.handle(message).await;
+        if let Ok(outcome) = &result {
+            self.outcomes.lock().unwrap().push(outcome.label());
+        }
+        result
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn email_crash_at_every_point_is_redelivered_and_mails_once() {
     let db = TestDb::new(Backend::Postgres).await;
@@ -185,26 +202,45 @@ async fn email_crash_at_every_point_is_redelivered_and_mails_once() {
             } else {
                 InMemoryEmailProvider::without_lookup()
             };
-            let run = crash_and_redeliver(db, || {
-                EmailConsumer::new(db.conn.clone(), name, provider.clone())
-                    .with_faults(Faults::crash_once_at(point))
+            let outcomes = Arc::default();
+            let run = crash_and_redeliver(db, || Recorded {
+                inner: EmailConsumer::new(db.conn.clone(), name, provider.clone())
+                    .with_faults(Faults::crash_once_at(point)),
+                outcomes: Arc::clone(&outcomes),
             })
             .await;
-            (point, lookup, provider.sent_count(), run)
+            let outcomes = outcomes.lock().unwrap().clone();
+            let sent = (provider.sent_count(), provider.send_calls());
+            (point, lookup, sent, outcomes, run)
         }
     }))
     .await;
-    for (point, lookup, sent, run) in runs {
+    for (point, lookup, sent, outcomes, run) in runs {
         let context = format!("email (lookup: {lookup}) crashed {}", point.as_str());
-        // With a lookup the redelivery finds out and completes: one email. Without one it
+        // With a lookup the redelivery finds out: after a crash before the send it sends, after
+        // one after the send it completes the record without sending again. Without one it
         // cannot tell a crash before the send from one after it, so it never sends blind: a
-        // needs-reconciliation dead letter for an operator, and at most one email.
-        let (expected_sent, expected_letters): (usize, &[&str]) = match (lookup, point) {
-            (true, _) => (1, &[]),
-            (false, CrashPoint::AfterSend) => (1, &["needs-reconciliation"]),
-            (false, _) => (0, &["needs-reconciliation"]),
-        };
-        assert_eq!(sent, expected_sent, "{context}: emails sent");
+        // needs-reconciliation dead letter for an operator, and at most one email. The provider
+        // drops a repeat under a delivered key, so the calls to `send` are what is counted.
+        let (expected_calls, redelivery, expected_letters): (usize, &str, &[&str]) =
+            match (lookup, point) {
+                (true, CrashPoint::AfterSend) => (1, "reconciled", &[]),
+                (true, _) => (1, "processed", &[]),
+                (false, CrashPoint::AfterSend) => {
+                    (1, "needs-reconciliation", &["needs-reconciliation"])
+                }
+                (false, _) => (0, "needs-reconciliation", &["needs-reconciliation"]),
+            };
+        assert_eq!(
+            sent,
+            (expected_calls, expected_calls),
+            "{context}: emails delivered, send calls"
+        );
+        assert_eq!(
+            outcomes,
+            [redelivery],
+            "{context}: the redelivery's outcome"
+        );
         assert_eq!(run.dead_letter_reasons, expected_letters, "{context}");
     }
 }

@@ -26,6 +26,12 @@ fn email_consumer<P: EmailProvider + Clone>(
     )
 }
 
+/// Emails delivered, and calls to `send`: the provider drops a repeat under a delivered key, so
+/// only the calls show a consumer that sent twice.
+fn sent_and_calls(provider: &InMemoryEmailProvider) -> (usize, usize) {
+    (provider.sent_count(), provider.send_calls())
+}
+
 fn needs_reconciliation(outcome: &Outcome) -> bool {
     matches!(outcome, Outcome::Refused(refusal) if refusal.reason == DeadLetterReason::NeedsReconciliation)
 }
@@ -36,7 +42,7 @@ async fn email_is_sent_once_and_a_redelivery_skipped(db: TestDb) {
     let message = placed(db.dune(10).await, 2);
     assert!(consumer.handle(&message).await.unwrap().processed());
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
     let record = db
         .stock
         .inbox_entry(&message.key.storage_key(), EMAIL_CONSUMER)
@@ -67,7 +73,7 @@ async fn email_crash_after_send_needs_reconciliation_not_a_resend(db: TestDb) {
             &consumer.handle(&message).await.unwrap()
         ));
     }
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
 }
 
 /// A provider that refuses its first call, then sends.
@@ -101,7 +107,7 @@ async fn email_provider_refusal_frees_the_claim_for_the_retry(db: TestDb) {
         .unwrap();
     assert_eq!(record, None);
     assert!(consumer.handle(&message).await.unwrap().processed());
-    assert_eq!(provider.inner.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider.inner), (1, 1));
 }
 
 async fn email_each_consumer_name_has_its_own_record(db: TestDb) {
@@ -112,7 +118,10 @@ async fn email_each_consumer_name_has_its_own_record(db: TestDb) {
     let two = email_consumer(&db, "emails-b", second.clone());
     assert!(one.handle(&message).await.unwrap().processed());
     assert!(two.handle(&message).await.unwrap().processed());
-    assert_eq!((first.sent_count(), second.sent_count()), (1, 1));
+    assert_eq!(
+        (sent_and_calls(&first), sent_and_calls(&second)),
+        ((1, 1), (1, 1))
+    );
 }
 
 async fn completed(db: &TestDb, key: &str) -> bool {
@@ -140,7 +149,7 @@ async fn email_crash_after_send_with_lookup_is_reconciled_without_a_resend(db: T
     );
     assert!(completed(&db, &key).await);
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
 }
 
 async fn email_crash_after_claim_with_lookup_sends_once_on_redelivery(db: TestDb) {
@@ -152,16 +161,16 @@ async fn email_crash_after_claim_with_lookup_sends_once_on_redelivery(db: TestDb
         consumer.with_faults(faults)
     })
     .await;
-    assert_eq!(provider.sent_count(), 0);
+    assert_eq!(sent_and_calls(&provider), (0, 0));
     assert!(!completed(&db, &key).await, "claimed, nothing sent");
     assert_eq!(
         consumer.handle(&message).await.unwrap(),
         Outcome::Processed(Effect::EmailSent)
     );
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
     assert!(completed(&db, &key).await);
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
 }
 
 /// The reconciling delivery passes the same crash points as a first one: dying after its own
@@ -179,14 +188,14 @@ async fn email_crash_after_a_reconciling_send_is_reconciled_next(db: TestDb) {
         consumer.with_faults(faults)
     })
     .await;
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
     assert!(!completed(&db, &key).await);
     assert_eq!(
         consumer.handle(&message).await.unwrap(),
         Outcome::Processed(Effect::EmailReconciled)
     );
     assert!(completed(&db, &key).await);
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 1));
 }
 
 /// A provider with lookups whose first lookup fails.
@@ -234,12 +243,13 @@ async fn email_lookup_failure_is_retryable_and_keeps_the_record(db: TestDb) {
         consumer.handle(&message).await.unwrap(),
         Outcome::Processed(Effect::EmailReconciled)
     );
-    assert_eq!(provider.inner.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider.inner), (1, 1));
 }
 
 /// Two copies at once: the first is held between its claim and its send, the second finds the
 /// record processing, looks up NotSent and sends. When the first goes on it sends under the same
-/// idempotency key, which the provider drops: one email.
+/// idempotency key, which the provider drops: two calls, one email. A third copy finds the record
+/// completed and calls nothing.
 async fn email_two_copies_at_once_send_one_email(db: TestDb) {
     let provider = InMemoryEmailProvider::with_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
@@ -256,8 +266,10 @@ async fn email_two_copies_at_once_send_one_email(db: TestDb) {
     hold.release();
     let first = first.await.unwrap().unwrap();
     assert_eq!(first, Outcome::Processed(Effect::EmailSent));
-    assert_eq!(provider.sent_count(), 1);
+    assert_eq!(sent_and_calls(&provider), (1, 2));
     assert!(completed(&db, &message.key.storage_key()).await);
+    assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(sent_and_calls(&provider), (1, 2));
 }
 
 /// A file path of its own under the temporary directory, removed when the test ends.
@@ -315,6 +327,11 @@ async fn email_with_a_file_mailbox_is_reconciled_after_a_restart(db: TestDb) {
     );
     assert!(completed(&db, &key).await);
     assert_eq!(mailbox.sent_count().await, 1);
+    assert_eq!(
+        mailbox.send_calls(),
+        0,
+        "reconciled by the lookup, not sent again"
+    );
     let lines = lines_in(&file.0);
     assert_eq!(lines.len(), 1);
     assert!(lines[0].contains(&key));
@@ -362,6 +379,11 @@ async fn file_mailbox_sends_once_per_idempotency_key() {
     mailbox.send("order-1", &email).await.unwrap();
     mailbox.send("order-1", &email).await.unwrap();
     assert_eq!(mailbox.sent_count().await, 1);
+    assert_eq!(
+        mailbox.send_calls(),
+        2,
+        "the repeat is counted, not written"
+    );
     assert_eq!(lines_in(&file.0).len(), 1);
     drop(mailbox);
 

@@ -6,6 +6,7 @@ use inventory_domain::{
 };
 use inventory_infra::{Handler, HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Statement, TransactionTrait};
 
 async fn fixture() -> (TestDb, Handler) {
     let db = TestDb::new(Backend::Postgres).await;
@@ -127,11 +128,34 @@ async fn one_statement_lets_a_cancellation_that_came_first_win() {
     assert_eq!(db.reserved(book).await, 0);
 }
 
+/// A transaction of the test's own holding a row lock, so that handlers started meanwhile are
+/// all seen waiting inside their statements at once before any of them goes on.
+async fn hold(db: &TestDb, sql: &str, id: uuid::Uuid) -> DatabaseTransaction {
+    let blocker = db.conn.begin().await.unwrap();
+    blocker
+        .execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            sql,
+            [id.into()],
+        ))
+        .await
+        .unwrap();
+    blocker
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_lanes_with_copies_of_one_order_reserve_it_once() {
     let (db, handler) = fixture().await;
     let book = db.dune(1_000).await;
     let message = placed(book, 2);
+    // Every copy reads "no reservation yet", then queues on the stock row held here: twelve
+    // statements in flight together, proof that they race rather than run one after another.
+    let blocker = hold(
+        &db,
+        "SELECT 1 FROM stock_items WHERE book_id = $1 FOR UPDATE",
+        book.as_uuid(),
+    )
+    .await;
     let copies: Vec<_> = (0..12)
         .map(|i| {
             let lane = handler.clone();
@@ -143,6 +167,8 @@ async fn many_lanes_with_copies_of_one_order_reserve_it_once() {
             tokio::spawn(async move { lane.handle(&copy).await })
         })
         .collect();
+    db.wait_for_lock_waiters(12).await;
+    blocker.rollback().await.unwrap();
     let mut processed = 0;
     for copy in copies {
         let outcome = copy.await.unwrap().unwrap();
@@ -162,11 +188,26 @@ async fn a_cancellation_racing_its_placement_always_wins() {
         let place = placed_for(order, book, 3);
         let cancel = Message::cancelled(order);
         let (a, b) = (handler.clone(), handler.clone());
+        // Both claim the order's row, held here until both are seen waiting for it: then they
+        // race for it, whichever was started first.
+        let blocker = hold(
+            &db,
+            "INSERT INTO order_states (order_id) VALUES ($1)",
+            order.as_uuid(),
+        )
+        .await;
         let (placed, cancelled) = if round % 2 == 0 {
-            tokio::join!(a.handle(&place), b.handle(&cancel))
+            let place = tokio::spawn(async move { a.handle(&place).await });
+            let cancel = tokio::spawn(async move { b.handle(&cancel).await });
+            db.wait_for_lock_waiters(2).await;
+            blocker.rollback().await.unwrap();
+            (place.await.unwrap(), cancel.await.unwrap())
         } else {
-            let (c, p) = tokio::join!(b.handle(&cancel), a.handle(&place));
-            (p, c)
+            let cancel = tokio::spawn(async move { b.handle(&cancel).await });
+            let place = tokio::spawn(async move { a.handle(&place).await });
+            db.wait_for_lock_waiters(2).await;
+            blocker.rollback().await.unwrap();
+            (place.await.unwrap(), cancel.await.unwrap())
         };
         placed.unwrap();
         cancelled.unwrap();

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use inventory_domain::{CrashPoint, Message, Outcome};
 use inventory_infra::jetstream::dlq_headers;
@@ -12,6 +13,7 @@ use inventory_service::runtime::Ending;
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::DbErr;
+use tokio::sync::Barrier;
 
 async fn reserved_reaches(db: &TestDb, book: inventory_domain::BookId, copies: i64) {
     eventually(&format!("{copies} copies reserved"), || async {
@@ -360,6 +362,39 @@ async fn cloud_events_and_cancellations_flow_through() {
     service.stop().await;
 }
 
+/// Holds each instance's first message until the other instance is handling one too: proof
+/// that the two instances handled messages at the same time, not one after the other.
+#[derive(Clone)]
+struct MeetsTheOther {
+    inner: Handler,
+    first: Arc<AtomicBool>,
+    both: Arc<Barrier>,
+    met: Arc<AtomicBool>,
+}
+
+impl MeetsTheOther {
+    fn new(inner: Handler, both: &Arc<Barrier>) -> Self {
+        Self {
+            inner,
+            first: Arc::default(),
+            both: Arc::clone(both),
+            met: Arc::default(),
+        }
+    }
+}
+
+impl MessageHandler for MeetsTheOther {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        if !self.first.swap(true, Ordering::SeqCst) {
+            // Bounded, so a run where the other instance never handles anything fails on the
+            // assertion below instead of hanging its drain.
+            let met = tokio::time::timeout(Duration::from_secs(30), self.both.wait()).await;
+            self.met.store(met.is_ok(), Ordering::SeqCst);
+        }
+        self.inner.handle(message).await
+    }
+}
+
 /// Two instances share one durable consumer; every kind of duplicate is in the stream.
 async fn competing_instances(db: TestDb) {
     let broker = Broker::new().await;
@@ -383,6 +418,12 @@ async fn competing_instances(db: TestDb) {
     broker.consumer(10).await;
     let handler = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let crashing = handler.with_faults(Faults::crash_once_at(CrashPoint::AfterCommit));
+    let both = Arc::new(Barrier::new(2));
+    let (handler, crashing) = (
+        MeetsTheOther::new(handler, &both),
+        MeetsTheOther::new(crashing, &both),
+    );
+    let met = [Arc::clone(&handler.met), Arc::clone(&crashing.met)];
     let first =
         RunningService::start(&broker, handler, db.conn.clone(), broker.settings(4, 10)).await;
     let second =
@@ -409,6 +450,10 @@ async fn competing_instances(db: TestDb) {
     assert!(second.stats.acked.load(Ordering::Relaxed) > 0);
     first.stop().await;
     second.stop().await;
+    assert!(
+        met.iter().all(|met| met.load(Ordering::SeqCst)),
+        "the instances never handled messages at the same time"
+    );
     assert_eq!(db.reserved(book).await, expected);
 }
 

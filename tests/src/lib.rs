@@ -36,7 +36,6 @@ use std::time::Duration;
 use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, OrderId, Quantity, StockItem};
 use inventory_infra::db::{DatabaseConnection, FreshDatabase};
 use inventory_infra::{Faults, HandleError, Handler, HandlerKind, MessageHandler, StockRepository};
-use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -103,26 +102,21 @@ impl TestDb {
     /// Waits until some session of this database waits for a lock held by another: proof on
     /// PostgreSQL that a concurrent copy is blocked rather than merely slow.
     pub async fn wait_for_lock_waiter(&self) {
+        self.wait_for_lock_waiters(1).await;
+    }
+
+    /// Waits until `sessions` sessions of this database wait for locks at once: that many
+    /// handlers are inside their statements together.
+    pub async fn wait_for_lock_waiters(&self, sessions: i64) {
         assert_eq!(self.backend, Backend::Postgres);
-        let query = Statement::from_string(
-            DbBackend::Postgres,
-            "SELECT count(*) AS waiting FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        );
         for _ in 0..200 {
-            let row = self
-                .conn
-                .query_one_raw(query.clone())
-                .await
-                .unwrap()
-                .unwrap();
-            let waiting: i64 = row.try_get("", "waiting").unwrap();
-            if waiting > 0 {
+            let waiting = self.stock.sessions_waiting_for_a_lock().await.unwrap();
+            if waiting >= Some(sessions) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        panic!("no session ever waited for a lock");
+        panic!("never {sessions} sessions waiting for a lock at once");
     }
 }
 

@@ -13,6 +13,7 @@
 //! provider with a lookup API but no deduplication by key would not be safe here.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
@@ -167,10 +168,12 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
 
 /// A provider that keeps sent mail in memory and honours the idempotency key, for the demo and
 /// the tests. It comes in two kinds: with a lookup by key, and without one (like a provider with
-/// no lookup API), which answers [`SentLookup::Unknown`].
+/// no lookup API), which answers [`SentLookup::Unknown`]. It counts every call to `send` beside
+/// the mail delivered, since its deduplication would hide a consumer that sends twice.
 #[derive(Clone)]
 pub struct InMemoryEmailProvider {
     sent: Arc<Mutex<HashMap<String, StockReservedEmail>>>,
+    send_calls: Arc<AtomicUsize>,
     answers_lookups: bool,
 }
 
@@ -186,6 +189,7 @@ impl InMemoryEmailProvider {
     pub fn with_lookup() -> Self {
         Self {
             sent: Arc::default(),
+            send_calls: Arc::default(),
             answers_lookups: true,
         }
     }
@@ -194,16 +198,22 @@ impl InMemoryEmailProvider {
     pub fn without_lookup() -> Self {
         Self {
             sent: Arc::default(),
+            send_calls: Arc::default(),
             answers_lookups: false,
         }
     }
 
-    /// Distinct emails that went out.
+    /// Distinct emails delivered: one per idempotency key, however often it was sent.
     pub fn sent_count(&self) -> usize {
         self.sent
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .len()
+    }
+
+    /// Every call to `send`, repeats under a key already delivered included.
+    pub fn send_calls(&self) -> usize {
+        self.send_calls.load(Ordering::SeqCst)
     }
 }
 
@@ -213,6 +223,7 @@ impl EmailProvider for InMemoryEmailProvider {
         idempotency_key: &str,
         email: &StockReservedEmail,
     ) -> Result<(), ProviderError> {
+        self.send_calls.fetch_add(1, Ordering::SeqCst);
         self.sent
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

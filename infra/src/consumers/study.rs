@@ -4,13 +4,14 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::{ConsumerName, CrashPoint, Message, Outcome};
-use sea_orm::{DatabaseConnection, TransactionTrait};
+use inventory_domain::{ConsumerName, CrashPoint, Event, Message, Outcome};
+use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, TransactionTrait};
 
 use super::inbox::{claim_on_conflict, judge_lost_claim};
 use super::{
     DetectMode, HandleError, HandlerKind, StockConsumer, Strategy, begin_write, finish, work,
 };
+use crate::entities::stock_items;
 use crate::faults::Faults;
 
 /// A dedup set held apart from the database, as a cache such as Redis would hold it.
@@ -33,7 +34,8 @@ impl DedupCache {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimLastResult {
     pub outcome: Outcome,
-    /// The copy updated the stock row before it found out it was a duplicate.
+    /// The copy updated the stock row before it found out it was a duplicate: read from the
+    /// row inside its transaction, before and after the work (then rolled back).
     pub wrote_stock_before_claim: bool,
 }
 
@@ -119,8 +121,14 @@ impl MistakenConsumer {
         let key = message.key.storage_key();
         let hash = message.payload_hash();
         let txn = begin_write(&c.db).await?;
+        let book = match &message.event {
+            Event::Placed(placed) => Some(placed.book_id.as_uuid()),
+            Event::Cancelled(_) => None,
+        };
+        let before = reserved_copies(&txn, book).await?;
         let worked = work::apply_logged(&txn, &key, &message.event).await;
-        let wrote_stock_before_claim = matches!(&worked, Ok(outcome) if outcome.processed());
+        // The database's word, not the code path's: the row as this transaction sees it moved.
+        let wrote_stock_before_claim = reserved_copies(&txn, book).await? != before;
         let result = match worked {
             Ok(outcome) if outcome.processed() => {
                 match claim_on_conflict(&txn, &key, &c.consumer, &hash, true).await {
@@ -137,4 +145,18 @@ impl MistakenConsumer {
             wrote_stock_before_claim,
         })
     }
+}
+
+/// The reserved copies of `book`'s stock row as `txn` sees it.
+async fn reserved_copies(
+    txn: &DatabaseTransaction,
+    book: Option<uuid::Uuid>,
+) -> Result<Option<i32>, DbErr> {
+    let Some(book) = book else {
+        return Ok(None);
+    };
+    Ok(stock_items::Entity::find_by_id(book)
+        .one(txn)
+        .await?
+        .map(|row| row.reserved))
 }
