@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use inventory_domain::{BookId, Message};
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::OrderPublisher;
+use inventory_infra::jetstream::{self, OrderPublisher};
 use inventory_infra::{HandlerKind, NaturalKeyPath};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::nats::NatsServer;
@@ -163,7 +163,10 @@ async fn nats_stopped_and_restarted_mid_stream_loses_nothing() {
     })
     .await;
     server.stop().await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    eventually("the service's client sees NATS gone", || async {
+        !jetstream::is_connected(&broker.client)
+    })
+    .await;
     assert!(
         service.is_running(),
         "the service stays up while NATS is down"
@@ -192,11 +195,20 @@ async fn a_publish_retried_across_a_broker_restart_is_stored_once() {
     let publisher = broker.publisher();
     let message = placed(BookId::new_v7(), 2);
     server.stop().await;
+    eventually("the client sees NATS gone", || async {
+        !jetstream::is_connected(&broker.client)
+    })
+    .await;
+    let (started, publish_started) = tokio::sync::oneshot::channel();
     let publishing = tokio::spawn({
         let message = message.clone();
-        async move { publisher.publish(&message).await }
+        async move {
+            let _ = started.send(());
+            publisher.publish(&message).await
+        }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The publish is under way against a server that is down before it comes back.
+    publish_started.await.unwrap();
     server.start_again().await;
     publishing.await.unwrap().unwrap();
     // Whatever attempts reached the server, they all carried the same Nats-Msg-Id.
