@@ -88,6 +88,31 @@ fn sample(scrape: &str, name_and_labels: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Waits until a `serve` fetches from the durable consumer `name`: past its start-up checks
+/// (the refused run before it created the consumer already).
+async fn wait_until_fetching(setup: &Setup, name: &str) {
+    let client = inventory_infra::jetstream::connect(
+        &inventory_tests::nats::shared_url().await,
+        "operating test",
+    )
+    .await
+    .unwrap();
+    let js = inventory_infra::jetstream::context(client);
+    inventory_tests::broker::eventually(&format!("a pull on consumer {name}"), || async {
+        let Ok(stream) = js.get_stream(&setup.names.stream).await else {
+            return false;
+        };
+        let Ok(mut consumer) = stream
+            .get_consumer::<async_nats::jetstream::consumer::pull::Config>(name)
+            .await
+        else {
+            return false;
+        };
+        consumer.info().await.is_ok_and(|info| info.num_waiting > 0)
+    })
+    .await;
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -151,7 +176,7 @@ async fn unlimited_deliveries_refuse_any_retention_unless_accepted() {
     let mut accepted = args.to_vec();
     accepted.push("--accept-short-retention");
     let service = setup.serve(&accepted[1..]);
-    std::thread::sleep(Duration::from_secs(2));
+    wait_until_fetching(&setup, "unlimited").await;
     let (status, logs) = stop(service);
     assert!(status.success(), "{logs}");
     assert!(

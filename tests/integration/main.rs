@@ -13,6 +13,7 @@ mod differential;
 mod dlq;
 mod email;
 mod harness;
+mod health;
 mod inbox;
 mod lock_order;
 mod migrations;

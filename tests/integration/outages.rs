@@ -3,15 +3,14 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use inventory_domain::{BookId, Message, StockItem};
-use inventory_infra::HandlerKind;
-use inventory_infra::db::FreshDatabase;
-use inventory_infra::jetstream::OrderPublisher;
-use inventory_infra::{NaturalKeyPath, StockRepository};
+use inventory_domain::{BookId, Message};
+use inventory_infra::db::DatabaseConnection;
+use inventory_infra::jetstream::{self, OrderPublisher};
+use inventory_infra::{HandlerKind, NaturalKeyPath};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::nats::NatsServer;
-use inventory_tests::pg_server::PostgresServer;
 use inventory_tests::{Backend, TestDb, placed};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 fn workload(book: BookId, orders: usize) -> (Vec<Message>, i64) {
     let messages: Vec<Message> = (0..orders)
@@ -33,45 +32,91 @@ async fn publish_all(publisher: &OrderPublisher, messages: &[Message]) {
     }
 }
 
+/// Longer than the whole retry budget of [`MAX_DELIVER`] deliveries (a 50 ms nak, a 1 s ack
+/// wait): a loop that went on fetching while the database is down would dead-letter messages
+/// as `max-deliveries`.
+const OUTAGE: Duration = Duration::from_secs(4);
+const MAX_DELIVER: i64 = 2;
+
+/// A test database cut off as a failing network or a restarting server does: its sessions
+/// closed and new ones refused at once. (A stopped server is not enough: sqlx retries a
+/// refused TCP connection for the whole acquire timeout, so every attempt outlasts the retry
+/// budget whether or not the loop keeps fetching.)
+struct Cut {
+    admin: DatabaseConnection,
+    name: String,
+}
+
+impl Cut {
+    async fn new(db: &TestDb) -> Self {
+        let row = db
+            .conn
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                "SELECT current_database() AS name",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        let admin = inventory_infra::db::connect(&inventory_tests::postgres::server_url().await, 1)
+            .await
+            .unwrap();
+        Self {
+            admin,
+            name: row.try_get("", "name").unwrap(),
+        }
+    }
+
+    async fn allow_connections(&self, allow: bool) {
+        let name = &self.name;
+        self.admin
+            .execute_unprepared(&format!(
+                "ALTER DATABASE \"{name}\" WITH ALLOW_CONNECTIONS {allow}"
+            ))
+            .await
+            .unwrap();
+        if !allow {
+            self.admin
+                .execute_unprepared(&format!(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+                ))
+                .await
+                .unwrap();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_stopped_and_restarted_mid_stream_loses_nothing() {
-    let mut server = PostgresServer::start().await;
-    let fresh = FreshDatabase::create(Some(&server.url()), "inventory_outage", 4)
-        .await
-        .unwrap();
-    let stock = StockRepository::new(fresh.conn.clone());
-    let book = BookId::new_v7();
-    stock
-        .put(&StockItem::new(book, "Dune", 100_000).unwrap())
-        .await
-        .unwrap();
+async fn database_cut_off_longer_than_the_retry_budget_loses_and_dead_letters_nothing() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let book = db.dune(100_000).await;
     let broker = Broker::new().await;
     let (messages, expected) = workload(book, 300);
     publish_all(&broker.publisher(), &messages).await;
 
-    let handler = HandlerKind::NaturalKey(NaturalKeyPath::Orm)
-        .build(
-            &fresh.conn,
-            inventory_domain::ConsumerName::parse("outage").unwrap(),
-            None,
-        )
-        .unwrap();
-    let service =
-        RunningService::start(&broker, handler, fresh.conn.clone(), broker.settings(4, 50)).await;
+    let service = RunningService::start(
+        &broker,
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
+        db.conn.clone(),
+        broker.settings(4, MAX_DELIVER),
+    )
+    .await;
     eventually("some messages processed", || async {
         service.stats.acked.load(Ordering::Relaxed) >= 40
     })
     .await;
-    server.stop().await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cut = Cut::new(&db).await;
+    cut.allow_connections(false).await;
+    // The outage itself, not a wait for something to happen.
+    tokio::time::sleep(OUTAGE).await;
     assert!(
         service.is_running(),
         "the service stays up while the database is down"
     );
-    server.start_again().await;
+    cut.allow_connections(true).await;
 
     eventually("every order reserved", || async {
-        matches!(stock.get(book).await, Ok(Some(item)) if item.reserved == expected)
+        db.reserved(book).await == expected
     })
     .await;
     eventually("nothing pending", || async {
@@ -79,13 +124,21 @@ async fn postgres_stopped_and_restarted_mid_stream_loses_nothing() {
         state.pending == 0 && state.ack_pending == 0
     })
     .await;
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    let dead_letters = broker.dead_letters().await;
+    assert!(
+        dead_letters.is_empty(),
+        "dead-lettered during the outage: {:?}",
+        dead_letters
+            .iter()
+            .map(|letter| letter.header("Dlq-Reason"))
+            .collect::<Vec<_>>()
+    );
     assert!(
         service.stats.retried.load(Ordering::Relaxed) > 0,
         "the outage was felt"
     );
     service.stop().await;
-    assert_eq!(stock.get(book).await.unwrap().unwrap().reserved, expected);
+    assert_eq!(db.reserved(book).await, expected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,7 +163,10 @@ async fn nats_stopped_and_restarted_mid_stream_loses_nothing() {
     })
     .await;
     server.stop().await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    eventually("the service's client sees NATS gone", || async {
+        !jetstream::is_connected(&broker.client)
+    })
+    .await;
     assert!(
         service.is_running(),
         "the service stays up while NATS is down"
@@ -139,11 +195,20 @@ async fn a_publish_retried_across_a_broker_restart_is_stored_once() {
     let publisher = broker.publisher();
     let message = placed(BookId::new_v7(), 2);
     server.stop().await;
+    eventually("the client sees NATS gone", || async {
+        !jetstream::is_connected(&broker.client)
+    })
+    .await;
+    let (started, publish_started) = tokio::sync::oneshot::channel();
     let publishing = tokio::spawn({
         let message = message.clone();
-        async move { publisher.publish(&message).await }
+        async move {
+            let _ = started.send(());
+            publisher.publish(&message).await
+        }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The publish is under way against a server that is down before it comes back.
+    publish_started.await.unwrap();
     server.start_again().await;
     publishing.await.unwrap().unwrap();
     // Whatever attempts reached the server, they all carried the same Nats-Msg-Id.
