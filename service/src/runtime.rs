@@ -327,10 +327,13 @@ async fn lane<H: MessageHandler, S>(
 {
     let batch_size = worker.lanes.batch_size;
     loop {
-        if worker.database_suspect.swap(false, Ordering::Relaxed)
-            && !wait_for_database(&db, &stop).await
-        {
-            return;
+        // Every lane holds while the database is suspect, not only the first to notice: a lane
+        // that fetched on would burn its message's deliveries on an outage.
+        if worker.database_suspect.load(Ordering::Relaxed) {
+            if !wait_for_database(&db, &stop).await {
+                return;
+            }
+            worker.database_suspect.store(false, Ordering::Relaxed);
         }
         let mut batch = Vec::with_capacity(batch_size);
         {
@@ -376,13 +379,19 @@ async fn lane<H: MessageHandler, S>(
 /// nothing is fetched, so messages are not burned through their delivery attempts.
 async fn wait_for_database(db: &DatabaseConnection, shutdown: &CancellationToken) -> bool {
     let mut delay = Duration::from_millis(200);
+    let mut was_down = false;
     loop {
         match db.ping().await {
             Ok(()) => {
-                tracing::info!("database reachable; consuming");
+                if was_down {
+                    tracing::info!("database reachable; consuming");
+                }
                 return true;
             }
-            Err(error) => tracing::warn!(%error, "database unreachable; not fetching"),
+            Err(error) => {
+                was_down = true;
+                tracing::warn!(%error, "database unreachable; not fetching");
+            }
         }
         tokio::select! {
             () = shutdown.cancelled() => return false,

@@ -98,7 +98,7 @@ async fn database_cut_off_longer_than_the_retry_budget_loses_and_dead_letters_no
         &broker,
         db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
         db.conn.clone(),
-        broker.settings(4, MAX_DELIVER),
+        broker.settings(10, MAX_DELIVER),
     )
     .await;
     eventually("some messages processed", || async {
