@@ -16,7 +16,7 @@ const MIN_IN_FLIGHT: usize = 10;
 
 /// One chaos run: `orders` for `served` (10% resent with the same id, and 20% under a new id
 /// where the strategy catches those), published `chunk` at a time every `pause`, so the
-/// publishing lasts about 15 s and the kills land while messages flow.
+/// publishing lasts 15 to 20 s and the kills land while messages flow.
 struct Chaos {
     label: &'static str,
     served: Served,
@@ -142,8 +142,8 @@ async fn kill_9_under_the_batch_statement_neither_loses_nor_doubles_a_reservatio
         served: Served::NaturalKey,
         serve_args: &["--batch-size", "16"],
         orders: 3_000,
-        chunk: 200,
-        pause: Duration::from_millis(600),
+        chunk: 80,
+        pause: Duration::from_millis(400),
     })
     .await;
 }
@@ -156,8 +156,8 @@ async fn kill_9_under_the_inbox_reserves_each_same_id_copy_once() {
         served: Served::Inbox,
         serve_args: &[],
         orders: 2_000,
-        chunk: 150,
-        pause: Duration::from_millis(800),
+        chunk: 50,
+        pause: Duration::from_millis(400),
     })
     .await;
 }
@@ -170,8 +170,8 @@ async fn kill_9_under_the_email_mails_each_order_once() {
         served: Served::Email,
         serve_args: &[],
         orders: 2_000,
-        chunk: 150,
-        pause: Duration::from_millis(800),
+        chunk: 50,
+        pause: Duration::from_millis(400),
     })
     .await;
 }
