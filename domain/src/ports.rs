@@ -53,6 +53,9 @@ pub trait EmailProvider: Send + Sync {
 pub enum CrashPoint {
     /// The dedup check or claim ran; the work has not started.
     AfterDedupCheck,
+    /// The natural key's one statement (or batch statement) on PostgreSQL is about to run. It
+    /// is the check, the work and the commit at once, so nothing of it is written yet.
+    BeforeStatement,
     /// The work ran inside the transaction, which is not committed yet.
     BeforeCommit,
     /// The work committed; the dedup record (check-then-process) or the ack is still to come.
@@ -65,6 +68,7 @@ impl CrashPoint {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::AfterDedupCheck => "after-dedup-check",
+            Self::BeforeStatement => "before-statement",
             Self::BeforeCommit => "before-commit",
             Self::AfterCommit => "after-commit",
             Self::AfterSend => "after-send",

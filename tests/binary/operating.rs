@@ -1,13 +1,11 @@
 //! Operating `inventory serve` as a process: the horizon guard, the background purge, metrics
 //! and health while messages flow, the dead-letter commands, and secrets kept out of every log.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use inventory_domain::BookId;
-use inventory_tests::binary::BinaryRun;
+use inventory_tests::binary::{BinaryRun, free_port, http_get, sample};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
@@ -68,26 +66,6 @@ fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
     (output.status, text)
 }
 
-/// A plain HTTP/1.0 GET: (status, body); `None` while nothing listens.
-fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let status = response.split_whitespace().nth(1)?.parse().ok()?;
-    let body = response.split_once("\r\n\r\n")?.1.to_owned();
-    Some((status, body))
-}
-
-/// The value of the sample `name{labels}` in a scrape, 0 when absent.
-fn sample(scrape: &str, name_and_labels: &str) -> f64 {
-    scrape
-        .lines()
-        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Waits until a `serve` fetches from the durable consumer `name`: past its start-up checks
 /// (the refused run before it created the consumer already).
 async fn wait_until_fetching(setup: &Setup, name: &str) {
@@ -111,14 +89,6 @@ async fn wait_until_fetching(setup: &Setup, name: &str) {
         consumer.info().await.is_ok_and(|info| info.num_waiting > 0)
     })
     .await;
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

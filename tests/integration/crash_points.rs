@@ -11,13 +11,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, Outcome};
+use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, Outcome, ReservationStatus};
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind,
     InMemoryEmailProvider, MessageHandler, NaturalKeyPath,
 };
-use inventory_service::runtime::Stats;
+use inventory_service::runtime::{RuntimeSettings, Stats};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
@@ -43,20 +43,48 @@ async fn crash_and_redeliver<H: MessageHandler>(
     let broker = Broker::new().await;
     let book = db.dune(10).await;
     let message = placed(book, 2);
-    broker.publisher().publish(&message).await.unwrap();
-    let service = RunningService::start(
+    let (stats, dead_letter_reasons) = crash_in_loop(
         &broker,
+        db,
         make_handler(),
-        db.conn.clone(),
         broker.settings(2, 5),
+        std::slice::from_ref(&message),
     )
     .await;
+    assert_eq!(
+        stats.left_for_redelivery.load(Ordering::Relaxed),
+        1,
+        "the handler crashed once"
+    );
+    Run {
+        book,
+        order: message.event.order_id(),
+        stats,
+        dead_letter_reasons,
+    }
+}
+
+/// Publishes `messages`, runs `handler` on them in the loop until each has ended (after the
+/// redeliveries its crash causes) and nothing is left on the consumer; returns the loop's
+/// counts and the dead letters' reasons.
+async fn crash_in_loop<H: MessageHandler>(
+    broker: &Broker,
+    db: &TestDb,
+    handler: H,
+    settings: RuntimeSettings,
+    messages: &[Message],
+) -> (Arc<Stats>, Vec<String>) {
+    for message in messages {
+        broker.publisher().publish(message).await.unwrap();
+    }
+    let service = RunningService::start(broker, handler, db.conn.clone(), settings).await;
     let stats = service.stats.clone();
-    eventually("the crash and the redelivery's end", || async {
-        let ended = stats.acked.load(Ordering::Relaxed)
+    let published = messages.len() as u64;
+    eventually("every message ended, redeliveries included", || async {
+        stats.acked.load(Ordering::Relaxed)
             + stats.duplicates.load(Ordering::Relaxed)
-            + stats.dead_lettered.load(Ordering::Relaxed);
-        stats.left_for_redelivery.load(Ordering::Relaxed) == 1 && ended == 1
+            + stats.dead_lettered.load(Ordering::Relaxed)
+            == published
     })
     .await;
     eventually("nothing left on the consumer", || async {
@@ -71,12 +99,7 @@ async fn crash_and_redeliver<H: MessageHandler>(
         .iter()
         .map(|letter| letter.header(dlq_headers::REASON).unwrap_or("").to_owned())
         .collect();
-    Run {
-        book,
-        order: message.event.order_id(),
-        stats,
-        dead_letter_reasons,
-    }
+    (stats, dead_letter_reasons)
 }
 
 /// Runs every point of `strategy` at once and checks each against `expected(point)`: the
@@ -243,4 +266,95 @@ async fn email_crash_at_every_point_is_redelivered_and_mails_once() {
         );
         assert_eq!(run.dead_letter_reasons, expected_letters, "{context}");
     }
+}
+
+/// The points the natural key's default path passes: a placement the statement's two, a
+/// cancellation (which goes through the reference handler) the other two and `AfterCommit`.
+const STATEMENT_PATH_POINTS: [CrashPoint; 4] = [
+    CrashPoint::BeforeStatement,
+    CrashPoint::AfterDedupCheck,
+    CrashPoint::BeforeCommit,
+    CrashPoint::AfterCommit,
+];
+
+/// `kind` (the one statement, or the batch statement with lanes handing over up to 16
+/// messages) dies once at each point in turn, inside the loop, on a stream of two orders and
+/// the cancellation of one of them. One lane keeps the stream's order, so a placement reaches
+/// the statement's points first and only the cancellation reaches the reference's.
+async fn statement_path_crashes(kind: HandlerKind) {
+    let db = TestDb::new(Backend::Postgres).await;
+    let handler = db.consumer(kind);
+    let runs = futures::future::join_all(STATEMENT_PATH_POINTS.map(|point| {
+        let handler = handler.with_faults(Faults::crash_once_at(point));
+        let db = &db;
+        async move {
+            let broker = Broker::new().await;
+            let book = db.dune(10).await;
+            let kept = placed(book, 3);
+            let withdrawn = placed(book, 2);
+            let cancellation = Message::cancelled(withdrawn.event.order_id());
+            let mut settings = broker.settings(1, 5);
+            settings.handler = kind;
+            settings.batch_size = 16;
+            let (stats, letters) = crash_in_loop(
+                &broker,
+                db,
+                handler,
+                settings,
+                &[withdrawn.clone(), kept.clone(), cancellation],
+            )
+            .await;
+            (point, book, kept, withdrawn, stats, letters)
+        }
+    }))
+    .await;
+    for (point, book, kept, withdrawn, stats, letters) in runs {
+        let context = format!("{} crashed {}", kind.label(), point.as_str());
+        let crashed = stats.left_for_redelivery.load(Ordering::Relaxed);
+        // A crash in the batch statement loses the whole batch: every placement in it.
+        assert!(crashed >= 1, "{context}: the point was reached");
+        if kind == HandlerKind::NaturalKey(NaturalKeyPath::OneStatement)
+            || matches!(
+                point,
+                CrashPoint::AfterDedupCheck | CrashPoint::BeforeCommit
+            )
+        {
+            assert_eq!(crashed, 1, "{context}: one message crashed");
+        }
+        // Redelivered after the commit, each crashed message finds its own work done.
+        let duplicates = if point == CrashPoint::AfterCommit {
+            crashed
+        } else {
+            0
+        };
+        assert_eq!(
+            stats.duplicates.load(Ordering::Relaxed),
+            duplicates,
+            "{context}: the redeliveries' outcome"
+        );
+        assert!(letters.is_empty(), "{context}: {letters:?}");
+        assert_eq!(db.reserved(book).await, 3, "{context}: only the kept order");
+        for (order, status) in [
+            (&kept, ReservationStatus::Reserved),
+            (&withdrawn, ReservationStatus::Released),
+        ] {
+            let row = db
+                .stock
+                .reservation(order.event.order_id(), book)
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("{context}: no reservation row"));
+            assert_eq!(row.status, status, "{context}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_crash_at_every_point_is_redelivered_and_reserves_once() {
+    statement_path_crashes(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_statement_crash_at_every_point_is_redelivered_and_reserves_once() {
+    statement_path_crashes(HandlerKind::NaturalKey(NaturalKeyPath::Batch)).await;
 }

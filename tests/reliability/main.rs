@@ -5,9 +5,12 @@
 //! prints its figures (seed, kills, counts, throughput, memory) to stderr: add `--nocapture`.
 //!
 //! # Layout
-//! - `support`: running `inventory serve` as a process, killing and restarting it.
-//! - `kill9`: two instances SIGKILLed and restarted at random moments under a producer.
-//! - `outages`: PostgreSQL and NATS stopped or killed and restarted mid-stream.
+//! - `support`: running `inventory serve` as a process, killing and restarting it; `Served`,
+//!   the strategy a scenario runs and the promise checked after it.
+//! - `kill9`: instances SIGKILLed and restarted at random moments under a producer: the natural
+//!   key (one statement, and batches of 16), the inbox, the email.
+//! - `outages`: PostgreSQL and NATS stopped or killed and restarted mid-stream, under the
+//!   natural key, the inbox and the email.
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 #![expect(

@@ -7,13 +7,144 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::Context;
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Topology};
+use inventory_tests::binary::{free_port, http_get, sample};
 use inventory_tests::nats::{TestNames, unique_names};
-use inventory_tests::workload;
+use inventory_tests::workload::{self, Ledger, StreamState, Workload};
 use nix::sys::signal::Signal;
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use tokio::task::JoinHandle;
 
 pub(crate) use inventory_tests::binary::inventory as binary;
+
+/// The strategy a scenario's instances serve, and what it promises after the faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Served {
+    /// `--strategy natural`: every order reserved exactly once, resends under new ids included.
+    NaturalKey,
+    /// `--strategy inbox`: exact for copies under the same message id. A resend under a new id
+    /// is its known blind spot (it reserves again), so its workloads have none.
+    Inbox,
+    /// `--strategy email`: one mail per placed order in the mailbox file, none lost. One
+    /// instance: its file is the provider its lookup asks, so a crash after a send is
+    /// reconciled, not mailed again. Two instances would need two files (a mailbox is locked
+    /// by one process), and a redelivery on the other instance looks up the wrong file.
+    /// Message-id keyed like the inbox, so no resends under new ids either.
+    Email,
+}
+
+impl Served {
+    fn flag(self) -> &'static str {
+        match self {
+            Self::NaturalKey => "natural",
+            Self::Inbox => "inbox",
+            Self::Email => "email",
+        }
+    }
+
+    /// How many instances a scenario runs.
+    pub(crate) fn instances(self) -> usize {
+        if self == Self::Email { 1 } else { 2 }
+    }
+
+    /// Resends under a new message id a workload of `orders` carries: 20% where the strategy
+    /// catches them, none where it cannot.
+    pub(crate) fn new_id_resends(self, orders: usize) -> usize {
+        if self == Self::NaturalKey {
+            orders / 5
+        } else {
+            0
+        }
+    }
+
+    /// Asserts the strategy's promise after a scenario settled in `state`; a one-line summary.
+    pub(crate) async fn assert_promise(
+        self,
+        scenario: &Scenario,
+        db: &DatabaseConnection,
+        workload: &Workload,
+        state: StreamState,
+    ) -> String {
+        match self {
+            Self::NaturalKey | Self::Inbox => {
+                let ledger = if self == Self::Inbox {
+                    Ledger::Log
+                } else {
+                    Ledger::Reservations
+                };
+                let report = workload::check_ledger(db, workload, state, ledger).await;
+                report.assert_holds();
+                report.summary()
+            }
+            Self::Email => assert_one_mail_per_order(scenario, db, workload, state).await,
+        }
+    }
+}
+
+/// The email's promise: every placed order mailed exactly once with its book and quantity
+/// across the mailbox files, no mail for anything else, every email record completed, and
+/// every message acked.
+async fn assert_one_mail_per_order(
+    scenario: &Scenario,
+    db: &DatabaseConnection,
+    workload: &Workload,
+    state: StreamState,
+) -> String {
+    let mut mails = std::collections::HashMap::new();
+    for entry in std::fs::read_dir(&scenario.mail).unwrap().flatten() {
+        for line in std::fs::read_to_string(entry.path()).unwrap().lines() {
+            let mail: serde_json::Value = serde_json::from_str(line).unwrap();
+            let order: uuid::Uuid = mail["order_id"].as_str().unwrap().parse().unwrap();
+            let book: uuid::Uuid = mail["book_id"].as_str().unwrap().parse().unwrap();
+            let quantity = mail["quantity"].as_i64().unwrap();
+            mails
+                .entry(inventory_domain::OrderId::from(order))
+                .or_insert_with(Vec::new)
+                .push((book, quantity));
+        }
+    }
+    let sent: usize = mails.values().map(Vec::len).sum();
+    let exact = workload
+        .orders
+        .iter()
+        .filter(|(order, (book, quantity))| {
+            mails.get(*order).map(Vec::as_slice) == Some(&[(book.as_uuid(), *quantity)][..])
+        })
+        .count();
+    let row = db
+        .query_one_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "SELECT count(*) AS records, count(*) FILTER (WHERE completed_at IS NULL) AS open \
+             FROM inbox WHERE consumer = $1",
+            [scenario.names.consumer.clone().into()],
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    let records: i64 = row.try_get("", "records").unwrap();
+    let open: i64 = row.try_get("", "open").unwrap();
+    let summary = format!(
+        "{} orders, {exact} mailed exactly once; {sent} mails; {records} email records, {open} \
+         still processing; stream {} messages, ack floor {}, pending {}, unacked {}, \
+         redelivered {}, dead letters {}",
+        workload.orders.len(),
+        state.stream_messages,
+        state.ack_floor,
+        state.pending,
+        state.ack_pending,
+        state.redelivered,
+        state.dead_letters
+    );
+    assert_eq!(exact, workload.orders.len(), "{summary}");
+    assert_eq!(sent, workload.orders.len(), "{summary}");
+    // One record per message id: an order's same-id resends share it.
+    assert_eq!(records, workload.orders.len() as i64, "{summary}");
+    assert_eq!(open, 0, "{summary}");
+    assert!(state.settled(), "{summary}");
+    assert_eq!(state.dead_letters, 0, "{summary}");
+    summary
+}
 
 /// Where a scenario's instances run: database, NATS, names; their logs go to a scratch
 /// directory, removed when the scenario ends unless the test failed.
@@ -23,6 +154,10 @@ pub(crate) struct Scenario {
     pub(crate) database_url: String,
     pub(crate) nats_url: String,
     pub(crate) logs: PathBuf,
+    /// The email strategy's mailbox files, one per instance slot (`a`, `b`), kept across its
+    /// restarts.
+    mail: PathBuf,
+    pub(crate) served: Served,
     /// Extra `serve` flags for every instance.
     pub(crate) serve_args: Vec<String>,
     pub(crate) rust_log: String,
@@ -41,12 +176,16 @@ impl Scenario {
         };
         let logs = std::env::temp_dir().join(format!("inventory-{}", names.suffix));
         std::fs::create_dir_all(&logs).unwrap();
+        let mail = std::env::temp_dir().join(format!("inventory-{}-mail", names.suffix));
+        std::fs::create_dir_all(&mail).unwrap();
         Self {
             names,
             topology,
             database_url: database_url.to_owned(),
             nats_url: nats_url.to_owned(),
             logs,
+            mail,
+            served: Served::NaturalKey,
             serve_args: Vec::new(),
             rust_log: "info,sqlx=warn".into(),
         }
@@ -79,8 +218,12 @@ impl Scenario {
         )
     }
 
-    /// Starts `inventory serve --strategy natural` on the scenario's consumer.
+    /// Starts `inventory serve` with the scenario's strategy on its consumer. `label` names
+    /// the log; its part before a `-` is the instance's slot, which keeps its mailbox.
     pub(crate) fn spawn(&self, label: &str) -> Instance {
+        let slot = label.split('-').next().unwrap_or(label);
+        let mailbox = self.mail.join(format!("{slot}.jsonl"));
+        let metrics_port = free_port();
         let log = self.logs.join(format!("{label}.log"));
         let file = File::options()
             .create(true)
@@ -90,7 +233,10 @@ impl Scenario {
         let topology = &self.topology;
         let mut command = Command::new(binary());
         command
-            .args(["serve", "--strategy", "natural"])
+            .args(["serve", "--strategy", self.served.flag()])
+            .arg("--mailbox")
+            .arg(&mailbox)
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--consumer", &self.names.consumer])
             .args(["--stream", &topology.stream])
             .args(["--subject-prefix", &topology.subject_prefix])
@@ -112,6 +258,8 @@ impl Scenario {
         Instance {
             child: Some(command.spawn().unwrap()),
             label: label.to_owned(),
+            metrics_port,
+            consumer: self.names.consumer.clone(),
         }
     }
 
@@ -148,8 +296,13 @@ impl Drop for Scenario {
     fn drop(&mut self) {
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.logs);
+            let _ = std::fs::remove_dir_all(&self.mail);
         } else {
-            eprintln!("instance logs kept in {}", self.logs.display());
+            eprintln!(
+                "instance logs kept in {}, mailboxes in {}",
+                self.logs.display(),
+                self.mail.display()
+            );
         }
     }
 }
@@ -158,6 +311,8 @@ impl Drop for Scenario {
 pub(crate) struct Instance {
     child: Option<Child>,
     pub(crate) label: String,
+    metrics_port: u16,
+    consumer: String,
 }
 
 impl Instance {
@@ -170,6 +325,19 @@ impl Instance {
         self.child
             .as_mut()
             .is_some_and(|child| matches!(child.try_wait(), Ok(None)))
+    }
+
+    /// Messages its handlers hold now, from its own `/metrics`; `None` while it does not
+    /// answer (starting up).
+    pub(crate) fn in_flight(&self) -> Option<f64> {
+        let (_, scrape) = http_get(self.metrics_port, "/metrics")?;
+        Some(sample(
+            &scrape,
+            &format!(
+                "inventory_messages_in_flight{{consumer=\"{}\"}}",
+                self.consumer
+            ),
+        ))
     }
 
     /// SIGKILL and reap: no drain, no ack, nothing flushed.

@@ -317,16 +317,42 @@ impl Report {
     }
 }
 
-/// Compares the database (PostgreSQL, the scenario's own) and the consumer with what
-/// `workload` asked for. Every reservation row in the database is looked at, so a row for an
-/// order the workload never placed shows up too.
+/// Where a strategy's reservations are read back from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ledger {
+    /// The natural key's own rows, one per `(order_id, book_id)`.
+    Reservations,
+    /// `reservation_log`: one row per reservation made, written by the strategies without a
+    /// natural key (the inbox), so an order reserved twice has two rows.
+    Log,
+}
+
+/// [`check_ledger`] on the natural key's rows.
 pub async fn check(db: &DatabaseConnection, workload: &Workload, stream: StreamState) -> Report {
+    check_ledger(db, workload, stream, Ledger::Reservations).await
+}
+
+/// Compares the database (PostgreSQL, the scenario's own) and the consumer with what
+/// `workload` asked for. Every row of `ledger` is looked at, so a row for an order the
+/// workload never placed shows up too.
+pub async fn check_ledger(
+    db: &DatabaseConnection,
+    workload: &Workload,
+    stream: StreamState,
+    ledger: Ledger,
+) -> Report {
+    let table = match ledger {
+        Ledger::Reservations => "stock_reservations",
+        Ledger::Log => "reservation_log",
+    };
     let rows = db
         .query_all_raw(Statement::from_string(
             DbBackend::Postgres,
-            "SELECT order_id, book_id, count(*) AS n, min(quantity) AS quantity, \
-             bool_and(status = 'reserved') AS reserved \
-             FROM stock_reservations GROUP BY order_id, book_id",
+            format!(
+                "SELECT order_id, book_id, count(*) AS n, min(quantity) AS quantity, \
+                 bool_and(status = 'reserved') AS reserved \
+                 FROM {table} GROUP BY order_id, book_id"
+            ),
         ))
         .await
         .expect("the reservation rows");

@@ -220,7 +220,8 @@ impl PgNaturalKey {
         self.reference.consumer()
     }
 
-    /// The same handler, failing as `faults` says; only `AfterCommit` applies to a placement.
+    /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
+    /// `AfterCommit`, a cancellation the reference handler's points.
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             reference: self.reference.with_faults(faults.clone()),
@@ -414,6 +415,7 @@ impl MessageHandler for PgNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match &message.event {
             Event::Placed(placed) => {
+                self.faults.pass(CrashPoint::BeforeStatement).await?;
                 let key = message.key.storage_key();
                 let outcome = self
                     .with_connection(async |connection| decide(connection, &key, placed).await)
@@ -453,6 +455,9 @@ impl PgNaturalKey {
                 Event::Cancelled(_) => None,
             })
             .collect();
+        if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
+            return placements.iter().map(|_| Err(crash.clone())).collect();
+        }
         let placed_results = match self.reserve_batch(&placements).await {
             Ok(results) => self.after_commit(results).await,
             // Nothing committed, and the statement is refused for good: possibly for one
