@@ -8,6 +8,7 @@
 mod compare;
 mod corpus;
 mod crash_points;
+mod dead_letter_safety;
 mod demo;
 mod differential;
 mod dlq;

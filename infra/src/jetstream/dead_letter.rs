@@ -126,8 +126,9 @@ impl DeadLetters {
     ) -> Result<PublishReceipt, NatsError> {
         let id = dead_letter_id(&self.consumer, origin);
         let publish = Publish::build()
-            .message_id(&id)
+            // The header map first: `headers` replaces the map, and would drop the id.
             .headers(write_headers(origin, original_headers, reason, detail))
+            .message_id(&id)
             .payload(body);
         let doing = format!("publishing dead letter {id}");
         let ack = self
@@ -284,8 +285,9 @@ impl DeadLetterStream {
             headers.insert(name, value);
         }
         let publish = Publish::build()
-            .message_id(letter.replay_message_id())
+            // The header map first: `headers` replaces the map, and would drop the id.
             .headers(headers)
+            .message_id(letter.replay_message_id())
             .payload(letter.body.clone());
         let doing = format!("replaying dead letter {} to {subject}", letter.seq);
         let ack = self
