@@ -305,7 +305,7 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     use inventory_tests::broker::{Broker, RunningService, eventually};
     use std::sync::atomic::Ordering;
 
-    let (db, handler) = fixture().await;
+    let (db, handler) = batch_fixture().await;
     let book = db.dune(1_000_000).await;
     let broker = Broker::new().await;
     let publisher = broker.publisher();
@@ -331,9 +331,11 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
                 .await;
         }
     }
+    // The batch handler named in the settings too: the lanes hand batches only to it.
     let mut settings = broker.settings(4, 10);
+    settings.handler = HandlerKind::NaturalKey(NaturalKeyPath::Batch);
     settings.batch_size = 16;
-    let service = RunningService::start(&broker, handler, db.conn.clone(), settings).await;
+    let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
     eventually("every order reserved once", || async {
         db.reserved(book).await == expected
     })
@@ -347,6 +349,7 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     // 40 resends under new ids and 58 replays; more only if one outwaited the 1 s ack wait.
     assert!(service.stats.duplicates.load(Ordering::Relaxed) >= 40 + 58);
     assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert!(handler.seen().1 > 1, "no batch of more than one message");
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
 }
