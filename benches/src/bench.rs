@@ -5,6 +5,8 @@
 //!   leaves the inserted heap tuple dead, and the server logs an ERROR line with the statement.
 //!   `ON CONFLICT DO NOTHING` (and the natural key, built on it) avoids all three. Each mode runs
 //!   a stream of messages at each duplicate ratio in a database of its own, one after another.
+//! - `purge`: the retention purge of a million completed inbox rows under a steady flow of
+//!   messages: its duration and the handler's latency before and during it.
 //! - `chart`: criterion's medians (`cargo bench -p inventory-benches`) as an SVG line chart and
 //!   a Markdown table.
 //!
@@ -62,6 +64,31 @@ pub enum BenchCommand {
     /// Draws criterion's median time per message of one benchmark group as an SVG line chart
     /// (one line per mode) and prints the medians as a Markdown table.
     Chart(ChartArgs),
+    /// Seeds completed inbox rows in a fresh PostgreSQL database and purges them in batches
+    /// while the inbox handler takes a steady flow of messages: how long the purge takes, and
+    /// the handler's latency before and during it.
+    Purge(PurgeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PurgeArgs {
+    /// Completed inbox rows seeded, all older than the retention.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    /// Rows per purge batch (each its own transaction).
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Time between two messages of the flow.
+    #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
+    pub every: Duration,
+    /// The PostgreSQL server for the fresh database.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub database_url: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -126,7 +153,110 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         }
         BenchCommand::Costs(args) => costs(args).await.map(|()| true),
         BenchCommand::Chart(args) => draw_chart(&args).map(|()| true),
+        BenchCommand::Purge(args) => purge(&args).await.map(|()| true),
     }
+}
+
+async fn purge(args: &PurgeArgs) -> Result<()> {
+    if !db::is_postgres(&args.database_url) {
+        bail!("the purge benchmark runs on PostgreSQL");
+    }
+    let fresh = FreshDatabase::create(Some(&args.database_url), "inventory_bench_purge", 4)
+        .await
+        .context("creating the benchmark database")?;
+    let result = purge_under_flow(args, &fresh.conn).await;
+    fresh.remove().await?;
+    result
+}
+
+async fn purge_under_flow(args: &PurgeArgs, conn: &DatabaseConnection) -> Result<()> {
+    use inventory_domain::{BookId, ConsumerName, Message, OrderId, Quantity, StockItem};
+    use inventory_infra::{DetectMode, StockRepository};
+
+    let seeding = Instant::now();
+    // One statement: completed a month ago, one millisecond apart.
+    conn.execute_unprepared(&format!(
+        "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
+         SELECT 'seed-' || g, 'inventory-reserve-stock-inbox', now() - interval '31 days', \
+                now() - interval '30 days' + g * interval '1 millisecond', repeat('0', 64) \
+         FROM generate_series(1, {}) AS g; ANALYZE inbox",
+        args.rows
+    ))
+    .await?;
+    let seeded_in = seeding.elapsed();
+    let book = BookId::new_v7();
+    StockRepository::new(conn.clone())
+        .put(&StockItem::new(book, "Dune", 1_000_000_000)?)
+        .await?;
+    let handler = HandlerKind::Inbox(DetectMode::OnConflict).build(
+        conn,
+        ConsumerName::parse("inventory-reserve-stock-inbox")?,
+        None,
+    )?;
+
+    // The flow: one message every `every`, each handled on arrival, its start and duration kept.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flow = tokio::spawn({
+        let stop = stop.clone();
+        let every = args.every;
+        async move {
+            let mut log: Vec<(Instant, Duration)> = Vec::new();
+            let mut ticks = tokio::time::interval(every);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                ticks.tick().await;
+                let message =
+                    Message::placed(OrderId::new_v7(), book, Quantity::new(1).expect("valid"));
+                let started = Instant::now();
+                handler.handle(&message).await?;
+                log.push((started, started.elapsed()));
+            }
+            anyhow::Ok(log)
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let purge_started = Instant::now();
+    let cutoff = chrono::Utc::now() - chrono::Duration::days(1);
+    let report =
+        inventory_infra::retention::purge_completed(conn, cutoff, args.batch_size, false).await?;
+    let purge_ended = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let log = flow.await??;
+
+    let latencies = |during: bool| {
+        let mut took: Vec<Duration> = log
+            .iter()
+            .filter(|(at, _)| (*at >= purge_started && *at < purge_ended) == during)
+            .map(|(_, took)| *took)
+            .collect();
+        took.sort_unstable();
+        took
+    };
+    let at = |sorted: &[Duration], p: f64| {
+        sorted
+            .get(((sorted.len().saturating_sub(1)) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    let (outside, during) = (latencies(false), latencies(true));
+    println!(
+        "seeded {} rows in {seeded_in:.2?}; purged {} in {:.2?} ({} batches of {}); handling \
+         outside the purge: p50 {:.2?}, max {:.2?} ({} messages); during: p50 {:.2?}, p99 \
+         {:.2?}, max {:.2?} ({} messages)",
+        args.rows,
+        report.deleted,
+        purge_ended - purge_started,
+        report.batches,
+        args.batch_size,
+        at(&outside, 0.5),
+        at(&outside, 1.0),
+        outside.len(),
+        at(&during, 0.5),
+        at(&during, 0.99),
+        at(&during, 1.0),
+        during.len(),
+    );
+    Ok(())
 }
 
 async fn end_to_end(args: &bench_e2e::EndToEndArgs) -> Result<()> {

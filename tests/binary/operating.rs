@@ -69,6 +69,11 @@ fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
 /// Waits until a `serve` fetches from the durable consumer `name`: past its start-up checks
 /// (the refused run before it created the consumer already).
 async fn wait_until_fetching(setup: &Setup, name: &str) {
+    wait_for_pulls(setup, name, true).await;
+}
+
+/// Waits until the durable consumer `name` has pull requests waiting (`fetching`), or none.
+async fn wait_for_pulls(setup: &Setup, name: &str, fetching: bool) {
     let client = inventory_infra::jetstream::connect(
         &inventory_tests::nats::shared_url().await,
         "operating test",
@@ -76,7 +81,8 @@ async fn wait_until_fetching(setup: &Setup, name: &str) {
     .await
     .unwrap();
     let js = inventory_infra::jetstream::context(client);
-    inventory_tests::broker::eventually(&format!("a pull on consumer {name}"), || async {
+    let what = if fetching { "a pull" } else { "no pull" };
+    inventory_tests::broker::eventually(&format!("{what} on consumer {name}"), || async {
         let Ok(stream) = js.get_stream(&setup.names.stream).await else {
             return false;
         };
@@ -86,7 +92,10 @@ async fn wait_until_fetching(setup: &Setup, name: &str) {
         else {
             return false;
         };
-        consumer.info().await.is_ok_and(|info| info.num_waiting > 0)
+        consumer
+            .info()
+            .await
+            .is_ok_and(|info| (info.num_waiting > 0) == fetching)
     })
     .await;
 }
@@ -153,6 +162,75 @@ async fn unlimited_deliveries_refuse_any_retention_unless_accepted() {
         logs.contains("going on as --accept-short-retention says"),
         "{logs}"
     );
+}
+
+/// Creates the durable consumer `name` with these redelivery settings, through `serve` with
+/// the purge off (so no horizon check), and stops it once it fetches.
+async fn create_consumer(setup: &Setup, name: &str, ack_wait: &str, max_deliver: &str) {
+    let service = setup.serve(&[
+        "--strategy",
+        "inbox",
+        "--consumer",
+        name,
+        "--ack-wait",
+        ack_wait,
+        "--max-deliver",
+        max_deliver,
+        "--purge-interval",
+        "0s",
+    ]);
+    wait_until_fetching(setup, name).await;
+    let (status, logs) = stop(service);
+    assert!(status.success(), "{logs}");
+    // Its pulls gone, so a later wait for a pull sees the next instance's.
+    wait_for_pulls(setup, name, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_horizon_is_the_existing_consumers_not_the_flags() {
+    let setup = Setup::new().await;
+    // Horizons without the replay allowance: `short` about a minute plus the duplicate window,
+    // `long` over 10 hours. A retention of 2 hours lies between them.
+    create_consumer(&setup, "short", "1s", "2").await;
+    create_consumer(&setup, "long", "1h", "10").await;
+    let serve = |name: &'static str, ack_wait: &'static str, max_deliver: &'static str| {
+        vec![
+            "--strategy",
+            "inbox",
+            "--consumer",
+            name,
+            "--ack-wait",
+            ack_wait,
+            "--max-deliver",
+            max_deliver,
+            "--replay-allowance",
+            "0s",
+            "--inbox-retention",
+            "2h",
+        ]
+    };
+
+    // Flags asking for the long horizon, on the short consumer: accepted.
+    let accepted = setup.serve(&serve("short", "1h", "10"));
+    wait_until_fetching(&setup, "short").await;
+    let (status, logs) = stop(accepted);
+    assert!(status.success(), "{logs}");
+    assert!(
+        logs.contains("inbox retention covers the redelivery horizon"),
+        "{logs}"
+    );
+
+    // Flags asking for the short horizon, on the long consumer: refused.
+    let mut refused = vec!["serve"];
+    refused.extend(serve("long", "1s", "2"));
+    let output = setup.command(&refused).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--inbox-retention 2h is shorter than the redelivery horizon"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("of consumer long"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

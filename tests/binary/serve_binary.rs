@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use inventory_domain::BookId;
 use inventory_tests::binary::BinaryRun;
-use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
 
@@ -44,6 +44,30 @@ impl Setup {
 
     async fn reserved(&self) -> i64 {
         self.db.reserved(BookId::parse(BOOK).unwrap()).await
+    }
+
+    /// Holds the stock row from another session, so a handler blocks mid-transaction on it.
+    async fn hold_stock_row(&self) -> DatabaseTransaction {
+        let blocker = self.db.conn.begin().await.unwrap();
+        blocker
+            .execute_unprepared(&format!(
+                "SELECT * FROM stock_items WHERE book_id = '{BOOK}' FOR UPDATE"
+            ))
+            .await
+            .unwrap();
+        blocker
+    }
+
+    /// Waits until a session of the service waits on a row lock; the process's start-up
+    /// included, so longer than the helpers' wait for a lock waiter.
+    async fn wait_until_blocked(&self) {
+        for _ in 0..200 {
+            if self.db.stock.sessions_waiting_for_a_lock().await.unwrap() > Some(0) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the handler never blocked on the row lock");
     }
 
     async fn wait_for_reserved(&self, copies: i64) {
@@ -152,41 +176,14 @@ async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() 
         "--on-hand",
         "100",
     ]);
-    // Hold the stock row so the handler blocks mid-transaction.
-    let blocker = setup.db.conn.begin().await.unwrap();
-    blocker
-        .execute_unprepared(&format!(
-            "SELECT * FROM stock_items WHERE book_id = '{BOOK}' FOR UPDATE"
-        ))
-        .await
-        .unwrap();
+    let blocker = setup.hold_stock_row().await;
     setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
     // The ORM handler's explicit transaction is what is abandoned here: it never commits. (The
     // one-statement handler's statement, once granted the lock, commits on its own even after
     // the process is gone; its message is then applied whole and the redelivery is a
     // duplicate, as the serve tests show.)
     let mut service = setup.serve_with(&["--strategy", "natural", "--natural-handler", "orm"]);
-    // Wait until the service's transaction waits on the row lock.
-    let waiting = Statement::from_string(
-        DbBackend::Postgres,
-        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-    );
-    let mut blocked = false;
-    for _ in 0..200 {
-        let row = setup
-            .db
-            .conn
-            .query_one_raw(waiting.clone())
-            .await
-            .unwrap()
-            .unwrap();
-        if row.try_get::<i64>("", "n").unwrap() > 0 {
-            blocked = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(blocked, "the handler never blocked on the row lock");
+    setup.wait_until_blocked().await;
 
     signal(&service, "TERM");
     assert!(
@@ -275,4 +272,58 @@ async fn the_email_strategy_mails_each_placed_order_once() {
     assert_eq!(logs.matches("mailbox: mail written").count(), 5, "{logs}");
     assert_eq!(logs.matches("not written again").count(), 0, "{logs}");
     std::fs::remove_file(&mailbox).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_timeout_running_out_exits_1_with_nothing_acked() {
+    let setup = Setup::new().await;
+    setup.run(&[
+        "stock",
+        "put",
+        "--book-id",
+        BOOK,
+        "--title",
+        "Dune",
+        "--on-hand",
+        "100",
+    ]);
+    let blocker = setup.hold_stock_row().await;
+    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
+    // The ORM handler, as above: its transaction is abandoned uncommitted.
+    let mut service = setup.spawn(&[
+        "serve",
+        "--ack-wait",
+        "2s",
+        "--shutdown-timeout",
+        "1s",
+        "--strategy",
+        "natural",
+        "--natural-handler",
+        "orm",
+    ]);
+    setup.wait_until_blocked().await;
+
+    // One signal only: the drain waits the timeout for the blocked message, then gives up.
+    signal(&service, "TERM");
+    let status = exited_within(&mut service, Duration::from_secs(20)).expect("exits");
+    let output = service.wait_with_output().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(
+        logs.contains("stopped before in-flight messages finished"),
+        "{logs}"
+    );
+    blocker.rollback().await.unwrap();
+    assert_eq!(setup.reserved().await, 0, "nothing half-applied");
+
+    // Not acked: the next instance is delivered it again and applies it once.
+    let mut again = setup.serve();
+    setup.wait_for_reserved(2).await;
+    signal(&again, "TERM");
+    let status = exited_within(&mut again, Duration::from_secs(20)).expect("exits");
+    let output = again.wait_with_output().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(status.success(), "{logs}");
+    assert!(logs.contains("delivered=2"), "{logs}");
+    assert_eq!(setup.reserved().await, 2);
 }

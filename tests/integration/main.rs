@@ -24,6 +24,7 @@ mod natural_pg;
 mod outages;
 mod purge_load;
 mod retention;
+mod retries;
 mod secure;
 mod serve;
 

@@ -305,7 +305,7 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     use inventory_tests::broker::{Broker, RunningService, eventually};
     use std::sync::atomic::Ordering;
 
-    let (db, handler) = fixture().await;
+    let (db, handler) = batch_fixture().await;
     let book = db.dune(1_000_000).await;
     let broker = Broker::new().await;
     let publisher = broker.publisher();
@@ -331,9 +331,11 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
                 .await;
         }
     }
+    // The batch handler named in the settings too: the lanes hand batches only to it.
     let mut settings = broker.settings(4, 10);
+    settings.handler = HandlerKind::NaturalKey(NaturalKeyPath::Batch);
     settings.batch_size = 16;
-    let service = RunningService::start(&broker, handler, db.conn.clone(), settings).await;
+    let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
     eventually("every order reserved once", || async {
         db.reserved(book).await == expected
     })
@@ -347,6 +349,7 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     // 40 resends under new ids and 58 replays; more only if one outwaited the 1 s ack wait.
     assert!(service.stats.duplicates.load(Ordering::Relaxed) >= 40 + 58);
     assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert!(handler.seen().1 > 1, "no batch of more than one message");
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
 }
@@ -403,4 +406,213 @@ async fn statements_probe_reservations_by_key_even_in_a_generic_plan_of_an_empty
         );
     }
     txn.rollback().await.unwrap();
+}
+
+/// The batch handler, noting which orders it was handed and the largest batch, so a test can
+/// wait until every message met a failure and see that batches were formed.
+#[derive(Clone)]
+struct Seen {
+    inner: Handler,
+    orders: std::sync::Arc<std::sync::Mutex<(std::collections::HashSet<OrderId>, usize)>>,
+}
+
+impl Seen {
+    fn new(inner: Handler) -> Self {
+        Self {
+            inner,
+            orders: Default::default(),
+        }
+    }
+
+    fn seen(&self) -> (usize, usize) {
+        let orders = self.orders.lock().unwrap();
+        (orders.0.len(), orders.1)
+    }
+}
+
+impl MessageHandler for Seen {
+    async fn handle(&self, message: &Message) -> Result<Outcome, inventory_infra::HandleError> {
+        self.handle_batch(std::slice::from_ref(message))
+            .await
+            .pop()
+            .unwrap()
+    }
+
+    async fn handle_batch(
+        &self,
+        messages: &[Message],
+    ) -> Vec<Result<Outcome, inventory_infra::HandleError>> {
+        {
+            let mut orders = self.orders.lock().unwrap();
+            orders.0.extend(messages.iter().map(|m| m.event.order_id()));
+            orders.1 = orders.1.max(messages.len());
+        }
+        self.inner.handle_batch(messages).await
+    }
+}
+
+async fn batch_fixture() -> (TestDb, Seen) {
+    let db = TestDb::new(Backend::Postgres).await;
+    let handler = Seen::new(db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Batch)));
+    (db, handler)
+}
+
+/// The broker's settings with lanes handing batches of up to `batch_size` to the batch handler.
+fn batch_settings(
+    broker: &inventory_tests::broker::Broker,
+    max_deliver: i64,
+    batch_size: usize,
+) -> inventory_service::runtime::RuntimeSettings {
+    let mut settings = broker.settings(1, max_deliver);
+    settings.handler = HandlerKind::NaturalKey(NaturalKeyPath::Batch);
+    settings.batch_size = batch_size;
+    settings
+}
+
+async fn rows_and_orders(db: &TestDb) -> (i64, i64) {
+    let row = db
+        .conn
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT count(*), count(DISTINCT order_id) FROM stock_reservations",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    (
+        row.try_get_by_index(0).unwrap(),
+        row.try_get_by_index(1).unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once_later() {
+    use inventory_tests::broker::{Broker, RunningService, eventually};
+    use std::sync::atomic::Ordering;
+
+    const ORDERS: usize = 24;
+    let (db, handler) = batch_fixture().await;
+    // Every reservation fails with a serialization failure (transient) while `failing` has a
+    // row: the batch statement as a whole is refused, as under a real conflict.
+    db.conn
+        .execute_unprepared(
+            "CREATE TABLE failing (on_purpose bool); INSERT INTO failing VALUES (true);
+             CREATE FUNCTION fail_reservation() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF EXISTS (SELECT 1 FROM failing) THEN
+                     RAISE EXCEPTION 'injected' USING ERRCODE = '40001';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER fail_reservation BEFORE INSERT ON stock_reservations
+                 FOR EACH ROW EXECUTE FUNCTION fail_reservation();",
+        )
+        .await
+        .unwrap();
+    let book = db.dune(1_000).await;
+    let broker = Broker::new().await;
+    let publisher = broker.publisher();
+    let mut expected = 0;
+    for i in 0..ORDERS {
+        let quantity = 1 + i64::try_from(i % 3).unwrap();
+        expected += quantity;
+        publisher.publish(&placed(book, quantity)).await.unwrap();
+    }
+    let settings = batch_settings(&broker, 1_000, 8);
+    let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
+
+    eventually("every message failed and nak'ed", || async {
+        handler.seen().0 == ORDERS && service.stats.retried.load(Ordering::Relaxed) >= ORDERS as u64
+    })
+    .await;
+    // Every one was tried and refused: none committed, none acked, none dead-lettered.
+    assert_eq!(db.reserved(book).await, 0);
+    assert_eq!(rows_and_orders(&db).await, (0, 0));
+    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 0);
+    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert!(handler.seen().1 > 1, "no batch of more than one message");
+
+    db.conn
+        .execute_unprepared("DELETE FROM failing")
+        .await
+        .unwrap();
+    eventually("every order reserved", || async {
+        db.reserved(book).await == expected
+    })
+    .await;
+    eventually("nothing pending", || async {
+        let state = broker.consumer_state().await;
+        state.pending == 0 && state.ack_pending == 0
+    })
+    .await;
+    let orders = i64::try_from(ORDERS).unwrap();
+    assert_eq!(rows_and_orders(&db).await, (orders, orders));
+    assert_eq!(service.stats.acked.load(Ordering::Relaxed), ORDERS as u64);
+    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    service.stop().await;
+    assert_eq!(db.reserved(book).await, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_refused_message_in_a_batch_is_dead_lettered_alone_and_the_rest_reserved() {
+    use inventory_infra::jetstream::dlq_headers;
+    use inventory_tests::broker::{Broker, RunningService, eventually};
+    use std::sync::atomic::Ordering;
+
+    let (db, handler) = batch_fixture().await;
+    let book = db.dune(1_000).await;
+    let broker = Broker::new().await;
+    let publisher = broker.publisher();
+    let unknown = placed(BookId::new_v7(), 1);
+    let taken = placed(book, 2);
+    // The same order again with another quantity: a payload mismatch, refused for good.
+    let mismatch = placed_for(taken.event.order_id(), book, 3);
+    let mut expected = 0;
+    for i in 0..20 {
+        publisher.publish(&placed(book, 1)).await.unwrap();
+        expected += 1;
+        let extra = match i {
+            5 => &unknown,
+            9 => &taken,
+            12 => &mismatch,
+            _ => continue,
+        };
+        publisher.publish(extra).await.unwrap();
+    }
+    expected += 2;
+    let settings = batch_settings(&broker, 10, 32);
+    let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
+    eventually("nothing pending", || async {
+        let state = broker.consumer_state().await;
+        state.pending == 0 && state.ack_pending == 0
+    })
+    .await;
+    assert!(handler.seen().1 > 1, "no batch of more than one message");
+    assert_eq!(db.reserved(book).await, expected);
+    assert_eq!(rows_and_orders(&db).await, (21, 21));
+    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 21);
+    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 2);
+    let letters = broker.dead_letters().await;
+    let mut refused: Vec<(&str, Message)> = letters
+        .iter()
+        .map(|letter| {
+            (
+                letter.header(dlq_headers::REASON).unwrap(),
+                Message::decode(inventory_domain::EventKind::Placed, &letter.body).unwrap(),
+            )
+        })
+        .collect();
+    refused.sort_by_key(|(reason, _)| *reason);
+    let refused: Vec<(&str, OrderId)> = refused
+        .iter()
+        .map(|(reason, message)| (*reason, message.event.order_id()))
+        .collect();
+    assert_eq!(
+        refused,
+        [
+            ("conflicting-reservation", mismatch.event.order_id()),
+            ("unknown-book", unknown.event.order_id()),
+        ]
+    );
+    service.stop().await;
 }

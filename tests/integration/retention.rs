@@ -4,7 +4,9 @@ use chrono::{Duration, Utc};
 use inventory_domain::{ConsumerName, CrashPoint};
 use inventory_infra::retention::purge_completed;
 use inventory_infra::{DetectMode, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider};
-use inventory_tests::{TestDb, on_both_backends, placed};
+use inventory_tests::broker::eventually;
+use inventory_tests::{Backend, TestDb, on_both_backends, placed};
+use sea_orm::{ConnectionTrait, TransactionTrait};
 
 async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: TestDb) {
     let book = db.dune(1_000).await;
@@ -63,3 +65,52 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
 }
 
 on_both_backends!(purge_deletes_completed_rows_in_batches_and_keeps_processing_ones);
+
+/// Completed inbox rows a month old, as many purges would find them.
+async fn seed_completed(db: &TestDb, rows: u64) {
+    db.conn
+        .execute_unprepared(&format!(
+            "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
+             SELECT 'seed-' || g, 'inventory-reserve-stock-inbox', \
+                    now() - interval '31 days', \
+                    now() - interval '30 days' + g * interval '1 millisecond', \
+                    repeat('0', 64) \
+             FROM generate_series(1, {rows}) AS g"
+        ))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_purging_at_once_leave_it_to_one_and_the_others_skip() {
+    let db = TestDb::new(Backend::Postgres).await;
+    seed_completed(&db, 30).await;
+    // The oldest row locked from elsewhere: the first purger stops inside its first batch,
+    // holding whatever it holds, while the others start.
+    let holder = db.conn.begin().await.unwrap();
+    holder
+        .execute_unprepared("SELECT 1 FROM inbox ORDER BY completed_at LIMIT 1 FOR UPDATE")
+        .await
+        .unwrap();
+    let cutoff = Utc::now() - Duration::days(1);
+    let purge = |conn: sea_orm::DatabaseConnection| {
+        tokio::spawn(async move { purge_completed(&conn, cutoff, 10, false).await.unwrap() })
+    };
+    let first = purge(db.conn.clone());
+    db.wait_for_lock_waiter().await;
+    let others = [purge(db.conn.clone()), purge(db.conn.clone())];
+    eventually("the other purges over while the first is held", || async {
+        others.iter().all(tokio::task::JoinHandle::is_finished)
+    })
+    .await;
+    for other in others {
+        let report = other.await.unwrap();
+        assert!(report.skipped_locked, "{report:?}");
+        assert_eq!(report.deleted, 0);
+    }
+    assert!(!first.is_finished());
+    holder.rollback().await.unwrap();
+    let report = first.await.unwrap();
+    assert!(!report.skipped_locked);
+    assert_eq!((report.deleted, report.batches), (30, 4));
+}
