@@ -165,7 +165,8 @@ impl ConsumerRuntime {
     }
 
     /// Starts the lanes with `handler` (the settings' own, or one wrapped around it) in a task
-    /// of their own, until `shutdown`.
+    /// of their own, until `shutdown`. The lanes hand batches as `settings.handler` says,
+    /// whatever `handler` is: name the batch kind there to batch.
     pub fn start<H: MessageHandler>(
         self,
         handler: H,
