@@ -198,14 +198,16 @@ impl ConsumerRuntime {
         let stats = worker.stats.clone();
         let timeout = self.settings.shutdown_timeout;
         let consumer = self.consumer.clone();
+        let lanes = TaskTracker::new();
         let task = tokio::spawn({
-            let shutdown = shutdown.clone();
-            async move { run(&self.consumer, worker, self.db, shutdown, timeout).await }
+            let (shutdown, lanes) = (shutdown.clone(), lanes.clone());
+            async move { run(&self.consumer, worker, self.db, lanes, shutdown, timeout).await }
         });
         Running {
             shutdown,
             stats,
             consumer,
+            lanes,
             task,
         }
     }
@@ -216,10 +218,17 @@ pub struct Running {
     pub shutdown: Shutdown,
     pub stats: Arc<Stats>,
     consumer: PullConsumer,
+    lanes: TaskTracker,
     task: JoinHandle<Result<Ending, RuntimeError>>,
 }
 
 impl Running {
+    /// Lanes still running: all of them while consuming; after a graceful stop, those still
+    /// finishing a message.
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
     /// The durable consumer's counts as the server has them: what is pending and unacked.
     pub async fn consumer_state(&self) -> Result<ConsumerState, NatsError> {
         jetstream::consumer_state(&mut self.consumer.clone()).await
@@ -279,6 +288,7 @@ async fn run<H: MessageHandler>(
     consumer: &PullConsumer,
     worker: Worker<H>,
     db: DatabaseConnection,
+    tracker: TaskTracker,
     shutdown: Shutdown,
     shutdown_timeout: Duration,
 ) -> Result<Ending, RuntimeError> {
@@ -291,7 +301,6 @@ async fn run<H: MessageHandler>(
     // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
     let stop = shutdown.graceful.child_token();
     let stream_ended = Arc::new(AtomicBool::new(false));
-    let tracker = TaskTracker::new();
     for _ in 0..lanes {
         tracker.spawn(lane(
             worker.clone(),

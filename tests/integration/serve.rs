@@ -316,7 +316,8 @@ async fn shutdown_lets_the_message_in_flight_finish_and_ack() {
     .await;
     hold.reached().await;
     service.shutdown().graceful.cancel();
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // The idle lanes saw the stop and ended; the one holding the message goes on.
+    eventually("the idle lanes stopped", || async { service.lanes() == 1 }).await;
     assert!(
         service.is_running(),
         "shutdown waits for the message in flight"

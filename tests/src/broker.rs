@@ -180,6 +180,11 @@ impl RunningService {
         &self.running.shutdown
     }
 
+    /// Lanes still running (see `Running::lanes`).
+    pub fn lanes(&self) -> usize {
+        self.running.lanes()
+    }
+
     pub fn is_running(&self) -> bool {
         !self.running.is_finished()
     }
