@@ -77,13 +77,14 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
         // broker redelivered on its own.
         assert_eq!(row.delivered, 78 + row.unplanned_deliveries, "{table}");
         assert_eq!(row.ack_withheld, 6, "{table}");
-        // The two-copies case is a race only if the copies were handled at the same time.
-        assert!(
-            row.copies_at_once > 0,
-            "{}: no pair overlapped\n{table}",
-            row.strategy
-        );
     }
+    // The two-copies case is a race only if copies were handled at the same time. Whether a
+    // given pair overlaps is itself a race (a loaded machine may run a strategy's six pairs one
+    // after the other), so the run as a whole must show some.
+    assert!(
+        report.strategies.iter().any(|row| row.copies_at_once > 0),
+        "no pair of copies was handled at the same time\n{table}"
+    );
     assert!(report.as_predicted, "{table}");
 
     let row = |strategy| report.row(strategy).unwrap();

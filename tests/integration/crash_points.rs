@@ -87,11 +87,7 @@ async fn crash_in_loop<H: MessageHandler>(
             == published
     })
     .await;
-    eventually("nothing left on the consumer", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
+    broker.settled().await;
     service.stop().await;
     let dead_letter_reasons = broker
         .dead_letters()

@@ -14,15 +14,6 @@ use inventory_service::dlq::{self, Selection};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
-/// Nothing left for the test's consumer: every message acked or terminated.
-async fn settled(broker: &Broker) {
-    eventually("nothing pending or unacked", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_that_died_after_storing_the_dead_letter_stores_no_second_copy() {
     let db = TestDb::new(Backend::Postgres).await;
@@ -63,7 +54,7 @@ async fn a_process_that_died_after_storing_the_dead_letter_stores_no_second_copy
         service.stats.dead_lettered.load(Ordering::Relaxed) == 1
     })
     .await;
-    settled(&broker).await;
+    broker.settled().await;
     let letters = broker.dead_letters().await;
     assert_eq!(letters.len(), 1, "one copy in the dead-letter stream");
     assert_eq!(letters[0].header(dlq_headers::DELIVERIES), Some("1"));
@@ -113,7 +104,7 @@ async fn the_original_is_terminated_only_once_its_dead_letter_is_stored() {
         service.stats.dead_lettered.load(Ordering::Relaxed) == 1
     })
     .await;
-    settled(&broker).await;
+    broker.settled().await;
     let letters = broker.dead_letters().await;
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].header(dlq_headers::REASON), Some("unknown-book"));

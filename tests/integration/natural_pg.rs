@@ -340,11 +340,7 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
         db.reserved(book).await == expected
     })
     .await;
-    eventually("nothing pending", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
+    broker.settled().await;
     assert_eq!(service.stats.acked.load(Ordering::Relaxed), 400);
     // 40 resends under new ids and 58 replays; more only if one outwaited the 1 s ack wait.
     assert!(service.stats.duplicates.load(Ordering::Relaxed) >= 40 + 58);
@@ -540,11 +536,7 @@ async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once
         db.reserved(book).await == expected
     })
     .await;
-    eventually("nothing pending", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
+    broker.settled().await;
     let orders = i64::try_from(ORDERS).unwrap();
     assert_eq!(rows_and_orders(&db).await, (orders, orders));
     assert_eq!(service.stats.acked.load(Ordering::Relaxed), ORDERS as u64);
@@ -556,7 +548,7 @@ async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_refused_message_in_a_batch_is_dead_lettered_alone_and_the_rest_reserved() {
     use inventory_infra::jetstream::dlq_headers;
-    use inventory_tests::broker::{Broker, RunningService, eventually};
+    use inventory_tests::broker::{Broker, RunningService};
     use std::sync::atomic::Ordering;
 
     let (db, handler) = batch_fixture().await;
@@ -582,11 +574,7 @@ async fn one_refused_message_in_a_batch_is_dead_lettered_alone_and_the_rest_rese
     expected += 2;
     let settings = batch_settings(&broker, 10, 32);
     let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
-    eventually("nothing pending", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
+    broker.settled().await;
     assert!(handler.seen().1 > 1, "no batch of more than one message");
     assert_eq!(db.reserved(book).await, expected);
     assert_eq!(rows_and_orders(&db).await, (21, 21));

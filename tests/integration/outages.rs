@@ -119,11 +119,7 @@ async fn database_cut_off_longer_than_the_retry_budget_loses_and_dead_letters_no
         db.reserved(book).await == expected
     })
     .await;
-    eventually("nothing pending", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
+    broker.settled().await;
     let dead_letters = broker.dead_letters().await;
     assert!(
         dead_letters.is_empty(),
@@ -178,11 +174,7 @@ async fn nats_stopped_and_restarted_mid_stream_loses_nothing() {
         db.reserved(book).await == expected
     })
     .await;
-    eventually("nothing pending", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
+    broker.settled().await;
     assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);

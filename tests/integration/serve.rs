@@ -22,14 +22,6 @@ async fn reserved_reaches(db: &TestDb, book: inventory_domain::BookId, copies: i
     .await;
 }
 
-async fn nothing_left_on(broker: &Broker) {
-    eventually("no message pending or unacked", || async {
-        let state = broker.consumer_state().await;
-        state.pending == 0 && state.ack_pending == 0
-    })
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_is_processed_and_acked_once() {
     let db = TestDb::new(Backend::Postgres).await;
@@ -47,7 +39,7 @@ async fn a_message_is_processed_and_acked_once() {
     )
     .await;
     reserved_reaches(&db, book, 2).await;
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     let stats = service.stats.clone();
     assert_eq!(service.stop().await, Ending::Drained);
     assert_eq!(stats.acked.load(Ordering::Relaxed), 1);
@@ -111,7 +103,7 @@ async fn redelivered_once<H: MessageHandler>(
     })
     .await;
     assert_eq!(db.reserved(book).await, 2);
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     let stats = service.stats.clone();
     service.stop().await;
     stats
@@ -185,7 +177,7 @@ async fn poison_messages_are_dead_lettered_and_the_service_keeps_going() {
     )
     .await;
     reserved_reaches(&db, book, 3).await;
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     assert!(service.is_running());
     let letters = broker.dead_letters().await;
     let mut reasons: Vec<&str> = letters
@@ -252,7 +244,7 @@ async fn a_payload_mismatch_is_dead_lettered_by_the_inbox() {
         broker.settings(1, 5),
     )
     .await;
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     let letters = broker.dead_letters().await;
     assert_eq!(letters.len(), 1);
     assert_eq!(
@@ -288,7 +280,7 @@ async fn the_last_allowed_delivery_failing_is_a_max_deliveries_dead_letter() {
         broker.stream_messages(&broker.topology.dlq_stream).await == 1
     })
     .await;
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     let letters = broker.dead_letters().await;
     assert_eq!(
         letters[0].header(dlq_headers::REASON),
@@ -325,7 +317,7 @@ async fn shutdown_lets_the_message_in_flight_finish_and_ack() {
     hold.release();
     assert_eq!(service.stop().await, Ending::Drained);
     assert_eq!(db.reserved(book).await, 2);
-    nothing_left_on(&broker).await;
+    broker.settled().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,7 +350,7 @@ async fn cloud_events_and_cancellations_flow_through() {
         .await
         .unwrap();
     reserved_reaches(&db, book, 0).await;
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     assert_eq!(service.stats.duplicates.load(Ordering::Relaxed), 1);
     service.stop().await;
 }
@@ -430,7 +422,7 @@ async fn competing_instances(db: TestDb) {
     let second =
         RunningService::start(&broker, crashing, db.conn.clone(), broker.settings(4, 10)).await;
     reserved_reaches(&db, book, expected).await;
-    nothing_left_on(&broker).await;
+    broker.settled().await;
     let total = |pick: fn(&inventory_service::runtime::Stats) -> u64| {
         pick(&first.stats) + pick(&second.stats)
     };

@@ -109,6 +109,16 @@ impl Broker {
         jetstream::consumer_state(&mut consumer).await.unwrap()
     }
 
+    /// Waits until the test's consumer has nothing pending or unacked: every message acked or
+    /// terminated.
+    pub async fn settled(&self) {
+        eventually("nothing pending or unacked", || async {
+            let state = self.consumer_state().await;
+            state.pending == 0 && state.ack_pending == 0
+        })
+        .await;
+    }
+
     pub async fn stream_messages(&self, name: &str) -> u64 {
         let mut stream = self.js.get_stream(name).await.unwrap();
         stream.info().await.unwrap().state.messages
