@@ -236,16 +236,7 @@ async fn the_horizon_is_the_existing_consumers_not_the_flags() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
     let setup = Setup::new().await;
-    setup.run(&[
-        "stock",
-        "put",
-        "--book-id",
-        BOOK,
-        "--title",
-        "Dune",
-        "--on-hand",
-        "1000",
-    ]);
+    setup.put_stock(BOOK, "Dune", 1000);
     // 300 completed rows from two days ago, and one older row still "processing".
     setup
         .db
@@ -394,16 +385,7 @@ async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
     );
     let table = setup.run(&["dlq", "list"]);
     assert!(String::from_utf8_lossy(&table.stdout).contains("unknown-book"));
-    setup.run(&[
-        "stock",
-        "put",
-        "--book-id",
-        UNKNOWN_BOOK,
-        "--title",
-        "Arrakis",
-        "--on-hand",
-        "5",
-    ]);
+    setup.put_stock(UNKNOWN_BOOK, "Arrakis", 5);
     let seq = letters[0]["seq"].to_string();
     let replayed = setup.run(&["dlq", "replay", "--seq", &seq]);
     assert!(String::from_utf8_lossy(&replayed.stdout).contains("replayed dead letter"));
@@ -484,16 +466,7 @@ async fn secrets_never_reach_the_logs_or_help() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    setup.run(&[
-        "stock",
-        "put",
-        "--book-id",
-        BOOK,
-        "--title",
-        "Dune",
-        "--on-hand",
-        "10",
-    ]);
+    setup.put_stock(BOOK, "Dune", 10);
     setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
     let deadline = Instant::now() + Duration::from_secs(30);
     while setup.db.reserved(BookId::parse(BOOK).unwrap()).await != 2 {

@@ -103,16 +103,7 @@ fn exited_within(child: &mut Child, limit: Duration) -> Option<std::process::Exi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
     let setup = Setup::new().await;
-    setup.run(&[
-        "stock",
-        "put",
-        "--book-id",
-        BOOK,
-        "--title",
-        "Dune",
-        "--on-hand",
-        "100",
-    ]);
+    setup.put_stock(BOOK, "Dune", 100);
     let first = setup.run(&[
         "publish",
         "placed",
@@ -166,16 +157,7 @@ async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() {
     let setup = Setup::new().await;
-    setup.run(&[
-        "stock",
-        "put",
-        "--book-id",
-        BOOK,
-        "--title",
-        "Dune",
-        "--on-hand",
-        "100",
-    ]);
+    setup.put_stock(BOOK, "Dune", 100);
     let blocker = setup.hold_stock_row().await;
     setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
     // The ORM handler's explicit transaction is what is abandoned here: it never commits. (The
@@ -277,16 +259,7 @@ async fn the_email_strategy_mails_each_placed_order_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_timeout_running_out_exits_1_with_nothing_acked() {
     let setup = Setup::new().await;
-    setup.run(&[
-        "stock",
-        "put",
-        "--book-id",
-        BOOK,
-        "--title",
-        "Dune",
-        "--on-hand",
-        "100",
-    ]);
+    setup.put_stock(BOOK, "Dune", 100);
     let blocker = setup.hold_stock_row().await;
     setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
     // The ORM handler, as above: its transaction is abandoned uncommitted.

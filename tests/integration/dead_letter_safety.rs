@@ -14,6 +14,17 @@ use inventory_service::dlq::{self, Selection};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
+/// The natural key consuming the test's stream on one lane, `max_deliver` deliveries a message.
+async fn natural_key_service(db: &TestDb, broker: &Broker, max_deliver: i64) -> RunningService {
+    RunningService::start(
+        broker,
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
+        db.conn.clone(),
+        broker.settings(1, max_deliver),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_that_died_after_storing_the_dead_letter_stores_no_second_copy() {
     let db = TestDb::new(Backend::Postgres).await;
@@ -43,13 +54,7 @@ async fn a_process_that_died_after_storing_the_dead_letter_stores_no_second_copy
     drop(first);
 
     // The next instance gets it again after the ack wait and dead-letters it as usual.
-    let service = RunningService::start(
-        &broker,
-        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
-        db.conn.clone(),
-        broker.settings(1, 5),
-    )
-    .await;
+    let service = natural_key_service(&db, &broker, 5).await;
     eventually("the redelivery dead-lettered", || async {
         service.stats.dead_lettered.load(Ordering::Relaxed) == 1
     })
@@ -65,13 +70,7 @@ async fn a_process_that_died_after_storing_the_dead_letter_stores_no_second_copy
 async fn the_original_is_terminated_only_once_its_dead_letter_is_stored() {
     let db = TestDb::new(Backend::Postgres).await;
     let broker = Broker::new().await;
-    let service = RunningService::start(
-        &broker,
-        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
-        db.conn.clone(),
-        broker.settings(1, 50),
-    )
-    .await;
+    let service = natural_key_service(&db, &broker, 50).await;
     // No dead-letter stream (the service made one at start): storing a dead letter fails until
     // it is back.
     broker
@@ -121,13 +120,7 @@ async fn a_replay_that_died_between_its_publish_and_its_delete_is_stored_once() 
         .publish(&placed(unknown, 2))
         .await
         .unwrap();
-    let service = RunningService::start(
-        &broker,
-        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
-        db.conn.clone(),
-        broker.settings(1, 5),
-    )
-    .await;
+    let service = natural_key_service(&db, &broker, 5).await;
     eventually("dead-lettered", || async {
         service.stats.dead_lettered.load(Ordering::Relaxed) == 1
     })

@@ -104,6 +104,21 @@ impl BinaryRun {
         output
     }
 
+    /// `inventory stock put`: `book_id` titled `title` with `on_hand` copies.
+    pub fn put_stock(&self, book_id: &str, title: &str, on_hand: u32) -> Output {
+        let on_hand = on_hand.to_string();
+        self.run(&[
+            "stock",
+            "put",
+            "--book-id",
+            book_id,
+            "--title",
+            title,
+            "--on-hand",
+            &on_hand,
+        ])
+    }
+
     /// Starts a command with its output captured, e.g. `serve`.
     pub fn spawn(&self, args: &[&str]) -> Child {
         self.command(args)
