@@ -41,8 +41,6 @@ pub enum NaturalKeyPath {
 }
 
 impl NaturalKeyPath {
-    pub const ALL: [Self; 3] = [Self::Orm, Self::OneStatement, Self::Batch];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Orm => "orm",
@@ -53,19 +51,6 @@ impl NaturalKeyPath {
 }
 
 impl HandlerKind {
-    /// Every handler a user can run.
-    pub const ALL: [Self; 9] = [
-        Self::Naive,
-        Self::CheckThenProcess,
-        Self::Inbox(DetectMode::CatchViolation),
-        Self::Inbox(DetectMode::PreCheck),
-        Self::Inbox(DetectMode::OnConflict),
-        Self::NaturalKey(NaturalKeyPath::Orm),
-        Self::NaturalKey(NaturalKeyPath::OneStatement),
-        Self::NaturalKey(NaturalKeyPath::Batch),
-        Self::Email,
-    ];
-
     /// The study's name of the strategy, as the demo's and the comparison's tables print it.
     pub fn strategy_name(self) -> &'static str {
         match self {
@@ -190,14 +175,6 @@ pub enum Handler {
 }
 
 impl Handler {
-    pub fn kind(&self) -> HandlerKind {
-        match self {
-            Self::Stock(consumer) => consumer.kind(),
-            Self::OneStatement(handler) => handler.kind(),
-            Self::Email(_) => HandlerKind::Email,
-        }
-    }
-
     /// The name its dedup rows are kept under.
     pub fn consumer(&self) -> &ConsumerName {
         match self {

@@ -156,10 +156,6 @@ impl StockConsumer {
         }
     }
 
-    pub fn kind(&self) -> HandlerKind {
-        self.kind
-    }
-
     pub fn consumer(&self) -> &ConsumerName {
         &self.consumer
     }

@@ -25,7 +25,7 @@ use tokio::sync::Mutex;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 
 use super::work::{quantity_column, unknown_book};
-use super::{HandleError, HandlerKind, MessageHandler, StockConsumer};
+use super::{HandleError, MessageHandler, StockConsumer};
 use crate::faults::Faults;
 use crate::stock::{DataError, int_column, quantity_from, status_from};
 
@@ -210,10 +210,6 @@ impl PgNaturalKey {
             faults: reference.faults.clone(),
             reference,
         }
-    }
-
-    pub fn kind(&self) -> HandlerKind {
-        self.reference.kind()
     }
 
     pub fn consumer(&self) -> &inventory_domain::ConsumerName {
