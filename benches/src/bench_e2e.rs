@@ -213,7 +213,9 @@ pub fn pgbench_script(books: usize) -> String {
         .replace("$1", "md5('o' || :n::text)::uuid")
         .replace("$2", "md5('b' || :b::text)::uuid")
         .replace("$3", "(1 + :n::bigint % 3)::int4")
-        .replace("$4", "('pgbench-' || :n::text)");
+        .replace("$4", "('pgbench-' || :n::text)")
+        .replace("$5", "md5('e' || :n::text)::uuid")
+        .replace("$6", "(:n % 16)::int2");
     format!(
         "\\set n random(1, 1000000000000)\n\\set b random(1, {books})\n{};\n",
         statement.replace('\n', " ")

@@ -9,6 +9,8 @@
 //! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
 //! - [`outcome`]: what handling a message came to, what a failure means for its delivery
 //!   (retry, dead-letter, crashed), and the contract's dead-letter reasons.
+//! - [`outbox`]: the events out of Inventory, one per reservation decision, and the outbox
+//!   partition of an order.
 //! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
 //!   the guard against a shorter retention.
 //! - [`ports`]: the email provider trait (send, and lookup by idempotency key) and the crash
@@ -17,6 +19,7 @@
 pub mod horizon;
 pub mod ids;
 pub mod message;
+pub mod outbox;
 pub mod outcome;
 pub mod ports;
 pub mod stock;
@@ -26,6 +29,7 @@ pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Qu
 pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,
 };
+pub use outbox::{StockEvent, StockEventKind};
 pub use outcome::{DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};
 pub use ports::{CrashPoint, EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 pub use stock::{ReservationDecision, ReservationStatus, StockItem};

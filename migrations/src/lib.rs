@@ -10,6 +10,8 @@
 //!   both write, so a cancellation that arrives first still wins.
 //! - `m20261130_000005_create_reservation_log`: the reservations of the strategies without a
 //!   natural key (naive, check-then-process, inbox), where an order can be reserved twice.
+//! - `m20261201_000006_create_outbox`: the events of reservation decisions, written in the
+//!   decision's transaction, until the relay has published them.
 
 pub use sea_orm_migration::prelude::*;
 
@@ -18,6 +20,7 @@ mod m20261130_000002_create_stock_reservations;
 mod m20261130_000003_create_inbox;
 mod m20261130_000004_create_order_states;
 mod m20261130_000005_create_reservation_log;
+mod m20261201_000006_create_outbox;
 
 pub struct Migrator;
 
@@ -30,6 +33,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261130_000003_create_inbox::Migration),
             Box::new(m20261130_000004_create_order_states::Migration),
             Box::new(m20261130_000005_create_reservation_log::Migration),
+            Box::new(m20261201_000006_create_outbox::Migration),
         ]
     }
 }

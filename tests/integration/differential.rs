@@ -1,7 +1,8 @@
 //! One reservation rule, written three times: the sea-orm reference handler, which decides with
 //! `StockItem::decide_reservation`; the one-statement SQL; the batch statement. Random sequences
 //! of messages run through each, on a database of its own, and through a pure model that
-//! decides with the domain's functions: every outcome and every row must come out the same.
+//! decides with the domain's functions: every outcome and every row must come out the same,
+//! the outbox's events included (one per decision, none for a copy or a resend).
 //!
 //! `DIFFERENTIAL_SEED=n` replays one sequence; `DIFFERENTIAL_SEQUENCES=n` runs more of them.
 
@@ -231,6 +232,8 @@ struct Model {
     reservations: BTreeMap<(OrderId, BookId), Reservation>,
     /// An `order_states` row: the cancelling message's key once cancelled.
     orders: BTreeMap<OrderId, Option<String>>,
+    /// The outbox: one event per decision, as [`ROWS_SQL`] prints it.
+    events: Vec<String>,
 }
 
 impl Model {
@@ -266,9 +269,19 @@ impl Model {
             )
         } else {
             let decision = stock.decide_reservation(placed.quantity);
-            if let ReservationDecision::Reserve { reserved_after } = decision {
-                stock.reserved = reserved_after;
-            }
+            let subject = match decision {
+                ReservationDecision::Reserve { reserved_after } => {
+                    stock.reserved = reserved_after;
+                    "reserved".to_owned()
+                }
+                ReservationDecision::Reject { available, .. } => {
+                    format!("rejected available {available}")
+                }
+            };
+            self.events.push(format!(
+                "event {subject} {} {} {} caused by {key}",
+                placed.order_id, placed.book_id, placed.quantity
+            ));
             (decision.status(), decision.effect(placed.quantity))
         };
         self.reservations.insert(
@@ -288,7 +301,7 @@ impl Model {
         if state.is_some() {
             return Outcome::Duplicate;
         }
-        *state = Some(key);
+        *state = Some(key.clone());
         let mut copies = 0;
         for ((_, book), reservation) in self
             .reservations
@@ -301,6 +314,9 @@ impl Model {
                 stock.reserved -= quantity;
             }
             copies += quantity;
+            self.events.push(format!(
+                "event released {order} {book} {quantity} caused by {key}"
+            ));
         }
         Outcome::Processed(Effect::Released { copies })
     }
@@ -328,7 +344,11 @@ impl Model {
                 None => format!("order {order} open"),
                 Some(key) => format!("order {order} cancelled by {key}"),
             });
-        stock.chain(reservations).chain(orders).collect()
+        stock
+            .chain(reservations)
+            .chain(orders)
+            .chain(self.events.iter().cloned())
+            .collect()
     }
 }
 
@@ -345,7 +365,19 @@ FROM stock_reservations WHERE order_id BETWEEN $1 AND $2
 UNION ALL
 SELECT 'order ' || order_id || CASE WHEN cancelled_at IS NULL THEN ' open'
                                     ELSE ' cancelled by ' || cancel_message_id END
-FROM order_states WHERE order_id BETWEEN $1 AND $2";
+FROM order_states WHERE order_id BETWEEN $1 AND $2
+UNION ALL
+SELECT 'event ' || substr(subject, length('inventory.stock.') + 1)
+       || coalesce(' available ' || (payload::jsonb ->> 'available'), '') || ' '
+       || (payload::jsonb ->> 'order_id') || ' ' || (payload::jsonb ->> 'book_id') || ' '
+       || (payload::jsonb ->> 'quantity') || ' caused by ' || (payload::jsonb ->> 'caused_by')
+       /* The columns the relay reads beside the body must agree with it. */
+       || CASE WHEN event_id::text = payload::jsonb ->> 'event_id'
+                    AND order_id::text = payload::jsonb ->> 'order_id'
+                    AND relay_partition = get_byte(uuid_send(order_id), 15) % 16
+                    AND subject LIKE 'inventory.stock.%'
+               THEN '' ELSE ' (columns disagree with the body)' END
+FROM outbox WHERE order_id BETWEEN $1 AND $2";
 
 /// Refusals compared by reason: their detail is prose.
 fn comparable(outcome: Outcome) -> Outcome {

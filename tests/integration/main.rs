@@ -22,6 +22,7 @@ mod naive;
 mod natural;
 mod natural_pg;
 mod outages;
+mod outbox;
 mod purge_load;
 mod retention;
 mod retries;

@@ -380,15 +380,16 @@ async fn statements_probe_reservations_by_key_even_in_a_generic_plan_of_an_empty
             .join("\n")
     };
     let single = plan(
-        "uuid, uuid, int4, text",
+        "uuid, uuid, int4, text, uuid, int2",
         RESERVE_SQL,
-        "gen_random_uuid(), gen_random_uuid(), 1, 'm'",
+        "gen_random_uuid(), gen_random_uuid(), 1, 'm', gen_random_uuid(), 0",
     )
     .await;
     let batch = plan(
-        "uuid[], uuid[], int4[], text[], int4[]",
+        "uuid[], uuid[], int4[], text[], int4[], uuid[], int2[]",
         RESERVE_BATCH_SQL,
-        "ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], ARRAY[1], ARRAY['m'], ARRAY[0]",
+        "ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], ARRAY[1], ARRAY['m'], ARRAY[0], \
+         ARRAY[gen_random_uuid()], ARRAY[0::int2]",
     )
     .await;
     for (statement, plan) in [("RESERVE_SQL", single), ("RESERVE_BATCH_SQL", batch)] {

@@ -17,12 +17,21 @@
 //! Reads that lock nothing come first: a placement looks for its reservation, a cancellation
 //! for the books its order holds. A cancellation locks those books, then claims its order's
 //! row, and starts over if a placement of the order committed in between.
+//!
+//! # Events
+//!
+//! Each decision writes its event into the outbox in its own transaction: a reservation
+//! reserved or rejected, and each reservation a cancellation releases. A copy, a new-id resend
+//! or a placement after the cancellation decides nothing and writes none. The event row is
+//! written after the order's `order_states` row is taken, so the events of one order get their
+//! outbox `seq` in the order their transactions commit: the relay publishes them in that order.
+//! Whoever stops a path from writing `order_states` must keep that true some other way.
 
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
     CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, Quantity,
-    ReservationDecision, ReservationStatus,
+    ReservationDecision, ReservationStatus, StockEvent, StockEventKind,
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
@@ -34,6 +43,7 @@ use uuid::Uuid;
 use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
 use super::{HandleError, StockConsumer, begin_write, finish};
 use crate::entities::{order_states, stock_items, stock_reservations};
+use crate::outbox;
 use crate::stock::{DataError, quantity_from};
 
 impl StockConsumer {
@@ -100,9 +110,17 @@ impl StockConsumer {
         let Some(decision) = decision else {
             return Ok(Outcome::Processed(Effect::ArrivedAfterCancellation));
         };
-        if let ReservationDecision::Reserve { reserved_after } = decision {
-            set_reserved(txn, placed.book_id, reserved_after).await?;
-        }
+        let kind = match &decision {
+            ReservationDecision::Reserve { reserved_after } => {
+                set_reserved(txn, placed.book_id, *reserved_after).await?;
+                StockEventKind::Reserved
+            }
+            ReservationDecision::Reject { available, .. } => StockEventKind::Rejected {
+                available: *available,
+            },
+        };
+        let event = StockEvent::new(kind, placed.order_id, placed.book_id, placed.quantity, key);
+        outbox::record(txn, &event).await?;
         Ok(Outcome::Processed(decision.effect(placed.quantity)))
     }
 
@@ -168,7 +186,16 @@ impl StockConsumer {
                 .filter(stock_reservations::Column::BookId.eq(reservation.book_id))
                 .exec(txn)
                 .await?;
-            release_stock(txn, reservation.book_id.into(), quantity.get()).await?;
+            let book = reservation.book_id.into();
+            release_stock(txn, book, quantity.get()).await?;
+            let released = StockEvent::new(
+                StockEventKind::Released,
+                cancelled.order_id,
+                book,
+                quantity,
+                key,
+            );
+            outbox::record(txn, &released).await?;
             copies += i64::from(quantity.get());
         }
         Ok(Some(Outcome::Processed(Effect::Released { copies })))

@@ -22,7 +22,9 @@ use sea_orm::sqlx::{self, ConnectOptions, Row};
 use sea_orm::{DbErr, RuntimeErr};
 use tokio::sync::Mutex;
 
+use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
+use uuid::Uuid;
 
 use super::work::{quantity_column, unknown_book};
 use super::{HandleError, MessageHandler, StockConsumer};
@@ -69,6 +71,21 @@ WITH existing AS (
 ), moved AS (
     UPDATE stock_items SET reserved = reserved + $3
     WHERE book_id = $2 AND EXISTS (SELECT 1 FROM inserted WHERE status = 'reserved')
+), event AS (
+    /* The decision's event ($5 its id, $6 its relay partition), committed with it: the
+       outbox. Written after the guard took the order's row, so the events of one order are
+       numbered in commit order. A placement after the cancellation (released) decided nothing
+       and writes none; the body is StockEvent::body's, built here. */
+    INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
+    SELECT $5, $6, $1, 'inventory.stock.' || inserted.status,
+           jsonb_strip_nulls(jsonb_build_object(
+               'event_id', $5::uuid, 'order_id', $1::uuid, 'book_id', $2::uuid,
+               'quantity', $3::int4, 'occurred_at', now(), 'caused_by', $4::text,
+               'available', CASE WHEN inserted.status = 'rejected' THEN decided.available END
+           ))::text,
+           now()
+    FROM inserted CROSS JOIN decided
+    WHERE inserted.status IN ('reserved', 'rejected')
 )
 SELECT EXISTS (SELECT 1 FROM stock) OR EXISTS (SELECT 1 FROM existing) AS book_found,
        (SELECT status FROM inserted) AS inserted_status,
@@ -87,8 +104,9 @@ pub const RESERVE_BATCH_SQL: &str = "\
 WITH input AS (
     /* idx is a placement's place in the batch: its result's row, and which copy of a key
        counts. */
-    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[])
-        AS input(order_id, book_id, quantity, message_id, idx)
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[],
+                         $6::uuid[], $7::int2[])
+        AS input(order_id, book_id, quantity, message_id, idx, event_id, relay_partition)
 ), books AS (
     /* Locked in book order, as on every path, so that two batches sharing books never wait
        for each other in a cycle. */
@@ -146,6 +164,21 @@ WITH input AS (
         GROUP BY inserted.book_id
     ) won
     WHERE stock_items.book_id = won.book_id
+), event AS (
+    /* RESERVE_SQL's event for each reservation won, in batch order. A batch reserves or
+       releases; it leaves every rejection to RESERVE_SQL. */
+    INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
+    SELECT decided.event_id, decided.relay_partition, decided.order_id,
+           'inventory.stock.reserved',
+           jsonb_build_object(
+               'event_id', decided.event_id, 'order_id', decided.order_id,
+               'book_id', decided.book_id, 'quantity', decided.quantity,
+               'occurred_at', now(), 'caused_by', decided.message_id
+           )::text,
+           now()
+    FROM inserted JOIN decided USING (order_id, book_id)
+    WHERE inserted.status = 'reserved'
+    ORDER BY decided.idx
 ), outcome AS MATERIALIZED (
     /* Computed once. Inlined, the planner may rerun this join for every input row, cheap by
        its one-row estimates and slow at a batch of 64. */
@@ -257,12 +290,16 @@ impl PgNaturalKey {
             let mut quantities = Vec::with_capacity(placements.len());
             let mut keys = Vec::with_capacity(placements.len());
             let mut indexes = Vec::with_capacity(placements.len());
+            let mut event_ids = Vec::with_capacity(placements.len());
+            let mut partitions = Vec::with_capacity(placements.len());
             for (index, (key, placed)) in placements.iter().enumerate() {
                 orders.push(placed.order_id.as_uuid());
                 books.push(placed.book_id.as_uuid());
                 quantities.push(quantity_column(placed.quantity.get())?);
                 keys.push(key.clone());
                 indexes.push(int_column("batch index", index)?);
+                event_ids.push(Uuid::now_v7());
+                partitions.push(partition(placed.order_id));
             }
             let rows = sqlx::query(RESERVE_BATCH_SQL)
                 .bind(&orders)
@@ -270,6 +307,8 @@ impl PgNaturalKey {
                 .bind(&quantities)
                 .bind(&keys)
                 .bind(&indexes)
+                .bind(&event_ids)
+                .bind(&partitions)
                 .fetch_all(&mut *connection)
                 .await
                 .map_err(database_error)?;
@@ -377,6 +416,8 @@ async fn decide(
         .bind(book)
         .bind(quantity)
         .bind(key)
+        .bind(Uuid::now_v7())
+        .bind(partition(placed.order_id))
         .fetch_one(&mut *connection)
         .await
         .map_err(database_error)?;

@@ -2,6 +2,7 @@
 
 pub(crate) mod inbox;
 pub(crate) mod order_states;
+pub(crate) mod outbox;
 pub(crate) mod reservation_log;
 pub(crate) mod stock_items;
 pub(crate) mod stock_reservations;

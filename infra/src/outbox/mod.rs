@@ -1,0 +1,52 @@
+//! The transactional outbox of Inventory: the event of each reservation decision, written in
+//! the decision's own transaction, so that a decision is never committed without its event nor
+//! an event published for a decision that rolled back. The relay publishes the rows later and
+//! removes them.
+//!
+//! The ORM handler writes through [`record`]; the PostgreSQL statements in
+//! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), and
+//! [`pending`] reads both back the same way.
+
+use chrono::Utc;
+use inventory_domain::outbox::partition;
+use inventory_domain::{DecodeError, StockEvent};
+use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder, Set};
+
+use crate::entities::outbox;
+
+/// Writes `event` into the outbox through `conn`, the transaction that made its decision.
+pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> Result<(), DbErr> {
+    let row = outbox::ActiveModel {
+        event_id: Set(event.event_id),
+        relay_partition: Set(partition(event.order_id)),
+        order_id: Set(event.order_id.as_uuid()),
+        subject: Set(event.subject().to_owned()),
+        payload: Set(event.body()),
+        created_at: Set(Utc::now()),
+        ..Default::default()
+    };
+    outbox::Entity::insert(row)
+        .exec_without_returning(conn)
+        .await?;
+    Ok(())
+}
+
+/// The events waiting in the outbox, in write order, decoded as a consumer of `INVENTORY`
+/// would decode them.
+pub async fn pending(conn: &impl ConnectionTrait) -> Result<Vec<StockEvent>, OutboxReadError> {
+    outbox::Entity::find()
+        .order_by_asc(outbox::Column::Seq)
+        .all(conn)
+        .await?
+        .into_iter()
+        .map(|row| Ok(StockEvent::decode(&row.subject, row.payload.as_bytes())?))
+        .collect()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OutboxReadError {
+    #[error(transparent)]
+    Database(#[from] DbErr),
+    #[error("an outbox row does not decode: {0}")]
+    Decode(#[from] DecodeError),
+}

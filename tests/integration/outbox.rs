@@ -1,0 +1,111 @@
+//! The outbox, as the handlers write it: one event per decision (reserved, rejected, each
+//! reservation released), in the decision's transaction; none for a copy, a resend under a new
+//! id, a second cancellation or a placement after the cancellation. Every handler a user can
+//! choose: the ORM handler on SQLite and PostgreSQL, the one statement and the batch statement
+//! on PostgreSQL. The random sequences of `differential.rs` compare the events with the
+//! domain's model too.
+
+use inventory_domain::{CrashPoint, Message, OrderId, StockEvent, StockEventKind};
+use inventory_infra::outbox::pending;
+use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
+
+/// (subject kind, the message that caused it) of the events waiting, in write order.
+async fn events(db: &TestDb) -> Vec<(StockEventKind, String)> {
+    pending(&db.conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|event: StockEvent| (event.kind, event.caused_by))
+        .collect()
+}
+
+fn key(message: &Message) -> String {
+    message.key.storage_key()
+}
+
+async fn one_event_per_decision(db: TestDb, path: NaturalKeyPath) {
+    let kind = HandlerKind::NaturalKey(path);
+    let handler = db.consumer(kind);
+    let book = db.dune(3).await;
+    let reserved = placed(book, 2);
+    let rejected = placed(book, 2);
+    let cancellation = reserved.cancellation();
+    let cancelled_order = OrderId::new_v7();
+    let cancelled_first = Message::cancelled(cancelled_order);
+    let after_cancellation = placed_for(cancelled_order, book, 1);
+    // Decisions, each followed by what must not decide again.
+    let deliveries = [
+        reserved.clone(),
+        reserved.clone(),
+        reserved.resent_with_new_id(),
+        rejected.clone(),
+        rejected.resent_with_new_id(),
+        cancelled_first.clone(),
+        after_cancellation,
+        cancellation.clone(),
+        cancellation.clone(),
+        cancellation.resent_with_new_id(),
+    ];
+    if kind.takes_batches() {
+        // Copies inside one batch too.
+        for batch in deliveries.chunks(3) {
+            for result in handler.handle_batch(batch).await {
+                result.unwrap();
+            }
+        }
+    } else {
+        for message in &deliveries {
+            handler.handle(message).await.unwrap();
+        }
+    }
+    assert_eq!(
+        events(&db).await,
+        [
+            (StockEventKind::Reserved, key(&reserved)),
+            (StockEventKind::Rejected { available: 1 }, key(&rejected)),
+            (StockEventKind::Released, key(&cancellation)),
+        ]
+    );
+}
+
+async fn orm_one_event_per_decision(db: TestDb) {
+    one_event_per_decision(db, NaturalKeyPath::Orm).await;
+}
+
+inventory_tests::on_both_backends!(
+    orm_one_event_per_decision,
+    crash_before_commit_writes_no_event
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_statement_one_event_per_decision() {
+    one_event_per_decision(
+        TestDb::new(Backend::Postgres).await,
+        NaturalKeyPath::OneStatement,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_statement_one_event_per_decision() {
+    one_event_per_decision(TestDb::new(Backend::Postgres).await, NaturalKeyPath::Batch).await;
+}
+
+/// A crash inside the transaction rolls the event back with the decision; the redelivery
+/// decides once and writes one.
+async fn crash_before_commit_writes_no_event(db: TestDb) {
+    let handler = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
+    let book = db.dune(3).await;
+    let message = placed(book, 1);
+    crash_at(&message, CrashPoint::BeforeCommit, |faults| {
+        handler.with_faults(faults)
+    })
+    .await;
+    assert_eq!(events(&db).await, []);
+    handler.handle(&message).await.unwrap();
+    assert_eq!(
+        events(&db).await,
+        [(StockEventKind::Reserved, key(&message))]
+    );
+}
