@@ -30,11 +30,12 @@ pub enum StockEventKind {
 }
 
 impl StockEventKind {
-    pub fn subject(&self) -> &'static str {
+    /// The subject below the events' prefix (`inventory` by the contract): `stock.reserved`.
+    pub fn subject_token(&self) -> &'static str {
         match self {
-            Self::Reserved => "inventory.stock.reserved",
-            Self::Rejected { .. } => "inventory.stock.rejected",
-            Self::Released => "inventory.stock.released",
+            Self::Reserved => "stock.reserved",
+            Self::Rejected { .. } => "stock.rejected",
+            Self::Released => "stock.released",
         }
     }
 }
@@ -85,11 +86,11 @@ impl StockEvent {
         }
     }
 
-    pub fn subject(&self) -> &'static str {
-        self.kind.subject()
+    pub fn subject_token(&self) -> &'static str {
+        self.kind.subject_token()
     }
 
-    /// The UTF-8 JSON body published on [`Self::subject`].
+    /// The UTF-8 JSON body published on `<prefix>.`[`Self::subject_token`].
     pub fn body(&self) -> String {
         let available = match self.kind {
             StockEventKind::Rejected { available } => Some(available),
@@ -107,15 +108,15 @@ impl StockEvent {
         serde_json::to_string(&body).expect("a struct of plain fields serializes")
     }
 
-    /// An event as a consumer of `INVENTORY` reads it: the kind from the subject, the rest
-    /// from the body.
-    pub fn decode(subject: &str, body: &[u8]) -> Result<Self, DecodeError> {
+    /// An event as a consumer of `INVENTORY` reads it: the kind from the subject below the
+    /// prefix (`stock.reserved`), the rest from the body.
+    pub fn decode(subject_token: &str, body: &[u8]) -> Result<Self, DecodeError> {
         let wire: Body =
             serde_json::from_slice(body).map_err(|e| DecodeError::Malformed(e.to_string()))?;
-        let kind = match subject {
-            "inventory.stock.reserved" => StockEventKind::Reserved,
-            "inventory.stock.released" => StockEventKind::Released,
-            "inventory.stock.rejected" => StockEventKind::Rejected {
+        let kind = match subject_token {
+            "stock.reserved" => StockEventKind::Reserved,
+            "stock.released" => StockEventKind::Released,
+            "stock.rejected" => StockEventKind::Rejected {
                 available: wire.available.ok_or_else(|| {
                     DecodeError::Malformed("a rejection without `available`".to_owned())
                 })?,
@@ -160,7 +161,8 @@ mod tests {
             StockEventKind::Released,
         ] {
             let sent = event(kind);
-            let read = StockEvent::decode(sent.subject(), sent.body().as_bytes()).expect("decodes");
+            let read =
+                StockEvent::decode(sent.subject_token(), sent.body().as_bytes()).expect("decodes");
             assert_eq!(read, sent);
         }
     }

@@ -20,6 +20,7 @@ impl MigrationTrait for Migration {
                     .col(uuid_uniq(Outbox::EventId))
                     .col(small_integer(Outbox::RelayPartition))
                     .col(uuid(Outbox::OrderId))
+                    // Below the stream's prefix: `stock.reserved` goes to `inventory.stock.reserved`.
                     .col(string_len(Outbox::Subject, 200))
                     .col(text(Outbox::Payload))
                     .col(timestamp_with_time_zone(Outbox::CreatedAt))

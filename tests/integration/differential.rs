@@ -367,7 +367,7 @@ SELECT 'order ' || order_id || CASE WHEN cancelled_at IS NULL THEN ' open'
                                     ELSE ' cancelled by ' || cancel_message_id END
 FROM order_states WHERE order_id BETWEEN $1 AND $2
 UNION ALL
-SELECT 'event ' || substr(subject, length('inventory.stock.') + 1)
+SELECT 'event ' || substr(subject, length('stock.') + 1)
        || coalesce(' available ' || (payload::jsonb ->> 'available'), '') || ' '
        || (payload::jsonb ->> 'order_id') || ' ' || (payload::jsonb ->> 'book_id') || ' '
        || (payload::jsonb ->> 'quantity') || ' caused by ' || (payload::jsonb ->> 'caused_by')
@@ -375,7 +375,7 @@ SELECT 'event ' || substr(subject, length('inventory.stock.') + 1)
        || CASE WHEN event_id::text = payload::jsonb ->> 'event_id'
                     AND order_id::text = payload::jsonb ->> 'order_id'
                     AND relay_partition = get_byte(uuid_send(order_id), 15) % 16
-                    AND subject LIKE 'inventory.stock.%'
+                    AND subject LIKE 'stock.%'
                THEN '' ELSE ' (columns disagree with the body)' END
 FROM outbox WHERE order_id BETWEEN $1 AND $2";
 

@@ -77,7 +77,7 @@ WITH existing AS (
        numbered in commit order. A placement after the cancellation (released) decided nothing
        and writes none; the body is StockEvent::body's, built here. */
     INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
-    SELECT $5, $6, $1, 'inventory.stock.' || inserted.status,
+    SELECT $5, $6, $1, 'stock.' || inserted.status,
            jsonb_strip_nulls(jsonb_build_object(
                'event_id', $5::uuid, 'order_id', $1::uuid, 'book_id', $2::uuid,
                'quantity', $3::int4, 'occurred_at', now(), 'caused_by', $4::text,
@@ -169,7 +169,7 @@ WITH input AS (
        releases; it leaves every rejection to RESERVE_SQL. */
     INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
     SELECT decided.event_id, decided.relay_partition, decided.order_id,
-           'inventory.stock.reserved',
+           'stock.reserved',
            jsonb_build_object(
                'event_id', decided.event_id, 'order_id', decided.order_id,
                'book_id', decided.book_id, 'quantity', decided.quantity,

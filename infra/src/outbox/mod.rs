@@ -20,7 +20,7 @@ pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> R
         event_id: Set(event.event_id),
         relay_partition: Set(partition(event.order_id)),
         order_id: Set(event.order_id.as_uuid()),
-        subject: Set(event.subject().to_owned()),
+        subject: Set(event.subject_token().to_owned()),
         payload: Set(event.body()),
         created_at: Set(Utc::now()),
         ..Default::default()
