@@ -18,6 +18,7 @@
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
 //!   lines in a local file, looked up by idempotency key).
+//! - [`orders`]: the orders producer, writing an order and its message in one transaction.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - `entities`: the sea-orm models (private).
@@ -29,6 +30,7 @@ mod entities;
 pub mod faults;
 pub mod jetstream;
 pub mod mailbox;
+pub mod orders;
 pub mod outbox;
 pub mod redact;
 pub mod retention;

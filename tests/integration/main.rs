@@ -21,6 +21,7 @@ mod migrations;
 mod naive;
 mod natural;
 mod natural_pg;
+mod orders;
 mod outages;
 mod outbox;
 mod purge_load;
