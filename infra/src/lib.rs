@@ -4,7 +4,8 @@
 //!
 //! # Layout
 //! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
-//!   error's code means for a retry (`DbFailure`).
+//!   error's code means for a retry (`DbFailure`); `Probe`, whether the database answers, asked
+//!   on a connection outside the pool.
 //! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows;
 //!   `DataError`, a value that does not fit between a column and its domain type.
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase

@@ -2,9 +2,12 @@
 //!
 //! `GET /metrics`: the text exposition of the `prometheus` crate's registry. `GET /healthz`:
 //! 200 with `{"nats":"connected","database":"reachable"}` when both hold, else 503 with what
-//! failed, so an orchestrator restarts or stops routing to an instance that cannot work.
+//! failed, so an orchestrator restarts or stops routing to an instance that cannot work. The
+//! database is asked on a connection of the check's own ([`Probe`]), not through the pool: a
+//! pool whose connections are all taken says nothing of whether the database answers.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -13,7 +16,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use inventory_infra::db::DatabaseConnection;
+use inventory_infra::db::{DatabaseConnection, Probe};
 use inventory_infra::jetstream;
 use prometheus::{
     Encoder as _, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -172,7 +175,7 @@ impl ConsumerMetrics {
 struct Health {
     metrics: Metrics,
     nats: jetstream::Client,
-    db: DatabaseConnection,
+    database: Arc<Probe>,
 }
 
 /// Binds `addr` and serves `/metrics` and `/healthz` until `stop` fires. Returns the bound
@@ -191,7 +194,11 @@ pub async fn serve(
     let app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(healthz))
-        .with_state(Health { metrics, nats, db });
+        .with_state(Health {
+            metrics,
+            nats,
+            database: Arc::new(Probe::new(&db)),
+        });
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
@@ -222,10 +229,14 @@ async fn render_metrics(State(health): State<Health>) -> impl IntoResponse {
 async fn healthz(State(health): State<Health>) -> impl IntoResponse {
     let nats_ok = jetstream::is_connected(&health.nats);
     // Bounded: a database that hangs must not hang the probe too.
-    let db_ok = matches!(
-        tokio::time::timeout(Duration::from_secs(2), health.db.ping()).await,
-        Ok(Ok(()))
-    );
+    let db_ok = match health.database.check(Duration::from_secs(2)).await {
+        Ok(()) => true,
+        Err(error) => {
+            // Every poll during an outage fails: the 503 says it; DEBUG says why.
+            tracing::debug!(%error, "health check: database unreachable");
+            false
+        }
+    };
     let status = if nats_ok && db_ok {
         StatusCode::OK
     } else {
