@@ -179,6 +179,41 @@ async fn many_lanes_with_copies_of_one_order_reserve_it_once() {
     assert_eq!(db.reserved(book).await, 2);
 }
 
+/// Copies of one order are kept apart by the reservation key whatever the stock row's lock
+/// does; different orders for the same book are kept apart only by that lock. Twelve orders
+/// of 2 for 10 copies, all seen waiting on the stock row at once: five reserved, seven
+/// rejected, never more reserved than on hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_lanes_with_different_orders_never_reserve_past_the_stock() {
+    let (db, handler) = fixture().await;
+    let book = db.dune(10).await;
+    let blocker = hold(
+        &db,
+        "SELECT 1 FROM stock_items WHERE book_id = $1 FOR UPDATE",
+        book.as_uuid(),
+    )
+    .await;
+    let orders: Vec<_> = (0..12)
+        .map(|_| {
+            let lane = handler.clone();
+            let order = placed(book, 2);
+            tokio::spawn(async move { lane.handle(&order).await })
+        })
+        .collect();
+    db.wait_for_lock_waiters(12).await;
+    blocker.rollback().await.unwrap();
+    let (mut reserved, mut rejected) = (0, 0);
+    for order in orders {
+        match order.await.unwrap().unwrap() {
+            Outcome::Processed(Effect::Reserved { .. }) => reserved += 1,
+            Outcome::Processed(Effect::Rejected { .. }) => rejected += 1,
+            other => panic!("neither reserved nor rejected: {other:?}"),
+        }
+    }
+    assert_eq!((reserved, rejected), (5, 7), "orders reserved, rejected");
+    assert_eq!(db.reserved(book).await, 10);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancellation_racing_its_placement_always_wins() {
     let (db, handler) = fixture().await;
