@@ -11,7 +11,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, Outcome, ReservationStatus};
+use inventory_domain::{
+    BookId, ConsumerName, CrashPoint, EventKind, Message, Outcome, ReservationStatus,
+};
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind,
@@ -273,6 +275,39 @@ const STATEMENT_PATH_POINTS: [CrashPoint; 4] = [
     CrashPoint::AfterCommit,
 ];
 
+/// A handler that keeps the kind of each message it crashed on. The placement's statement and
+/// the cancellation's reference handler both pass `AfterCommit`, so a crash counted there says
+/// nothing of which passed it: a statement path that skipped the point would go unseen.
+#[derive(Clone)]
+struct CrashedOn<H> {
+    inner: H,
+    kinds: Arc<Mutex<Vec<EventKind>>>,
+}
+
+impl<H> CrashedOn<H> {
+    fn note(&self, message: &Message, result: &Result<Outcome, HandleError>) {
+        if matches!(result, Err(HandleError::Crashed(_))) {
+            self.kinds.lock().unwrap().push(message.event.kind());
+        }
+    }
+}
+
+impl<H: MessageHandler> MessageHandler for CrashedOn<H> {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let result = self.inner.handle(message).await;
+        self.note(message, &result);
+        result
+    }
+
+    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let results = self.inner.handle_batch(messages).await;
+        for (message, result) in messages.iter().zip(&results) {
+            self.note(message, result);
+        }
+        results
+    }
+}
+
 /// `kind` (the one statement, or the batch statement with lanes handing over up to 16
 /// messages) dies once at each point in turn, inside the loop, on a stream of two orders and
 /// the cancellation of one of them. One lane keeps the stream's order, so a placement reaches
@@ -281,7 +316,11 @@ async fn statement_path_crashes(kind: HandlerKind) {
     let db = TestDb::new(Backend::Postgres).await;
     let handler = db.consumer(kind);
     let runs = futures::future::join_all(STATEMENT_PATH_POINTS.map(|point| {
-        let handler = handler.with_faults(Faults::crash_once_at(point));
+        let kinds = Arc::default();
+        let handler = CrashedOn {
+            inner: handler.with_faults(Faults::crash_once_at(point)),
+            kinds: Arc::clone(&kinds),
+        };
         let db = &db;
         async move {
             let broker = Broker::new().await;
@@ -300,15 +339,25 @@ async fn statement_path_crashes(kind: HandlerKind) {
                 &[withdrawn.clone(), kept.clone(), cancellation],
             )
             .await;
-            (point, book, kept, withdrawn, stats, letters)
+            let kinds = kinds.lock().unwrap().clone();
+            (point, book, kept, withdrawn, stats, letters, kinds)
         }
     }))
     .await;
-    for (point, book, kept, withdrawn, stats, letters) in runs {
+    for (point, book, kept, withdrawn, stats, letters, kinds) in runs {
         let context = format!("{} crashed {}", kind.label(), point.as_str());
         let crashed = stats.left_for_redelivery.load(Ordering::Relaxed);
         // A crash in the batch statement loses the whole batch: every placement in it.
         assert!(crashed >= 1, "{context}: the point was reached");
+        // One lane in the stream's order: a placement reaches the statement's points first.
+        let crashed_on = match point {
+            CrashPoint::BeforeStatement | CrashPoint::AfterCommit => EventKind::Placed,
+            _ => EventKind::Cancelled,
+        };
+        assert!(
+            !kinds.is_empty() && kinds.iter().all(|kind| *kind == crashed_on),
+            "{context}: crashed on {kinds:?}, not only on {crashed_on:?}"
+        );
         if kind == HandlerKind::NaturalKey(NaturalKeyPath::OneStatement)
             || matches!(
                 point,
