@@ -184,6 +184,12 @@ async fn corpus_through_the_service(server: &NatsServer, backend: Backend, strat
     // Each dead letter was stored once before its original was terminated: first try.
     assert_eq!(service.stats.retried.load(Ordering::Relaxed), 0);
     assert_eq!(
+        service.stats.left_for_redelivery.load(Ordering::Relaxed),
+        0,
+        "{}: every message settled on its first delivery",
+        strategy.label()
+    );
+    assert_eq!(
         stream_state(&broker.js, &broker.topology, &broker.consumer_name)
             .await
             .unwrap()
