@@ -1,7 +1,7 @@
 //! A dead letter is never lost and never stored twice: the original is terminated only once the
 //! dead-letter stream stored its copy, a process that died between the two stores no second
-//! copy when the original comes back, and a replay that died between its publish and its
-//! delete is stored once.
+//! copy when the original comes back, a replay that died between its publish and its delete
+//! is stored once, and a replay the orders stream did not store leaves its dead letter there.
 
 use std::sync::atomic::Ordering;
 
@@ -164,6 +164,62 @@ async fn a_replay_that_died_between_its_publish_and_its_delete_is_stored_once() 
         stored_before + 1,
         "one replay in the orders stream"
     );
+    assert!(
+        dlq::list(&broker.js, &broker.topology, None)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_the_orders_stream_cannot_store_keeps_its_dead_letter() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    broker
+        .publisher()
+        .publish(&placed(BookId::new_v7(), 2))
+        .await
+        .unwrap();
+    let service = natural_key_service(&db, &broker, 5).await;
+    eventually("dead-lettered", || async {
+        service.stats.dead_lettered.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    service.stop().await;
+
+    // No orders stream: the replay's publish is refused, so the dead letter must stay.
+    broker
+        .js
+        .delete_stream(&broker.topology.stream)
+        .await
+        .unwrap();
+    let letters = dlq::list(&broker.js, &broker.topology, None).await.unwrap();
+    let selection = Selection::Sequences(vec![letters[0].seq]);
+    assert!(
+        dlq::replay_selected(&broker.js, &broker.topology, &selection)
+            .await
+            .is_err(),
+        "a replay nothing stored"
+    );
+    assert_eq!(
+        dlq::list(&broker.js, &broker.topology, None)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the dead letter is kept while its replay is not stored"
+    );
+
+    // Once the stream is back the same replay goes through and removes it.
+    jetstream::ensure_streams(&broker.js, &broker.topology)
+        .await
+        .unwrap();
+    let report = dlq::replay_selected(&broker.js, &broker.topology, &selection)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed.len(), 1);
+    assert_eq!(broker.stream_messages(&broker.topology.stream).await, 1);
     assert!(
         dlq::list(&broker.js, &broker.topology, None)
             .await
