@@ -542,18 +542,22 @@ impl<H: MessageHandler> Worker<H> {
         let mut settled = Vec::with_capacity(messages.len());
         for (message, disposition) in messages.iter().zip(dispositions) {
             let span = message_span();
-            let disposition = match (disposition, results.next(), origins.next()) {
-                (Some(disposition), _, _) => disposition,
-                (None, Some(result), Some(origin)) => {
-                    span.record("stream_seq", origin.stream_sequence);
-                    span.record("delivered", origin.deliveries);
-                    self.settle(message, &origin, result)
-                        .instrument(span.clone())
-                        .await
-                }
-                // A handler that returned fewer results than messages: leave the rest for
-                // redelivery rather than guess.
-                (None, _, _) => Disposition::LeftForRedelivery,
+            // Results and origins belong to the decoded deliveries only, in order: one settled
+            // at admission takes none.
+            let disposition = match disposition {
+                Some(disposition) => disposition,
+                None => match (results.next(), origins.next()) {
+                    (Some(result), Some(origin)) => {
+                        span.record("stream_seq", origin.stream_sequence);
+                        span.record("delivered", origin.deliveries);
+                        self.settle(message, &origin, result)
+                            .instrument(span.clone())
+                            .await
+                    }
+                    // A handler that returned fewer results than messages: leave the rest for
+                    // redelivery rather than guess.
+                    _ => Disposition::LeftForRedelivery,
+                },
             };
             span.record("disposition", field::debug(&disposition));
             self.record(&disposition, started);

@@ -206,7 +206,10 @@ async fn natural_key_concurrent_cancel_and_place_cancel_wins(db: TestDb) {
             // SQLite shows no waiting writer (it retries inside its busy handler): the second
             // is given time to reach the writer lock, and must not have finished.
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            assert!(!second.is_finished(), "the second did not wait for the writer lock");
+            assert!(
+                !second.is_finished(),
+                "the second did not wait for the writer lock"
+            );
         }
         hold.release();
         first.await.unwrap().unwrap();
