@@ -12,6 +12,8 @@
 //!   natural key (naive, check-then-process, inbox), where an order can be reserved twice.
 //! - `m20261201_000006_create_outbox`: the events of reservation decisions, written in the
 //!   decision's transaction, until the relay has published them.
+//! - `m20261201_000007_create_outbox_leases`: the relays' partition leases and heartbeats,
+//!   and the index of parked outbox rows by order.
 
 pub use sea_orm_migration::prelude::*;
 
@@ -21,6 +23,7 @@ mod m20261130_000003_create_inbox;
 mod m20261130_000004_create_order_states;
 mod m20261130_000005_create_reservation_log;
 mod m20261201_000006_create_outbox;
+mod m20261201_000007_create_outbox_leases;
 
 pub struct Migrator;
 
@@ -34,6 +37,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261130_000004_create_order_states::Migration),
             Box::new(m20261130_000005_create_reservation_log::Migration),
             Box::new(m20261201_000006_create_outbox::Migration),
+            Box::new(m20261201_000007_create_outbox_leases::Migration),
         ]
     }
 }

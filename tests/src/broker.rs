@@ -48,6 +48,8 @@ impl Broker {
             subject_prefix: names.subject_prefix,
             dlq_stream: names.dlq_stream,
             dlq_subject_prefix: names.dlq_subject_prefix,
+            events_stream: names.events_stream,
+            events_subject_prefix: names.events_subject_prefix,
             duplicate_window: Duration::from_secs(120),
             replicas: 1,
         };
@@ -150,9 +152,12 @@ impl Broker {
 impl Drop for Broker {
     fn drop(&mut self) {
         let js = self.js.clone();
+        // The events stream exists only if a test's relay created it; deleting an absent
+        // stream is harmless.
         let names = [
             self.topology.stream.clone(),
             self.topology.dlq_stream.clone(),
+            self.topology.events_stream.clone(),
         ];
         crate::run_to_end_from_drop(async move {
             for name in names {

@@ -6,6 +6,15 @@
 //! The ORM handler writes through [`record`]; the PostgreSQL statements in
 //! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), and
 //! [`pending`] reads both back the same way.
+//!
+//! # Layout
+//! - [`relay`]: the relay, which publishes an outbox's rows to their stream and deletes them
+//!   after the PubAck; why several relays, a stale one included, neither reorder nor double
+//!   an order's events.
+//! - `lease`: the partition leases and heartbeats through which relays share an outbox.
+//! - [`source`]: an outbox as the relay sees it, any table of the outbox's columns with its
+//!   stream and subject prefix (Inventory's `outbox`, the orders producer's
+//!   `orders_outbox`): reading, deleting, parking, listing and retrying parked rows.
 
 use chrono::Utc;
 use inventory_domain::outbox::partition;
@@ -13,6 +22,16 @@ use inventory_domain::{DecodeError, StockEvent};
 use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder, Set};
 
 use crate::entities::outbox;
+
+mod lease;
+pub mod relay;
+pub mod source;
+
+pub use lease::fair_share;
+pub use relay::{
+    LeaseTooLong, PassReport, Published, Relay, RelayError, RelaySettings, RelayStatus, RelayWake,
+};
+pub use source::{Backlog, OutboxSource, ParkedRow, Retry};
 
 /// Writes `event` into the outbox through `conn`, the transaction that made its decision.
 pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> Result<(), DbErr> {
