@@ -426,17 +426,24 @@ impl Relay {
     /// removed; dropping the future instead (an immediate stop) leaves such rows, which the
     /// next holder republishes as duplicates the stream drops.
     pub async fn run(mut self, stop: CancellationToken) {
+        // The current backoff, while passes fail.
         let mut delay: Option<Duration> = None;
-        let mut next_attempt = Instant::now();
+        // When the next pass is due: now, after a wake or a full batch; a poll interval after
+        // a pass; a backoff delay after a failed one.
+        let mut next_pass = Instant::now();
         loop {
-            let mut more = false;
-            if Instant::now() >= next_attempt {
-                match self.pass().await {
+            let now = Instant::now();
+            if now >= next_pass {
+                next_pass = match self.pass().await {
                     Ok(report) if report.failed == 0 => {
                         if delay.take().is_some() {
                             tracing::info!(outbox = self.source.table(), "publishing again");
                         }
-                        more = report.more;
+                        if report.more {
+                            Instant::now()
+                        } else {
+                            Instant::now() + self.settings.poll_interval
+                        }
                     }
                     Ok(_) | Err(_) => {
                         let next = delay.map_or(self.settings.retry_delay, |d| {
@@ -449,11 +456,12 @@ impl Relay {
                             "outbox relay: rows wait"
                         );
                         delay = Some(next);
-                        next_attempt = Instant::now() + next;
+                        Instant::now() + next
                     }
-                }
-            } else if self.leases.due(Instant::now()) {
-                // Backing off: the leases are still renewed, or they would lapse.
+                };
+            } else if self.leases.due(now) {
+                // Between passes (a long poll, a backoff) the leases are renewed all the same,
+                // or they would lapse.
                 if let Err(error) = self.lease_round().await {
                     self.status.failed(error.to_string());
                 }
@@ -461,19 +469,12 @@ impl Relay {
             if stop.is_cancelled() {
                 break;
             }
-            if more {
-                continue;
-            }
             let backing_off = delay.is_some();
-            let until = if backing_off {
-                next_attempt
-            } else {
-                Instant::now() + self.settings.poll_interval
-            }
-            .min(self.leases.next_round());
+            let until = next_pass.min(self.leases.next_round());
             tokio::select! {
                 () = stop.cancelled() => break,
-                () = self.wake.0.notified(), if !backing_off => {}
+                // A wake does not cut a backoff short: a failing broker is not hammered.
+                () = self.wake.0.notified(), if !backing_off => next_pass = Instant::now(),
                 () = tokio::time::sleep_until(until.into()) => {}
             }
         }
