@@ -24,6 +24,7 @@ mod natural_pg;
 mod outages;
 mod outbox;
 mod purge_load;
+mod relay;
 mod retention;
 mod retries;
 mod secure;

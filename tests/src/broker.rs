@@ -8,6 +8,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self as js, context::Context};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
+use inventory_infra::outbox::RelayWake;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_service::runtime::{
     ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
@@ -181,9 +182,24 @@ impl RunningService {
         db: DatabaseConnection,
         settings: RuntimeSettings,
     ) -> Self {
-        let runtime = ConsumerRuntime::prepare(&broker.js, db, settings)
+        Self::start_waking(broker, handler, db, settings, None).await
+    }
+
+    /// [`Self::start`], waking `relay` after each handling that committed an event, as
+    /// `serve --strategy natural` wakes its relay.
+    pub async fn start_waking<H: MessageHandler>(
+        broker: &Broker,
+        handler: H,
+        db: DatabaseConnection,
+        settings: RuntimeSettings,
+        relay: Option<RelayWake>,
+    ) -> Self {
+        let mut runtime = ConsumerRuntime::prepare(&broker.js, db, settings)
             .await
             .unwrap();
+        if let Some(wake) = relay {
+            runtime.wake_relay_on_events(wake);
+        }
         let running = runtime.start(handler, None, Shutdown::default());
         Self {
             stats: running.stats.clone(),
