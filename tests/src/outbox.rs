@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
 use chrono::Utc;
-use inventory_domain::OrderId;
 use inventory_domain::outbox::partition;
+use inventory_domain::{BookId, Message, OrderId};
+use inventory_infra::Handler;
 use inventory_infra::outbox::RelaySettings;
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use uuid::Uuid;
@@ -151,6 +152,80 @@ pub fn assert_published_once_in_order(expected: &[Row], stored: &[Stored], prefi
                 row.seq
             );
         }
+    }
+}
+
+/// One order's decisions, as [`decide`] made them: the subjects (below the prefix) of its
+/// events in commit order.
+#[derive(Debug, Clone)]
+pub struct Decided {
+    pub order: OrderId,
+    pub subjects: Vec<&'static str>,
+}
+
+/// Decisions of `orders` new orders through `handler`: each reserves a copy of `plenty`;
+/// every third also asks for 5 copies of `scarce` (which must have fewer: rejected); every
+/// fourth is then cancelled, releasing its copy. So an order has one to three events.
+pub async fn decide(
+    handler: &Handler,
+    plenty: BookId,
+    scarce: BookId,
+    orders: usize,
+) -> Vec<Decided> {
+    let mut decided = Vec::with_capacity(orders);
+    for i in 0..orders {
+        let order = OrderId::new_v7();
+        let mut subjects = vec!["stock.reserved"];
+        handler
+            .handle(&crate::placed_for(order, plenty, 1))
+            .await
+            .unwrap();
+        if i % 3 == 0 {
+            handler
+                .handle(&crate::placed_for(order, scarce, 5))
+                .await
+                .unwrap();
+            subjects.push("stock.rejected");
+        }
+        if i % 4 == 0 {
+            handler.handle(&Message::cancelled(order)).await.unwrap();
+            subjects.push("stock.released");
+        }
+        decided.push(Decided { order, subjects });
+    }
+    decided
+}
+
+/// Asserts that the stream holds exactly the events of `decided`, each once, each order's
+/// in the order they were decided, under `<prefix>.`.
+pub fn assert_each_order_in_order(stored: &[Stored], decided: &[Decided], prefix: &str) {
+    let mut ids: Vec<&str> = stored.iter().map(|m| m.message_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), stored.len(), "an event stored twice");
+    let mut by_order: HashMap<Uuid, Vec<String>> = HashMap::new();
+    for message in stored {
+        let body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+        assert_eq!(body["event_id"], message.message_id.as_str());
+        let order: Uuid = body["order_id"].as_str().unwrap().parse().unwrap();
+        by_order
+            .entry(order)
+            .or_default()
+            .push(message.subject.clone());
+    }
+    assert_eq!(by_order.len(), decided.len(), "orders on the stream");
+    for decision in decided {
+        let expected: Vec<String> = decision
+            .subjects
+            .iter()
+            .map(|subject| format!("{prefix}.{subject}"))
+            .collect();
+        assert_eq!(
+            by_order.get(&decision.order.as_uuid()),
+            Some(&expected),
+            "order {}",
+            decision.order
+        );
     }
 }
 
