@@ -204,24 +204,6 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let settings = args.runtime_settings(db.get_database_backend());
     let consumer_name = settings.consumer.durable_name.clone();
     let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
-    // The natural key writes an event per decision into the outbox: its relay runs here,
-    // woken by the lanes after each commit that wrote one.
-    let relay = match args.strategy {
-        StrategyArg::Natural => {
-            let topology = args.topology.topology();
-            let relay = crate::relay::prepare(
-                &js,
-                db.clone(),
-                OutboxSource::inventory(&topology),
-                &topology.events_stream(),
-                args.relay.settings(),
-            )
-            .await?;
-            runtime.wake_relay_on_events(relay.wake());
-            Some(relay)
-        }
-        StrategyArg::Inbox | StrategyArg::Email => None,
-    };
 
     let background = CancellationToken::new();
     // Stops the purge and the metrics server however start() returns.
@@ -246,6 +228,25 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             args.accept_short_retention,
         )?;
     }
+    // The natural key writes an event per decision into the outbox: its relay runs here,
+    // woken by the lanes after each commit that wrote one. Set up after the guard, so a
+    // refused start leaves no heartbeat behind.
+    let relay = match args.strategy {
+        StrategyArg::Natural => {
+            let topology = args.topology.topology();
+            let relay = crate::relay::prepare(
+                &js,
+                db.clone(),
+                OutboxSource::inventory(&topology),
+                &topology.events_stream(),
+                args.relay.settings(),
+            )
+            .await?;
+            runtime.wake_relay_on_events(relay.wake());
+            Some(relay)
+        }
+        StrategyArg::Inbox | StrategyArg::Email => None,
+    };
     let metrics = match args.metrics_addr {
         Some(addr) => {
             let metrics = Metrics::new()?;

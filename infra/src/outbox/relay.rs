@@ -126,7 +126,9 @@ pub struct LeaseTooLong {
 }
 
 impl RelaySettings {
-    /// Refuses a lease that is not much shorter than the stream's duplicate `window`.
+    /// Refuses a lease that is not much shorter than the stream's duplicate `window` (lease
+    /// plus publish timeout at most a quarter of it), and a publish timeout not shorter than
+    /// the lease (no publish could start inside a lease).
     pub fn check_window(&self, stream: &str, window: Duration) -> Result<(), LeaseTooLong> {
         if (self.lease + self.publish_timeout) * 4 <= window && self.publish_timeout < self.lease {
             Ok(())
@@ -215,9 +217,8 @@ impl RelayStatus {
         *lock(&self.0.last_failure) = Some(error);
     }
 
-    /// True when it was failing until now.
-    fn succeeded(&self) -> bool {
-        lock(&self.0.failing_since).take().is_some()
+    fn succeeded(&self) {
+        *lock(&self.0.failing_since) = None;
     }
 }
 
@@ -499,9 +500,7 @@ impl Relay {
         let report = self.delete_published(published).await?;
         match failure {
             Some(error) => self.status.failed(error),
-            None => {
-                self.status.succeeded();
-            }
+            None => self.status.succeeded(),
         }
         Ok(report)
     }
