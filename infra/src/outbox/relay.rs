@@ -495,9 +495,21 @@ impl Relay {
     /// One pass: the lease round if due, publish what waits, delete what was acknowledged.
     /// The step [`Self::run`] repeats, public so a test can drive the relay pass by pass.
     pub async fn pass(&mut self) -> Result<PassReport, RelayError> {
-        let published = self.publish_pending().await?;
+        let published = match self.publish_pending().await {
+            Ok(published) => published,
+            Err(error) => {
+                self.status.failed(error.to_string());
+                return Err(error);
+            }
+        };
         let failure = published.failure.clone();
-        let report = self.delete_published(published).await?;
+        let report = match self.delete_published(published).await {
+            Ok(report) => report,
+            Err(error) => {
+                self.status.failed(error.to_string());
+                return Err(error);
+            }
+        };
         match failure {
             Some(error) => self.status.failed(error),
             None => self.status.succeeded(),
@@ -532,28 +544,18 @@ impl Relay {
     /// deleted. A process that dies here has published rows still in the outbox; the next
     /// relay republishes them and the stream drops them as duplicates.
     pub async fn publish_pending(&mut self) -> Result<Published, RelayError> {
-        if self.leases.due(Instant::now())
-            && let Err(error) = self.lease_round().await
-        {
-            self.status.failed(error.to_string());
-            return Err(error);
+        if self.leases.due(Instant::now()) {
+            self.lease_round().await?;
         }
         let margin = self.settings.publish_timeout;
         let partitions = self.leases.usable(Instant::now(), margin);
         if partitions.is_empty() {
             return Ok(Published::default());
         }
-        let rows = match self
+        let rows = self
             .source
             .read_pending(&self.db, &partitions, self.settings.batch_size)
-            .await
-        {
-            Ok(rows) => rows,
-            Err(error) => {
-                self.status.failed(error.to_string());
-                return Err(error.into());
-            }
-        };
+            .await?;
         let mut published = Published {
             report: PassReport {
                 read: rows.len(),
