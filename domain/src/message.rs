@@ -1,10 +1,13 @@
-//! The messages the service consumes, decoded from plain JSON or CloudEvents 1.0 structured mode.
+//! The messages the service consumes: OrderPlaced and OrderCancelled, decoded from plain JSON or
+//! CloudEvents 1.0 structured mode, and Inventory's own StockReserved event (the email
+//! notifier's input), decoded from the outbox's event body.
 
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use sha2::{Digest, Sha256};
 
 use crate::ids::{BookId, DedupKey, FieldError, MessageId, OrderId, Quantity};
+use crate::outbox::{StockEvent, StockEventKind};
 use crate::outcome::DeadLetterReason;
 
 /// Which event a subject carries: plain JSON bodies say it only through their subject.
@@ -12,22 +15,28 @@ use crate::outcome::DeadLetterReason;
 pub enum EventKind {
     Placed,
     Cancelled,
+    StockReserved,
 }
 
 impl EventKind {
-    /// The kind from a subject's last token (`orders.placed`, `test-42.orders.cancelled`).
+    /// The kind from a subject's last tokens (`orders.placed`, `test-42.orders.cancelled`,
+    /// `inventory.stock.reserved`).
     pub fn from_subject(subject: &str) -> Option<Self> {
-        match subject.rsplit('.').next()? {
-            "placed" => Some(Self::Placed),
-            "cancelled" => Some(Self::Cancelled),
+        let mut tokens = subject.rsplit('.');
+        match (tokens.next()?, tokens.next()) {
+            ("reserved", Some("stock")) => Some(Self::StockReserved),
+            ("placed", _) => Some(Self::Placed),
+            ("cancelled", _) => Some(Self::Cancelled),
             _ => None,
         }
     }
 
+    /// The subject below its stream's prefix.
     pub fn subject_token(self) -> &'static str {
         match self {
             Self::Placed => "placed",
             Self::Cancelled => "cancelled",
+            Self::StockReserved => StockEventKind::Reserved.subject_token(),
         }
     }
 
@@ -35,6 +44,7 @@ impl EventKind {
         match self {
             Self::Placed => "bookstore.order.placed",
             Self::Cancelled => "bookstore.order.cancelled",
+            Self::StockReserved => "bookstore.inventory.stock.reserved",
         }
     }
 }
@@ -51,10 +61,19 @@ pub struct OrderCancelled {
     pub order_id: OrderId,
 }
 
+/// Inventory reserved stock for an order: what the email notifier mails about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StockReserved {
+    pub order_id: OrderId,
+    pub book_id: BookId,
+    pub quantity: Quantity,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     Placed(OrderPlaced),
     Cancelled(OrderCancelled),
+    StockReserved(StockReserved),
 }
 
 impl Event {
@@ -62,6 +81,7 @@ impl Event {
         match self {
             Self::Placed(_) => EventKind::Placed,
             Self::Cancelled(_) => EventKind::Cancelled,
+            Self::StockReserved(_) => EventKind::StockReserved,
         }
     }
 
@@ -69,6 +89,7 @@ impl Event {
         match self {
             Self::Placed(placed) => placed.order_id,
             Self::Cancelled(cancelled) => cancelled.order_id,
+            Self::StockReserved(reserved) => reserved.order_id,
         }
     }
 }
@@ -184,6 +205,11 @@ impl EventFields {
                 })
             }
             EventKind::Cancelled => Event::Cancelled(OrderCancelled { order_id }),
+            EventKind::StockReserved => {
+                return Err(DecodeError::Invalid(
+                    "StockReserved comes only as Inventory's event body".into(),
+                ));
+            }
         })
     }
 }
@@ -242,6 +268,9 @@ impl Message {
         // bytes in an unknown field would otherwise pass.
         std::str::from_utf8(body)
             .map_err(|error| DecodeError::Malformed(format!("body is not UTF-8: {error}")))?;
+        if kind == EventKind::StockReserved {
+            return Self::decode_stock_reserved(body);
+        }
         let probe: EnvelopeProbe = serde_json::from_slice(body).map_err(malformed)?;
         if probe.specversion.is_some() {
             return Self::decode_cloud_event(kind, body);
@@ -261,6 +290,27 @@ impl Message {
             occurred_at: fields.occurred_at.clone(),
             event: fields.into_event(kind)?,
         })
+    }
+
+    /// Inventory's event: its id is the dedup key, as its `Nats-Msg-Id` is.
+    fn decode_stock_reserved(body: &[u8]) -> Result<Self, DecodeError> {
+        let event = StockEvent::decode(EventKind::StockReserved.subject_token(), body)?;
+        Ok(Self::stock_reserved(&event))
+    }
+
+    /// The message a consumer of `INVENTORY` reads for a reservation's event.
+    pub fn stock_reserved(event: &StockEvent) -> Self {
+        let id = MessageId::parse(event.event_id.to_string()).expect("a UUID is a valid id");
+        Self {
+            key: DedupKey::MessageId(id),
+            correlation_id: None,
+            occurred_at: Some(event.occurred_at.to_rfc3339()),
+            event: Event::StockReserved(StockReserved {
+                order_id: event.order_id,
+                book_id: event.book_id,
+                quantity: event.quantity,
+            }),
+        }
     }
 
     fn decode_cloud_event(kind: EventKind, body: &[u8]) -> Result<Self, DecodeError> {
@@ -305,16 +355,24 @@ impl Message {
                 placed.order_id, placed.book_id, placed.quantity
             ),
             Event::Cancelled(cancelled) => format!("cancelled|{}", cancelled.order_id),
+            Event::StockReserved(reserved) => format!(
+                "stock-reserved|{}|{}|{}",
+                reserved.order_id, reserved.book_id, reserved.quantity
+            ),
         };
         PayloadHash(hex::encode(Sha256::digest(canonical.as_bytes())))
     }
 
     /// The plain JSON body a producer publishes for this message, or `None` for a CloudEvent
-    /// key, which has no `message_id` field to carry it.
+    /// key, which has no `message_id` field to carry it, and for a StockReserved, which
+    /// Inventory's relay publishes as its event body.
     pub fn to_plain_json(&self) -> Option<Vec<u8>> {
         let DedupKey::MessageId(message_id) = &self.key else {
             return None;
         };
+        if let Event::StockReserved(_) = self.event {
+            return None;
+        }
         let mut body = serde_json::Map::new();
         body.insert("message_id".into(), message_id.as_str().into());
         body.insert("order_id".into(), self.event.order_id().to_string().into());

@@ -1,12 +1,15 @@
 //! Connecting to PostgreSQL or SQLite with settings fit for a consumer, applying migrations,
-//! and what a database error means for a retry ([`DbFailure`]).
+//! what a database error means for a retry ([`DbFailure`]), and whether the database answers,
+//! asked outside the pool ([`Probe`]).
 
 mod failure;
+mod probe;
 
 use std::time::Duration;
 
 pub use failure::{DbErrorCode, DbFailure};
 use inventory_migrations::{Migrator, MigratorTrait};
+pub use probe::{Probe, ProbeError};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
 use sea_orm::{ConnectOptions, ConnectionTrait, DbErr};
 pub use sea_orm::{DatabaseConnection, DbBackend};

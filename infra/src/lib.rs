@@ -4,7 +4,8 @@
 //!
 //! # Layout
 //! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
-//!   error's code means for a retry (`DbFailure`).
+//!   error's code means for a retry (`DbFailure`); `Probe`, whether the database answers, asked
+//!   on a connection outside the pool.
 //! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows;
 //!   `DataError`, a value that does not fit between a column and its domain type.
 //! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
@@ -18,6 +19,7 @@
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`mailbox`]: `FileMailbox`, the durable email provider for serve mode (sent mail as JSON
 //!   lines in a local file, looked up by idempotency key).
+//! - [`orders`]: the orders producer, writing an order and its message in one transaction.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - `entities`: the sea-orm models (private).
@@ -29,6 +31,7 @@ mod entities;
 pub mod faults;
 pub mod jetstream;
 pub mod mailbox;
+pub mod orders;
 pub mod outbox;
 pub mod redact;
 pub mod retention;

@@ -3,11 +3,6 @@ use sea_orm_migration::{prelude::*, schema::*};
 #[derive(DeriveMigrationName)]
 pub(crate) struct Migration;
 
-/// Orders with a parked row: the relay holds their later rows back, so it looks them up by
-/// order. Partial: only parked rows are in it, so the handlers' inserts never touch it.
-const PARKED_INDEX: &str = "CREATE INDEX IF NOT EXISTS idx_outbox_parked_order \
-                            ON outbox (order_id, seq) WHERE parked_at IS NOT NULL";
-
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
@@ -51,20 +46,10 @@ impl MigrationTrait for Migration {
                     )
                     .to_owned(),
             )
-            .await?;
-        // The same text on PostgreSQL and SQLite; sea-query builds no partial index.
-        manager
-            .get_connection()
-            .execute_unprepared(PARKED_INDEX)
-            .await?;
-        Ok(())
+            .await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .get_connection()
-            .execute_unprepared("DROP INDEX IF EXISTS idx_outbox_parked_order")
-            .await?;
         manager
             .drop_table(Table::drop().table(OutboxRelays::Table).to_owned())
             .await?;

@@ -16,6 +16,25 @@ pub struct DatabaseArgs {
     pub database_url: String,
 }
 
+/// The orders producer's database; the inventory database unless named. `Debug` masks the
+/// URLs' passwords.
+#[derive(Clone, clap::Args)]
+pub struct OrdersDatabaseArgs {
+    /// The orders database URL: postgres://… or sqlite://…; DATABASE_URL's by default.
+    #[arg(long, env = "ORDERS_DATABASE_URL", hide_env_values = true)]
+    pub orders_database_url: Option<String>,
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+}
+
+impl OrdersDatabaseArgs {
+    pub fn url(&self) -> &str {
+        self.orders_database_url
+            .as_deref()
+            .unwrap_or(&self.database.database_url)
+    }
+}
+
 /// The NATS server and how to reach it. `Debug` is not derived: it would print the secrets.
 #[derive(Clone, clap::Args)]
 pub struct NatsArgs {
@@ -140,6 +159,21 @@ impl std::fmt::Debug for NatsArgs {
                 &inventory_infra::redact::redact_url(&self.nats_url),
             )
             .field("security", &self.security())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for OrdersDatabaseArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrdersDatabaseArgs")
+            .field(
+                "orders_database_url",
+                &self
+                    .orders_database_url
+                    .as_deref()
+                    .map(inventory_infra::redact::redact_url),
+            )
+            .field("database", &self.database)
             .finish()
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! `GET /metrics`: the text exposition of the `prometheus` crate's registry. `GET /healthz`:
 //! 200 with `{"nats":"connected","database":"reachable"}` when both hold, else 503 with what
-//! failed, so an orchestrator restarts or stops routing to an instance that cannot work. Where
+//! failed, so an orchestrator restarts or stops routing to an instance that cannot work. The
+//! database is asked on a connection of the check's own ([`Probe`]), not through the pool: a
+//! pool whose connections are all taken says nothing of whether the database answers. Where
 //! an outbox relay runs, `"relay"` says `"publishing"`, or `"failing"` (503) once it has failed
 //! for longer than its `--relay-unhealthy-after` to publish rows that wait.
 
@@ -16,7 +18,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use inventory_infra::db::DatabaseConnection;
+use inventory_infra::db::{DatabaseConnection, Probe};
 use inventory_infra::jetstream;
 use inventory_infra::outbox::RelayStatus;
 use prometheus::{
@@ -312,7 +314,7 @@ impl ConsumerMetrics {
 struct Health {
     metrics: Metrics,
     nats: jetstream::Client,
-    db: DatabaseConnection,
+    database: Arc<Probe>,
 }
 
 /// Binds `addr` and serves `/metrics` and `/healthz` until `stop` fires. Returns the bound
@@ -331,7 +333,11 @@ pub async fn serve(
     let app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(healthz))
-        .with_state(Health { metrics, nats, db });
+        .with_state(Health {
+            metrics,
+            nats,
+            database: Arc::new(Probe::new(&db)),
+        });
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
@@ -362,10 +368,14 @@ async fn render_metrics(State(health): State<Health>) -> impl IntoResponse {
 async fn healthz(State(health): State<Health>) -> impl IntoResponse {
     let nats_ok = jetstream::is_connected(&health.nats);
     // Bounded: a database that hangs must not hang the probe too.
-    let db_ok = matches!(
-        tokio::time::timeout(Duration::from_secs(2), health.db.ping()).await,
-        Ok(Ok(()))
-    );
+    let db_ok = match health.database.check(Duration::from_secs(2)).await {
+        Ok(()) => true,
+        Err(error) => {
+            // Every poll during an outage fails: the 503 says it; DEBUG says why.
+            tracing::debug!(%error, "health check: database unreachable");
+            false
+        }
+    };
     let relay_ok = health.metrics.watched_relay().map(|relay| !relay.failing());
     let status = if nats_ok && db_ok && relay_ok != Some(false) {
         StatusCode::OK

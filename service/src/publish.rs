@@ -135,6 +135,10 @@ fn describe(message: &Message, receipt: &PublishReceipt) -> String {
             placed.order_id, placed.book_id, placed.quantity
         ),
         Event::Cancelled(cancelled) => format!("OrderCancelled order_id={}", cancelled.order_id),
+        Event::StockReserved(reserved) => format!(
+            "StockReserved order_id={} book_id={} quantity={}",
+            reserved.order_id, reserved.book_id, reserved.quantity
+        ),
     };
     let stored = if receipt.duplicate {
         format!(

@@ -14,7 +14,7 @@ use inventory_infra::redact::redact_url;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs};
+use crate::args::{NatsArgs, OrdersDatabaseArgs, TopologyArgs};
 use crate::metrics::Metrics;
 use crate::runtime::Shutdown;
 
@@ -39,35 +39,11 @@ impl SourceArg {
     }
 }
 
-/// The orders database; `Debug` masks the URL's password.
-#[derive(Clone, clap::Args)]
-pub struct OrdersDatabaseArgs {
-    /// The orders producer's database (its `orders_outbox`): postgres://… or sqlite://…; the
-    /// same database as --database-url when absent.
-    #[arg(long, env = "ORDERS_DATABASE_URL", hide_env_values = true)]
-    pub orders_database_url: Option<String>,
-}
-
-impl std::fmt::Debug for OrdersDatabaseArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OrdersDatabaseArgs")
-            .field(
-                "orders_database_url",
-                &self.orders_database_url.as_deref().map(redact_url),
-            )
-            .finish()
-    }
-}
-
-/// The database that holds `source`'s outbox.
-pub fn database_url<'a>(
-    source: SourceArg,
-    database: &'a DatabaseArgs,
-    orders: &'a OrdersDatabaseArgs,
-) -> &'a str {
-    match (source, &orders.orders_database_url) {
-        (SourceArg::Orders, Some(url)) if !url.is_empty() => url,
-        _ => &database.database_url,
+/// The database that holds `source`'s outbox: the orders database for `orders`.
+pub fn database_url(source: SourceArg, databases: &OrdersDatabaseArgs) -> &str {
+    match source {
+        SourceArg::Inventory => &databases.database.database_url,
+        SourceArg::Orders => databases.url(),
     }
 }
 
@@ -123,10 +99,10 @@ pub struct RelayCommandArgs {
     /// The outbox to publish.
     #[arg(long, value_enum, default_value = "inventory")]
     pub source: SourceArg,
+    /// `DATABASE_URL` for `inventory`, `ORDERS_DATABASE_URL` (by default the same) for
+    /// `orders`.
     #[command(flatten)]
-    pub database: DatabaseArgs,
-    #[command(flatten)]
-    pub orders_database: OrdersDatabaseArgs,
+    pub databases: OrdersDatabaseArgs,
     /// Database connections in the pool.
     #[arg(long, default_value_t = 4)]
     pub db_pool_size: u32,
@@ -201,7 +177,7 @@ impl RunningRelay {
 pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     crate::serve::listen_for_signals(shutdown.clone())?;
-    let url = database_url(args.source, &args.database, &args.orders_database);
+    let url = database_url(args.source, &args.databases);
     let db = db::connect_and_migrate(url, args.db_pool_size)
         .await
         .with_context(|| format!("connecting to the database at {}", redact_url(url)))?;
@@ -266,14 +242,12 @@ pub struct OutboxTarget {
     #[arg(long, value_enum, default_value = "inventory")]
     pub source: SourceArg,
     #[command(flatten)]
-    pub database: DatabaseArgs,
-    #[command(flatten)]
-    pub orders_database: OrdersDatabaseArgs,
+    pub databases: OrdersDatabaseArgs,
 }
 
 impl OutboxTarget {
     async fn open(&self) -> anyhow::Result<(DatabaseConnection, OutboxSource)> {
-        let url = database_url(self.source, &self.database, &self.orders_database);
+        let url = database_url(self.source, &self.databases);
         let conn = db::connect_and_migrate(url, 2)
             .await
             .with_context(|| format!("connecting to the database at {}", redact_url(url)))?;

@@ -255,16 +255,63 @@ async fn inventory_relay_publishes_until_sigterm_and_parked_rows_are_listed_and_
     );
 }
 
-/// `--source orders` reads `orders_outbox`, which the orders producer creates: without it the
-/// relay refuses to start, exit 1, naming the table.
+/// The safe producer end to end: `inventory orders place` and `orders cancel` write the
+/// order and its message into `orders_outbox`; `inventory relay --source orders` publishes
+/// them to the orders stream, in order, with `Nats-Msg-Id` = the message id the commands
+/// printed, and removes the rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_orders_relay_without_its_table_exits_1() {
-    let run = BinaryRun::new("inventory_relay_orders", "warn").await;
-    let output = run
-        .command(&["relay", "--source", "orders"])
-        .output()
+async fn the_orders_relay_publishes_what_orders_place_and_cancel_wrote() {
+    let run = BinaryRun::new("inventory_relay_orders", "info,sqlx=warn").await;
+    let order = OrderId::new_v7().to_string();
+    let message_id = |output: std::process::Output| {
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        stdout
+            .split("message ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{stdout}"))
+            .trim()
+            .to_owned()
+    };
+    let placed = message_id(run.run(&[
+        "orders",
+        "place",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "2",
+        "--order-id",
+        &order,
+    ]));
+    let cancelled = message_id(run.run(&["orders", "cancel", "--order-id", &order]));
+    assert_eq!(scalar(&run, "SELECT count(*) FROM orders_outbox").await, 2);
+
+    let relay = run.spawn(&[
+        "relay",
+        "--source",
+        "orders",
+        "--relay-poll-interval",
+        "50ms",
+    ]);
+    eventually("orders_outbox empty", || async {
+        scalar(&run, "SELECT count(*) FROM orders_outbox").await == 0
+    })
+    .await;
+    let client = jetstream::connect(&inventory_tests::nats::shared_url().await, "relay test")
+        .await
         .unwrap();
-    assert_eq!(output.status.code(), Some(1), "{output:?}");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("orders_outbox"), "{stderr}");
+    let stored = outbox::stored(&jetstream::context(client), &run.names.stream).await;
+    let seen: Vec<(&str, &str)> = stored
+        .iter()
+        .map(|m| (m.subject.as_str(), m.message_id.as_str()))
+        .collect();
+    let prefix = &run.names.subject_prefix;
+    assert_eq!(
+        seen,
+        [
+            (format!("{prefix}.placed").as_str(), placed.as_str()),
+            (format!("{prefix}.cancelled").as_str(), cancelled.as_str()),
+        ]
+    );
+    let (status, logs) = stop(relay);
+    assert!(status.success(), "{logs}");
 }

@@ -197,6 +197,9 @@ impl Sequence {
                 Event::Cancelled(cancelled) => {
                     format!("{} cancel {}", message.key, cancelled.order_id)
                 }
+                Event::StockReserved(reserved) => {
+                    format!("{} stock reserved {}", message.key, reserved.order_id)
+                }
             },
             Step::Restock { book, on_hand } => format!("restock {book} to {on_hand}"),
         };
@@ -249,6 +252,8 @@ impl Model {
         match &message.event {
             Event::Placed(placed) => self.place(key, placed),
             Event::Cancelled(cancelled) => self.cancel(key, cancelled.order_id),
+            // Inventory's own event is not a stock consumer's.
+            Event::StockReserved(_) => Outcome::refused(DeadLetterReason::Invalid, ""),
         }
     }
 

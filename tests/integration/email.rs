@@ -12,7 +12,7 @@ use inventory_infra::{
     EMAIL_CONSUMER, EmailConsumer, Faults, FileMailbox, HandleError, InMemoryEmailProvider,
     MailboxError,
 };
-use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
+use inventory_tests::{TestDb, crash_at, on_both_backends, stock_reserved};
 
 fn email_consumer<P: EmailProvider + Clone>(
     db: &TestDb,
@@ -39,7 +39,7 @@ fn needs_reconciliation(outcome: &Outcome) -> bool {
 async fn email_is_sent_once_and_a_redelivery_skipped(db: TestDb) {
     let provider = InMemoryEmailProvider::default();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     assert!(consumer.handle(&message).await.unwrap().processed());
     assert_eq!(consumer.handle(&message).await.unwrap(), Outcome::Duplicate);
     assert_eq!(sent_and_calls(&provider), (1, 1));
@@ -56,7 +56,7 @@ async fn email_crash_after_send_needs_reconciliation_not_a_resend(db: TestDb) {
     // No lookup API: the redelivery cannot tell whether the mail went out.
     let provider = InMemoryEmailProvider::without_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     crash_at(&message, CrashPoint::AfterSend, |faults| {
         consumer.with_faults(faults)
     })
@@ -95,7 +95,7 @@ impl EmailProvider for FailsOnce {
 async fn email_provider_refusal_frees_the_claim_for_the_retry(db: TestDb) {
     let provider = FailsOnce::default();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     assert!(matches!(
         consumer.handle(&message).await,
         Err(HandleError::Provider(_))
@@ -113,7 +113,7 @@ async fn email_provider_refusal_frees_the_claim_for_the_retry(db: TestDb) {
 async fn email_each_consumer_name_has_its_own_record(db: TestDb) {
     let first = InMemoryEmailProvider::default();
     let second = InMemoryEmailProvider::default();
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let one = email_consumer(&db, "emails-a", first.clone());
     let two = email_consumer(&db, "emails-b", second.clone());
     assert!(one.handle(&message).await.unwrap().processed());
@@ -136,7 +136,7 @@ async fn completed(db: &TestDb, key: &str) -> bool {
 async fn email_crash_after_send_with_lookup_is_reconciled_without_a_resend(db: TestDb) {
     let provider = InMemoryEmailProvider::with_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let key = message.key.storage_key();
     crash_at(&message, CrashPoint::AfterSend, |faults| {
         consumer.with_faults(faults)
@@ -155,7 +155,7 @@ async fn email_crash_after_send_with_lookup_is_reconciled_without_a_resend(db: T
 async fn email_crash_after_claim_with_lookup_sends_once_on_redelivery(db: TestDb) {
     let provider = InMemoryEmailProvider::with_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let key = message.key.storage_key();
     crash_at(&message, CrashPoint::AfterDedupCheck, |faults| {
         consumer.with_faults(faults)
@@ -178,7 +178,7 @@ async fn email_crash_after_claim_with_lookup_sends_once_on_redelivery(db: TestDb
 async fn email_crash_after_a_reconciling_send_is_reconciled_next(db: TestDb) {
     let provider = InMemoryEmailProvider::with_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let key = message.key.storage_key();
     crash_at(&message, CrashPoint::AfterDedupCheck, |faults| {
         consumer.with_faults(faults)
@@ -224,7 +224,7 @@ async fn email_lookup_failure_is_retryable_and_keeps_the_record(db: TestDb) {
         inner: InMemoryEmailProvider::with_lookup(),
     };
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let key = message.key.storage_key();
     let crashed = consumer
         .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
@@ -253,7 +253,7 @@ async fn email_lookup_failure_is_retryable_and_keeps_the_record(db: TestDb) {
 async fn email_two_copies_at_once_send_one_email(db: TestDb) {
     let provider = InMemoryEmailProvider::with_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
     let first = tokio::spawn({
         let consumer = consumer.with_faults(faults);
@@ -307,7 +307,7 @@ fn an_email() -> StockReservedEmail {
 
 async fn email_with_a_file_mailbox_is_reconciled_after_a_restart(db: TestDb) {
     let file = TempFile::new();
-    let message = placed(db.dune(10).await, 2);
+    let message = stock_reserved(db.dune(10).await, 2);
     let key = message.key.storage_key();
     {
         let mailbox = FileMailbox::open(&file.0).await.unwrap();

@@ -3,6 +3,7 @@
 //! would take a working instance out.
 
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use inventory_infra::db::{DatabaseConnection, FreshDatabase};
 use inventory_infra::jetstream;
@@ -11,6 +12,7 @@ use inventory_tests::broker::eventually;
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
 use inventory_tests::{Backend, TestDb};
+use sea_orm::TransactionTrait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -83,6 +85,55 @@ async fn healthz_is_503_while_the_database_is_down_and_200_once_it_is_back() {
         server.start_again().await;
         wait_for_health(addr, 200, "database", "reachable").await;
     }
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_follows_the_database_while_every_pool_connection_is_taken() {
+    const POOL: u32 = 2;
+    let mut server = PostgresServer::start().await;
+    let fresh = FreshDatabase::create(Some(&server.url()), "inventory_health_pool", POOL)
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let addr = serve_health(
+        &inventory_tests::nats::shared_url().await,
+        fresh.conn.clone(),
+        &stop,
+    )
+    .await;
+    // The whole pool taken and never given back, as by lanes in long transactions or hung on
+    // connections a failing network left half-open: the database still answers.
+    let mut held = Vec::new();
+    for _ in 0..POOL {
+        held.push(fresh.conn.begin().await.unwrap());
+    }
+    let (status, body) = healthz(addr).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["database"], "reachable");
+
+    // A restart between two checks: the check's own connection died with the server, which is
+    // back; that alone must not fail the next check.
+    server.stop().await;
+    server.start_again().await;
+    let (status, body) = healthz(addr).await;
+    assert_eq!(status, 200, "{body}");
+
+    server.stop().await;
+    let (status, body) = healthz(addr).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["database"], "unreachable");
+    server.start_again().await;
+    // Back within seconds although the pool stays stuck: its connections died with the server
+    // and are still held.
+    let back = Instant::now();
+    wait_for_health(addr, 200, "database", "reachable").await;
+    assert!(
+        back.elapsed() < Duration::from_secs(5),
+        "200 only {:?} after the database came back",
+        back.elapsed()
+    );
+    drop(held);
     stop.cancel();
 }
 

@@ -199,11 +199,17 @@ async fn natural_key_concurrent_cancel_and_place_cancel_wins(db: TestDb) {
             let consumer = consumer.clone();
             async move { consumer.handle(&other).await }
         });
-        if !placement_first && db.backend == Backend::Postgres {
-            // The placement must wait on the order's state row the cancellation holds.
+        if db.backend == Backend::Postgres {
+            // Either way the second waits on the order's state row the held one wrote.
             db.wait_for_lock_waiter().await;
         } else {
+            // SQLite shows no waiting writer (it retries inside its busy handler): the second
+            // is given time to reach the writer lock, and must not have finished.
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            assert!(
+                !second.is_finished(),
+                "the second did not wait for the writer lock"
+            );
         }
         hold.release();
         first.await.unwrap().unwrap();

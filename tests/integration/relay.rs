@@ -16,7 +16,6 @@ use inventory_tests::outbox::{
     self, Row, assert_each_order_in_order, assert_published_once_in_order, decide, fast_settings,
 };
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
-use sea_orm::ConnectionTrait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -309,17 +308,11 @@ async fn a_row_without_a_stream_is_parked_then_retried_in_order() {
     assert!(outbox::rows(&db.conn, TABLE).await.is_empty());
 }
 
-/// The orders producer's outbox has the same columns; the relay takes any such table with
-/// its stream and prefix. Here an `orders_outbox` made by the test, published to the orders
-/// stream under `<orders prefix>.placed`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_relay_publishes_any_outbox_table_to_its_own_stream() {
-    let db = TestDb::new(Backend::Postgres).await;
+/// The orders producer's outbox has the same columns; the relay takes it with its own stream
+/// and prefix: `orders_outbox` to the orders stream under `<orders prefix>.placed`, leaving
+/// Inventory's outbox alone.
+async fn the_relay_publishes_another_outbox_table_to_its_own_stream(db: TestDb) {
     let broker = Broker::new().await;
-    db.conn
-        .execute_unprepared("CREATE TABLE orders_outbox (LIKE outbox INCLUDING ALL)")
-        .await
-        .unwrap();
     let order = Uuid::now_v7();
     let expected = vec![
         outbox::insert(
@@ -360,22 +353,30 @@ async fn the_relay_publishes_any_outbox_table_to_its_own_stream() {
     assert_eq!(outbox::rows(&db.conn, TABLE).await, [inventory_row]);
 }
 
+inventory_tests::on_both_backends!(the_relay_publishes_another_outbox_table_to_its_own_stream);
+
 /// A relay whose outbox table does not exist refuses to start, naming the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_without_its_table_refuses_to_start() {
     let db = TestDb::new(Backend::Sqlite).await;
     let broker = Broker::new().await;
+    let source = OutboxSource::new(
+        "no_such_outbox",
+        &broker.topology.events_stream,
+        &broker.topology.events_subject_prefix,
+    )
+    .unwrap();
     let refused = Relay::prepare(
         &broker.js,
         db.conn.clone(),
-        OutboxSource::orders(&broker.topology),
-        &broker.topology.orders_stream(),
+        source,
+        &broker.topology.events_stream(),
         fast_settings(),
     )
     .await
     .err()
-    .expect("no orders_outbox table");
-    assert!(refused.to_string().contains("orders_outbox"), "{refused}");
+    .expect("no such table");
+    assert!(refused.to_string().contains("no_such_outbox"), "{refused}");
 }
 
 /// A lease as long as the duplicate window is refused: a takeover could republish an event

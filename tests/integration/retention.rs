@@ -5,7 +5,7 @@ use inventory_domain::{ConsumerName, CrashPoint};
 use inventory_infra::retention::purge_completed;
 use inventory_infra::{DetectMode, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider};
 use inventory_tests::broker::eventually;
-use inventory_tests::{Backend, TestDb, on_both_backends, placed};
+use inventory_tests::{Backend, TestDb, on_both_backends, placed, stock_reserved};
 use sea_orm::{ConnectionTrait, TransactionTrait};
 
 async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: TestDb) {
@@ -22,7 +22,7 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
         ConsumerName::parse("emails").unwrap(),
         InMemoryEmailProvider::default(),
     );
-    let stuck = placed(book, 1);
+    let stuck = stock_reserved(book, 1);
     let _ = email
         .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
         .handle(&stuck)

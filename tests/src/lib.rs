@@ -36,7 +36,10 @@ pub mod workload;
 
 use std::time::Duration;
 
-use inventory_domain::{BookId, ConsumerName, CrashPoint, Message, OrderId, Quantity, StockItem};
+use inventory_domain::{
+    BookId, ConsumerName, CrashPoint, Message, OrderId, Quantity, StockEvent, StockEventKind,
+    StockItem,
+};
 use inventory_infra::db::{DatabaseConnection, FreshDatabase};
 use inventory_infra::{Faults, HandleError, Handler, HandlerKind, MessageHandler, StockRepository};
 
@@ -167,6 +170,18 @@ pub fn placed(book_id: BookId, quantity: i64) -> Message {
 
 pub fn placed_for(order_id: OrderId, book_id: BookId, quantity: i64) -> Message {
     Message::placed(order_id, book_id, Quantity::new(quantity).unwrap())
+}
+
+/// Inventory's StockReserved event for a new order of `quantity` copies of `book_id`, as the
+/// email notifier receives it.
+pub fn stock_reserved(book_id: BookId, quantity: i64) -> Message {
+    Message::stock_reserved(&StockEvent::new(
+        StockEventKind::Reserved,
+        OrderId::new_v7(),
+        book_id,
+        Quantity::new(quantity).unwrap(),
+        "a placement",
+    ))
 }
 
 /// Runs a test body once on SQLite and once on PostgreSQL, each with a fresh database.

@@ -1,4 +1,7 @@
-//! The two-phase record for a side effect that cannot join a transaction: an email.
+//! The two-phase record for a side effect that cannot join a transaction: an email, one per
+//! StockReserved event Inventory published (`inventory.stock.reserved`), keyed by the event id.
+//! A rejection publishes no StockReserved, and a cancellation's StockReleased is not this
+//! consumer's, so neither sends mail.
 //!
 //! Phase one commits an inbox row with `completed_at` NULL ("processing"); the provider is then
 //! called with the message id as its idempotency key; phase two sets `completed_at`. A delivery
@@ -64,18 +67,19 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
 
     #[tracing::instrument(skip_all, fields(consumer = %self.consumer, key = %message.key))]
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        let Event::Placed(placed) = &message.event else {
+        let Event::StockReserved(reserved) = &message.event else {
             return Ok(Outcome::refused(
                 DeadLetterReason::Invalid,
-                "the stock-reserved email consumer handles OrderPlaced only",
+                "the stock-reserved email consumer handles StockReserved only",
             ));
         };
+        // The event's id: its two-phase record's key and the provider's idempotency key.
         let key = message.key.storage_key();
         let hash = message.payload_hash();
         let email = StockReservedEmail {
-            order_id: placed.order_id,
-            book_id: placed.book_id,
-            quantity: placed.quantity,
+            order_id: reserved.order_id,
+            book_id: reserved.book_id,
+            quantity: reserved.quantity,
         };
         if !claim_on_conflict(&self.db, &key, &self.consumer, &hash, false).await? {
             return self.judge_earlier_claim(&key, &hash, &email).await;

@@ -40,7 +40,9 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use super::work::{lock_stock, quantity_column, release_stock, set_reserved, unknown_book};
+use super::work::{
+    lock_stock, not_an_order_event, quantity_column, release_stock, set_reserved, unknown_book,
+};
 use super::{HandleError, StockConsumer, begin_write, finish};
 use crate::entities::{order_states, stock_items, stock_reservations};
 use crate::outbox;
@@ -54,6 +56,7 @@ impl StockConsumer {
             let result = match &message.event {
                 Event::Placed(placed) => self.reserve(&txn, &key, placed).await.map(Some),
                 Event::Cancelled(cancelled) => self.cancel(&txn, &key, cancelled).await,
+                Event::StockReserved(_) => Ok(Some(not_an_order_event())),
             };
             match result.transpose() {
                 Some(result) => return finish(txn, &self.faults, result).await,

@@ -460,7 +460,7 @@ impl MessageHandler for PgNaturalKey {
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }
-            Event::Cancelled(_) => self.reference.handle(message).await,
+            Event::Cancelled(_) | Event::StockReserved(_) => self.reference.handle(message).await,
         }
     }
 
@@ -489,7 +489,7 @@ impl PgNaturalKey {
             .iter()
             .filter_map(|message| match &message.event {
                 Event::Placed(placed) => Some((message.key.storage_key(), placed)),
-                Event::Cancelled(_) => None,
+                Event::Cancelled(_) | Event::StockReserved(_) => None,
             })
             .collect();
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {

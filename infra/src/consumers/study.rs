@@ -123,7 +123,7 @@ impl MistakenConsumer {
         let txn = begin_write(&c.db).await?;
         let book = match &message.event {
             Event::Placed(placed) => Some(placed.book_id.as_uuid()),
-            Event::Cancelled(_) => None,
+            Event::Cancelled(_) | Event::StockReserved(_) => None,
         };
         let before = reserved_copies(&txn, book).await?;
         let worked = work::apply_logged(&txn, &key, &message.event).await;

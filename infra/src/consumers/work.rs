@@ -45,6 +45,7 @@ pub(crate) async fn apply_logged(
             }
             Ok(Outcome::Processed(Effect::Released { copies }))
         }
+        Event::StockReserved(_) => Ok(not_an_order_event()),
     }
 }
 
@@ -73,6 +74,14 @@ async fn reserve_logged(
         .exec_without_returning(conn)
         .await?;
     Ok(Outcome::Processed(decision.effect(placed.quantity)))
+}
+
+/// A stock consumer's answer to an event it does not take (Inventory's own StockReserved).
+pub(crate) fn not_an_order_event() -> Outcome {
+    Outcome::refused(
+        DeadLetterReason::Invalid,
+        "a stock consumer takes OrderPlaced and OrderCancelled only",
+    )
 }
 
 pub(crate) fn unknown_book(book_id: BookId) -> Outcome {

@@ -5,7 +5,8 @@
 //!
 //! The ORM handler writes through [`record`]; the PostgreSQL statements in
 //! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), and
-//! [`pending`] reads both back the same way.
+//! [`pending`] reads both back the same way. The orders producer (`orders.rs`) writes its own
+//! outbox table of the same shape through [`insert`].
 //!
 //! # Layout
 //! - [`relay`]: the relay, which publishes an outbox's rows to their stream and deletes them
@@ -18,8 +19,10 @@
 
 use chrono::Utc;
 use inventory_domain::outbox::partition;
-use inventory_domain::{DecodeError, StockEvent};
-use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder, Set};
+use inventory_domain::{DecodeError, OrderId, StockEvent};
+use sea_orm::sea_query::{Alias, Query};
+use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder};
+use uuid::Uuid;
 
 use crate::entities::outbox;
 
@@ -33,21 +36,72 @@ pub use relay::{
 };
 pub use source::{Backlog, OutboxSource, ParkedRow, Retry};
 
-/// Writes `event` into the outbox through `conn`, the transaction that made its decision.
-pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> Result<(), DbErr> {
-    let row = outbox::ActiveModel {
-        event_id: Set(event.event_id),
-        relay_partition: Set(partition(event.order_id)),
-        order_id: Set(event.order_id.as_uuid()),
-        subject: Set(event.subject_token().to_owned()),
-        payload: Set(event.body()),
-        created_at: Set(Utc::now()),
-        ..Default::default()
-    };
-    outbox::Entity::insert(row)
-        .exec_without_returning(conn)
-        .await?;
+/// An outbox table. Both have the columns of the migrations' `outbox_table.rs`, so one relay
+/// publishes either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutboxTable {
+    /// `outbox`: Inventory's events, for the `INVENTORY` stream.
+    Inventory,
+    /// `orders_outbox`: the orders producer's OrderPlaced and OrderCancelled, for `ORDERS`.
+    Orders,
+}
+
+impl OutboxTable {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Inventory => "outbox",
+            Self::Orders => "orders_outbox",
+        }
+    }
+}
+
+/// Writes one row into `table` through `conn`, the transaction that made the event's
+/// decision. `subject_token` is the subject below the stream's prefix.
+pub(crate) async fn insert(
+    conn: &impl ConnectionTrait,
+    table: OutboxTable,
+    event_id: Uuid,
+    order_id: OrderId,
+    subject_token: &str,
+    payload: String,
+) -> Result<(), DbErr> {
+    let statement = Query::insert()
+        .into_table(Alias::new(table.name()))
+        .columns(
+            [
+                "event_id",
+                "relay_partition",
+                "order_id",
+                "subject",
+                "payload",
+                "created_at",
+            ]
+            .map(Alias::new),
+        )
+        .values_panic([
+            event_id.into(),
+            partition(order_id).into(),
+            order_id.as_uuid().into(),
+            subject_token.into(),
+            payload.into(),
+            Utc::now().into(),
+        ])
+        .to_owned();
+    conn.execute(&statement).await?;
     Ok(())
+}
+
+/// Writes `event` into Inventory's outbox through `conn`, the transaction that decided it.
+pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> Result<(), DbErr> {
+    insert(
+        conn,
+        OutboxTable::Inventory,
+        event.event_id,
+        event.order_id,
+        event.subject_token(),
+        event.body(),
+    )
+    .await
 }
 
 /// The events waiting in the outbox, in write order, decoded as a consumer of `INVENTORY`

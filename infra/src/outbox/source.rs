@@ -12,12 +12,8 @@ use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, FromQueryResult, Statement, Value as DbValue};
 use uuid::Uuid;
 
+use super::OutboxTable;
 use crate::jetstream::Topology;
-
-/// Inventory's outbox table, written by the natural-key handlers.
-pub const INVENTORY_OUTBOX: &str = "outbox";
-/// The orders producer's outbox table, in the orders database.
-pub const ORDERS_OUTBOX: &str = "orders_outbox";
 
 /// Where an outbox's rows come from and where they go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,7 +50,7 @@ impl OutboxSource {
     /// Inventory's events: `outbox` to the events stream (`INVENTORY`, `inventory.>`).
     pub fn inventory(topology: &Topology) -> Self {
         Self {
-            table: INVENTORY_OUTBOX.to_owned(),
+            table: OutboxTable::Inventory.name().to_owned(),
             stream: topology.events_stream.clone(),
             subject_prefix: topology.events_subject_prefix.clone(),
         }
@@ -64,7 +60,7 @@ impl OutboxSource {
     /// `orders.>`).
     pub fn orders(topology: &Topology) -> Self {
         Self {
-            table: ORDERS_OUTBOX.to_owned(),
+            table: OutboxTable::Orders.name().to_owned(),
             stream: topology.stream.clone(),
             subject_prefix: topology.subject_prefix.clone(),
         }

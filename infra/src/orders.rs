@@ -1,0 +1,205 @@
+//! The orders producer, the safe one: `inventory orders place` and `inventory orders cancel`
+//! write the order and its message (OrderPlaced, OrderCancelled) in one transaction of the
+//! orders database, the message into the producer's outbox `orders_outbox`. A crash after the
+//! commit loses nothing (the relay, `inventory relay --source orders`, publishes the row), and a
+//! retry of the command finds the message already made and reports it, id and all: it never
+//! makes a new one. The message id is the outbox row's event id, the relay's `Nats-Msg-Id`.
+//!
+//! Place and cancel of one order both lock the order's `orders` row before writing their
+//! outbox row, so an order's messages are numbered in the order their transactions commit.
+
+use chrono::Utc;
+use inventory_domain::{BookId, Message, MessageId, OrderId, Quantity};
+use sea_orm::sea_query::OnConflict;
+use sea_orm::{
+    ActiveModelTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, QuerySelect, Set,
+};
+use uuid::Uuid;
+
+use crate::consumers::begin_write;
+use crate::entities::{order_lines, orders};
+use crate::outbox::{self, OutboxTable};
+use crate::stock::{DataError, quantity_from};
+
+/// What `place` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// Stored now, with its message waiting in the outbox.
+    Placed { message_id: MessageId },
+    /// This order held this book already, in the same quantity: nothing new was written. The
+    /// message is the one made then.
+    AlreadyPlaced { message_id: MessageId },
+}
+
+/// What `cancel` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cancellation {
+    Cancelled {
+        message_id: MessageId,
+    },
+    /// Cancelled before: nothing new was written.
+    AlreadyCancelled {
+        message_id: MessageId,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OrdersError {
+    #[error("order {order_id} holds {existing} of book {book_id} already, not {requested}")]
+    OtherQuantity {
+        order_id: OrderId,
+        book_id: BookId,
+        existing: Quantity,
+        requested: Quantity,
+    },
+    #[error("order {0} is cancelled")]
+    Cancelled(OrderId),
+    #[error("no order {0}")]
+    UnknownOrder(OrderId),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Database(#[from] DbErr),
+}
+
+#[derive(Clone)]
+pub struct OrdersRepository {
+    db: DatabaseConnection,
+}
+
+impl OrdersRepository {
+    pub fn new(db: DatabaseConnection) -> Self {
+        Self { db }
+    }
+
+    /// Places `quantity` copies of `book_id` in `order_id` (a new order, or one more book of
+    /// an open one).
+    pub async fn place(
+        &self,
+        order_id: OrderId,
+        book_id: BookId,
+        quantity: Quantity,
+    ) -> Result<Placement, OrdersError> {
+        let txn = begin_write(&self.db).await?;
+        let order = take_order(&txn, order_id).await?;
+        if order.cancelled_at.is_some() {
+            return Err(OrdersError::Cancelled(order_id));
+        }
+        let line = order_lines::Entity::find_by_id((order_id.as_uuid(), book_id.as_uuid()))
+            .one(&txn)
+            .await?;
+        if let Some(line) = line {
+            let existing = quantity_from(line.quantity)?;
+            return if existing == quantity {
+                Ok(Placement::AlreadyPlaced {
+                    message_id: stored_message_id(line.message_id)?,
+                })
+            } else {
+                Err(OrdersError::OtherQuantity {
+                    order_id,
+                    book_id,
+                    existing,
+                    requested: quantity,
+                })
+            };
+        }
+        let (event_id, message_id) = new_message_id();
+        let message = Message::placed(order_id, book_id, quantity).resent_as(message_id.clone());
+        order_lines::ActiveModel {
+            order_id: Set(order_id.as_uuid()),
+            book_id: Set(book_id.as_uuid()),
+            quantity: Set(int_quantity(quantity)?),
+            message_id: Set(message_id.as_str().to_owned()),
+        }
+        .insert(&txn)
+        .await?;
+        write_message(&txn, event_id, &message).await?;
+        txn.commit().await?;
+        Ok(Placement::Placed { message_id })
+    }
+
+    /// Cancels `order_id`, once.
+    pub async fn cancel(&self, order_id: OrderId) -> Result<Cancellation, OrdersError> {
+        let txn = begin_write(&self.db).await?;
+        let order = orders::Entity::find_by_id(order_id.as_uuid())
+            .lock_exclusive()
+            .one(&txn)
+            .await?
+            .ok_or(OrdersError::UnknownOrder(order_id))?;
+        if let Some(message_id) = order.cancel_message_id {
+            return Ok(Cancellation::AlreadyCancelled {
+                message_id: stored_message_id(message_id)?,
+            });
+        }
+        let (event_id, message_id) = new_message_id();
+        let message = Message::cancelled(order_id).resent_as(message_id.clone());
+        orders::ActiveModel {
+            order_id: Set(order_id.as_uuid()),
+            cancelled_at: Set(Some(Utc::now())),
+            cancel_message_id: Set(Some(message_id.as_str().to_owned())),
+            ..Default::default()
+        }
+        .update(&txn)
+        .await?;
+        write_message(&txn, event_id, &message).await?;
+        txn.commit().await?;
+        Ok(Cancellation::Cancelled { message_id })
+    }
+}
+
+/// The order's row, created if new, locked for this transaction (a no-op update rather than
+/// DO NOTHING, for its row lock and its RETURNING).
+async fn take_order(txn: &DatabaseTransaction, order_id: OrderId) -> Result<orders::Model, DbErr> {
+    let row = orders::ActiveModel {
+        order_id: Set(order_id.as_uuid()),
+        placed_at: Set(Utc::now()),
+        cancelled_at: Set(None),
+        cancel_message_id: Set(None),
+    };
+    orders::Entity::insert(row)
+        .on_conflict(
+            OnConflict::column(orders::Column::OrderId)
+                .update_column(orders::Column::OrderId)
+                .to_owned(),
+        )
+        .exec_with_returning(txn)
+        .await
+}
+
+/// A new message's id: the outbox row's event id, as text.
+fn new_message_id() -> (Uuid, MessageId) {
+    let event_id = Uuid::now_v7();
+    let message_id = MessageId::parse(event_id.to_string()).expect("a UUID is a valid message id");
+    (event_id, message_id)
+}
+
+async fn write_message(
+    txn: &DatabaseTransaction,
+    event_id: Uuid,
+    message: &Message,
+) -> Result<(), DbErr> {
+    let body = message
+        .to_plain_json()
+        .expect("a message under a message id has a plain body");
+    let body = String::from_utf8(body).expect("serde_json writes UTF-8");
+    outbox::insert(
+        txn,
+        OutboxTable::Orders,
+        event_id,
+        message.event.order_id(),
+        message.event.kind().subject_token(),
+        body,
+    )
+    .await
+}
+
+fn stored_message_id(stored: String) -> Result<MessageId, DataError> {
+    MessageId::parse(stored.clone()).map_err(|_| DataError::Unreadable {
+        column: "message_id",
+        value: stored,
+    })
+}
+
+fn int_quantity(quantity: Quantity) -> Result<i32, DataError> {
+    crate::stock::int_column("quantity", quantity.get())
+}
