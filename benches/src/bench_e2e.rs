@@ -107,6 +107,8 @@ async fn measure(
         subject_prefix: format!("bench{suffix}.orders"),
         dlq_stream: format!("BENCH_DLQ_{suffix}"),
         dlq_subject_prefix: format!("bench{suffix}.dlq"),
+        events_stream: format!("BENCH_EVENTS_{suffix}"),
+        events_subject_prefix: format!("bench{suffix}.inventory"),
         ..Topology::default()
     };
     let client = jetstream::connect(&args.nats.nats_url, "inventory bench").await?;

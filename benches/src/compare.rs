@@ -1165,6 +1165,9 @@ pub async fn run(settings: &Settings) -> Result<CompareReport> {
         subject_prefix: format!("compare_{suffix}.orders"),
         dlq_stream: format!("COMPARE_{}_DLQ", suffix.to_uppercase()),
         dlq_subject_prefix: format!("compare_{suffix}.dlq"),
+        // No relay runs in the comparison; named all the same, so nothing shared is touched.
+        events_stream: format!("COMPARE_{}_EVENTS", suffix.to_uppercase()),
+        events_subject_prefix: format!("compare_{suffix}.inventory"),
         // Far longer than publishing takes: every same-id resend falls inside it.
         duplicate_window: Duration::from_secs(120),
         replicas: 1,

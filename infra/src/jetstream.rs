@@ -205,7 +205,12 @@ pub struct Topology {
     pub dlq_stream: String,
     /// `dlq`: a consumer's dead letters go to `dlq.<consumer>`.
     pub dlq_subject_prefix: String,
-    /// How long the stream drops a resend with a `Nats-Msg-Id` it has seen.
+    /// The stream of Inventory's own events, which the outbox relay publishes to.
+    pub events_stream: String,
+    /// `inventory`: the events stream holds `inventory.>`, a reservation goes to
+    /// `inventory.stock.reserved`.
+    pub events_subject_prefix: String,
+    /// How long each stream drops a resend with a `Nats-Msg-Id` it has seen.
     pub duplicate_window: Duration,
     pub replicas: usize,
 }
@@ -217,6 +222,8 @@ impl Default for Topology {
             subject_prefix: "orders".into(),
             dlq_stream: "ORDERS_DLQ".into(),
             dlq_subject_prefix: "dlq".into(),
+            events_stream: "INVENTORY".into(),
+            events_subject_prefix: "inventory".into(),
             duplicate_window: Duration::from_secs(120),
             replicas: 1,
         }
@@ -232,15 +239,29 @@ impl Topology {
         format!("{}.{consumer}", self.dlq_subject_prefix)
     }
 
-    fn stream_config(&self) -> stream::Config {
-        stream::Config {
+    /// The orders stream: `<subject_prefix>.>`.
+    pub fn orders_stream(&self) -> PrefixStream {
+        PrefixStream {
             name: self.stream.clone(),
-            subjects: vec![format!("{}.>", self.subject_prefix)],
-            storage: stream::StorageType::File,
+            subject_prefix: self.subject_prefix.clone(),
             duplicate_window: self.duplicate_window,
-            num_replicas: self.replicas,
-            ..Default::default()
+            replicas: self.replicas,
         }
+    }
+
+    /// Inventory's events stream: `<events_subject_prefix>.>`, with the orders stream's
+    /// duplicate window and replicas.
+    pub fn events_stream(&self) -> PrefixStream {
+        PrefixStream {
+            name: self.events_stream.clone(),
+            subject_prefix: self.events_subject_prefix.clone(),
+            duplicate_window: self.duplicate_window,
+            replicas: self.replicas,
+        }
+    }
+
+    fn stream_config(&self) -> stream::Config {
+        self.orders_stream().config()
     }
 
     fn dlq_stream_config(&self) -> stream::Config {
@@ -255,6 +276,39 @@ impl Topology {
             ..Default::default()
         }
     }
+}
+
+/// A stream holding every subject below one prefix (`<prefix>.>`), in files: the orders
+/// stream and the events stream are both of this shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixStream {
+    pub name: String,
+    pub subject_prefix: String,
+    pub duplicate_window: Duration,
+    pub replicas: usize,
+}
+
+impl PrefixStream {
+    fn config(&self) -> stream::Config {
+        stream::Config {
+            name: self.name.clone(),
+            subjects: vec![format!("{}.>", self.subject_prefix)],
+            storage: stream::StorageType::File,
+            duplicate_window: self.duplicate_window,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+}
+
+/// Creates `wanted` if absent; reports how an existing one differs (and keeps it).
+pub async fn ensure_prefix_stream(
+    js: &Context,
+    wanted: &PrefixStream,
+) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
+    let mut drifts = Vec::new();
+    let stream = ensure_stream(js, wanted.config(), &mut drifts).await?;
+    Ok((stream, drifts))
 }
 
 /// One setting of an existing stream or consumer that differs from what this process would

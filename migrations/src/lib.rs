@@ -12,10 +12,13 @@
 //!   natural key (naive, check-then-process, inbox), where an order can be reserved twice.
 //! - `m20261201_000006_create_outbox`: the events of reservation decisions, written in the
 //!   decision's transaction, until the relay has published them.
+//! - `m20261201_000007_create_outbox_leases`: the relays' partition leases and heartbeats.
 //! - `m20261201_000008_create_orders`: the orders producer's tables, `orders` (one row per
 //!   order, the row its place and cancel lock), `order_lines` and its outbox `orders_outbox`.
 //!   They live in the orders database (`ORDERS_DATABASE_URL`), by default the same one; a
 //!   separate orders database gets the whole schema and uses these three.
+//! - `m20261201_000009_index_parked_outbox_rows`: on both outbox tables, parked rows by order,
+//!   which the relay looks up to hold an order's later rows behind a parked one.
 
 pub use sea_orm_migration::prelude::*;
 
@@ -25,7 +28,9 @@ mod m20261130_000003_create_inbox;
 mod m20261130_000004_create_order_states;
 mod m20261130_000005_create_reservation_log;
 mod m20261201_000006_create_outbox;
+mod m20261201_000007_create_outbox_leases;
 mod m20261201_000008_create_orders;
+mod m20261201_000009_index_parked_outbox_rows;
 mod outbox_table;
 
 pub struct Migrator;
@@ -40,7 +45,9 @@ impl MigratorTrait for Migrator {
             Box::new(m20261130_000004_create_order_states::Migration),
             Box::new(m20261130_000005_create_reservation_log::Migration),
             Box::new(m20261201_000006_create_outbox::Migration),
+            Box::new(m20261201_000007_create_outbox_leases::Migration),
             Box::new(m20261201_000008_create_orders::Migration),
+            Box::new(m20261201_000009_index_parked_outbox_rows::Migration),
         ]
     }
 }

@@ -121,6 +121,12 @@ pub struct TopologyArgs {
     /// Subjects of the dead-letter stream: `<prefix>.<consumer>`.
     #[arg(long, global = true, default_value = "dlq")]
     pub dlq_subject_prefix: String,
+    /// The stream of Inventory's events, which the outbox relay publishes to.
+    #[arg(long, global = true, default_value = "INVENTORY")]
+    pub events_stream: String,
+    /// Subjects of the events stream: `<prefix>.stock.reserved`, `.rejected`, `.released`.
+    #[arg(long, global = true, default_value = "inventory")]
+    pub events_subject_prefix: String,
     /// How long the stream drops a resend of a `Nats-Msg-Id` it has stored (when it creates the
     /// streams).
     #[arg(long, global = true, default_value = "2m", value_parser = humantime::parse_duration)]
@@ -137,6 +143,8 @@ impl TopologyArgs {
             subject_prefix: self.subject_prefix.clone(),
             dlq_stream: self.dlq_stream.clone(),
             dlq_subject_prefix: self.dlq_subject_prefix.clone(),
+            events_stream: self.events_stream.clone(),
+            events_subject_prefix: self.events_subject_prefix.clone(),
             duplicate_window: self.duplicate_window,
             replicas: self.replicas,
         }

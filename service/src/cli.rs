@@ -13,7 +13,7 @@ use inventory_infra::{db, retention};
 use serde::Serialize;
 
 use crate::args::{DatabaseArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
-use crate::{dlq, publish, serve, study};
+use crate::{dlq, publish, relay, serve, study};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -54,7 +54,15 @@ pub enum Command {
         command: DlqCommand,
     },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
+    /// Publishes an outbox's pending rows to its stream until SIGINT or SIGTERM (`serve
+    /// --strategy natural` runs the inventory relay itself).
+    Relay(Box<relay::RelayCommandArgs>),
+    /// The outbox: rows the relay parked, and retrying them.
+    Outbox {
+        #[command(subcommand)]
+        command: relay::OutboxCommand,
+    },
     /// Publishes OrderPlaced or OrderCancelled, one or many, straight to NATS (the producer
     /// without an outbox that the study needs).
     Publish(publish::PublishArgs),
@@ -234,7 +242,9 @@ pub async fn run(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Command::Dlq { command } => run_dlq(command).await.map(|()| true),
-        Command::Serve(args) => serve::start(args).await,
+        Command::Serve(args) => serve::start(*args).await,
+        Command::Relay(args) => relay::run(*args).await,
+        Command::Outbox { command } => relay::run_outbox(command).await.map(|()| true),
         Command::Publish(args) => publish::run(args).await.map(|()| true),
         Command::Orders { command } => run_orders(command).await.map(|()| true),
         Command::Compare(args) => study::forward("compare", args),

@@ -10,6 +10,8 @@
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
 //!   horizon guard ([`retention`]), Prometheus metrics and the health check ([`metrics`]).
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands.
+//! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
+//!   beside its lanes, and `inventory outbox parked|retry`.
 //! - [`dlq`]: listing and replaying dead letters; [`publish`]: the producer command.
 //! - [`study`]: `inventory demo|compare|bench`, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.
@@ -20,6 +22,7 @@ pub mod dlq;
 pub mod metrics;
 pub mod policy;
 pub mod publish;
+pub mod relay;
 pub mod retention;
 pub mod runtime;
 pub mod serve;

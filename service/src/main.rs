@@ -10,7 +10,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     // A long-running service says what it does; one-shot commands speak only of trouble.
     let default_filter = match cli.command {
-        Command::Serve(_) => "info,sqlx=warn,sea_orm_migration=warn",
+        Command::Serve(_) | Command::Relay(_) => "info,sqlx=warn,sea_orm_migration=warn",
         _ => "warn",
     };
     telemetry::init(default_filter);

@@ -4,10 +4,12 @@
 //! 200 with `{"nats":"connected","database":"reachable"}` when both hold, else 503 with what
 //! failed, so an orchestrator restarts or stops routing to an instance that cannot work. The
 //! database is asked on a connection of the check's own ([`Probe`]), not through the pool: a
-//! pool whose connections are all taken says nothing of whether the database answers.
+//! pool whose connections are all taken says nothing of whether the database answers. Where
+//! an outbox relay runs, `"relay"` says `"publishing"`, or `"failing"` (503) once it has failed
+//! for longer than its `--relay-unhealthy-after` to publish rows that wait.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -18,9 +20,10 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use inventory_infra::db::{DatabaseConnection, Probe};
 use inventory_infra::jetstream;
+use inventory_infra::outbox::RelayStatus;
 use prometheus::{
-    Encoder as _, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -37,6 +40,121 @@ pub struct Metrics {
     in_flight: IntGaugeVec,
     purged: IntCounter,
     processing_older: IntGauge,
+    outbox: OutboxMetrics,
+    /// The relay of this process, once one runs: read at each scrape and health check.
+    relay: Arc<Mutex<Option<WatchedRelay>>>,
+}
+
+/// The outbox relay's series, labelled by outbox table.
+#[derive(Clone)]
+struct OutboxMetrics {
+    pending: IntGaugeVec,
+    oldest_pending: GaugeVec,
+    parked: IntGaugeVec,
+    published: IntCounterVec,
+    duplicates: IntCounterVec,
+    partitions: IntGaugeVec,
+}
+
+#[derive(Clone)]
+struct WatchedRelay {
+    outbox: String,
+    status: RelayStatus,
+    unhealthy_after: Duration,
+}
+
+impl WatchedRelay {
+    fn failing(&self) -> bool {
+        self.status
+            .failing_for()
+            .is_some_and(|failing| failing > self.unhealthy_after)
+    }
+}
+
+impl OutboxMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let label = &["outbox"];
+        let metrics = Self {
+            pending: IntGaugeVec::new(
+                Opts::new(
+                    "inventory_outbox_pending_rows",
+                    "Outbox rows waiting to be published (parked rows not included), at the \
+                     relay's last look.",
+                ),
+                label,
+            )?,
+            oldest_pending: GaugeVec::new(
+                Opts::new(
+                    "inventory_outbox_oldest_pending_age_seconds",
+                    "Age of the oldest outbox row waiting to be published; 0 when none waits.",
+                ),
+                label,
+            )?,
+            parked: IntGaugeVec::new(
+                Opts::new(
+                    "inventory_outbox_parked_rows",
+                    "Outbox rows the relay set aside (too large, no stream for the subject).",
+                ),
+                label,
+            )?,
+            published: IntCounterVec::new(
+                Opts::new(
+                    "inventory_outbox_published_total",
+                    "Outbox rows this relay published and the stream stored as new.",
+                ),
+                label,
+            )?,
+            duplicates: IntCounterVec::new(
+                Opts::new(
+                    "inventory_outbox_duplicate_pubacks_total",
+                    "Outbox rows this relay published that the stream had already \
+                     (a republish after a crash or a takeover): done all the same.",
+                ),
+                label,
+            )?,
+            partitions: IntGaugeVec::new(
+                Opts::new(
+                    "inventory_outbox_relay_partitions",
+                    "Outbox partitions this relay leases now.",
+                ),
+                label,
+            )?,
+        };
+        registry.register(Box::new(metrics.pending.clone()))?;
+        registry.register(Box::new(metrics.oldest_pending.clone()))?;
+        registry.register(Box::new(metrics.parked.clone()))?;
+        registry.register(Box::new(metrics.published.clone()))?;
+        registry.register(Box::new(metrics.duplicates.clone()))?;
+        registry.register(Box::new(metrics.partitions.clone()))?;
+        Ok(metrics)
+    }
+
+    /// Brings the series up to the relay's counts.
+    fn sync(&self, relay: &WatchedRelay) {
+        let outbox = [relay.outbox.as_str()];
+        let status = &relay.status;
+        let published = self.published.with_label_values(&outbox);
+        published.inc_by(status.published().saturating_sub(published.get()));
+        let duplicates = self.duplicates.with_label_values(&outbox);
+        duplicates.inc_by(status.duplicates().saturating_sub(duplicates.get()));
+        self.partitions
+            .with_label_values(&outbox)
+            .set(i64::try_from(status.held_partitions()).unwrap_or(i64::MAX));
+        if let Some(backlog) = status.backlog() {
+            self.pending
+                .with_label_values(&outbox)
+                .set(i64::try_from(backlog.pending).unwrap_or(i64::MAX));
+            self.parked
+                .with_label_values(&outbox)
+                .set(i64::try_from(backlog.parked).unwrap_or(i64::MAX));
+            let age = backlog.oldest_pending.map_or(0.0, |oldest| {
+                (chrono::Utc::now() - oldest)
+                    .to_std()
+                    .map_or(0.0, |age| age.as_secs_f64())
+            });
+            self.oldest_pending.with_label_values(&outbox).set(age);
+        }
+    }
 }
 
 impl Metrics {
@@ -89,7 +207,10 @@ impl Metrics {
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(purged.clone()))?;
         registry.register(Box::new(processing_older.clone()))?;
+        let outbox = OutboxMetrics::new(&registry)?;
         Ok(Self {
+            outbox,
+            relay: Arc::default(),
             registry,
             messages,
             dead_letters,
@@ -118,8 +239,26 @@ impl Metrics {
             .set(i64::try_from(processing_older).unwrap_or(i64::MAX));
     }
 
+    /// Reports `status`, the relay of outbox table `outbox`, in the scrapes and the health
+    /// check; it counts as failing once it has failed longer than `unhealthy_after`.
+    pub fn watch_relay(&self, outbox: &str, status: RelayStatus, unhealthy_after: Duration) {
+        let watched = WatchedRelay {
+            outbox: outbox.to_owned(),
+            status,
+            unhealthy_after,
+        };
+        *self.relay.lock().unwrap_or_else(|p| p.into_inner()) = Some(watched);
+    }
+
+    fn watched_relay(&self) -> Option<WatchedRelay> {
+        self.relay.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// The text exposition format.
     pub fn render(&self) -> Result<String, prometheus::Error> {
+        if let Some(relay) = self.watched_relay() {
+            self.outbox.sync(&relay);
+        }
         let mut text = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut text)?;
         Ok(String::from_utf8_lossy(&text).into_owned())
@@ -237,15 +376,19 @@ async fn healthz(State(health): State<Health>) -> impl IntoResponse {
             false
         }
     };
-    let status = if nats_ok && db_ok {
+    let relay_ok = health.metrics.watched_relay().map(|relay| !relay.failing());
+    let status = if nats_ok && db_ok && relay_ok != Some(false) {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "nats": if nats_ok { "connected" } else { "disconnected" },
         "database": if db_ok { "reachable" } else { "unreachable" },
     });
+    if let Some(ok) = relay_ok {
+        body["relay"] = if ok { "publishing" } else { "failing" }.into();
+    }
     (
         status,
         [(header::CONTENT_TYPE, "application/json")],

@@ -14,12 +14,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
-use inventory_domain::{ConsumerName, DeadLetterReason, ErrorKind, EventKind, Message, Outcome};
+use inventory_domain::{
+    ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
+};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer, PullError};
 use inventory_infra::jetstream::{
     self, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError, Origin, Topology,
 };
+use inventory_infra::outbox::RelayWake;
 use inventory_infra::{BuildError, HandleError, Handler, HandlerKind, Mailbox, MessageHandler};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -112,6 +115,7 @@ pub struct ConsumerRuntime {
     /// The consumer's settings as the server has them, which rule over `settings.consumer`.
     server_consumer: ConsumerConfig,
     duplicate_window: Duration,
+    relay_wake: Option<RelayWake>,
 }
 
 impl ConsumerRuntime {
@@ -140,7 +144,15 @@ impl ConsumerRuntime {
             db,
             consumer,
             server_consumer,
+            relay_wake: None,
         })
+    }
+
+    /// Wakes the outbox relay of this process after every handling that committed an event
+    /// (a reservation decided, reserved or rejected, or released), instead of leaving the
+    /// event to the relay's backup poll.
+    pub fn wake_relay_on_events(&mut self, wake: RelayWake) {
+        self.relay_wake = Some(wake);
     }
 
     pub fn settings(&self) -> &RuntimeSettings {
@@ -194,6 +206,7 @@ impl ConsumerRuntime {
             stats: Arc::new(Stats::default()),
             database_suspect: Arc::new(AtomicBool::new(false)),
             metrics,
+            relay_wake: self.relay_wake,
         };
         let stats = worker.stats.clone();
         let timeout = self.settings.shutdown_timeout;
@@ -461,6 +474,17 @@ impl Stats {
     }
 }
 
+/// Whether a handling that came to `outcome` committed an outbox event: every decision of
+/// the natural key does, a duplicate or a placement after the cancellation does not.
+fn wrote_an_event(outcome: &Outcome) -> bool {
+    matches!(
+        outcome,
+        Outcome::Processed(
+            Effect::Reserved { .. } | Effect::Rejected { .. } | Effect::Released { .. }
+        )
+    )
+}
+
 fn message_span() -> tracing::Span {
     tracing::info_span!(
         "message",
@@ -488,6 +512,8 @@ struct Worker<H> {
     database_suspect: Arc<AtomicBool>,
     /// Prometheus counters, when `--metrics-addr` is set.
     metrics: Option<ConsumerMetrics>,
+    /// The outbox relay to wake after a handling that committed an event.
+    relay_wake: Option<RelayWake>,
 }
 
 impl<H: MessageHandler> Worker<H> {
@@ -617,6 +643,12 @@ impl<H: MessageHandler> Worker<H> {
         origin: &Origin,
         result: Result<Outcome, HandleError>,
     ) -> Disposition {
+        if let Some(wake) = &self.relay_wake
+            && matches!(&result, Ok(outcome) if wrote_an_event(outcome))
+        {
+            // Committed: the relay can see the row now.
+            wake.notify();
+        }
         let retry = &self.lanes.retry;
         let action = match &result {
             Ok(outcome) => policy::decide(Ok(outcome), origin.deliveries, retry),

@@ -8,12 +8,14 @@ use anyhow::Context as _;
 use inventory_domain::{Horizon, RedeliveryPolicy};
 use inventory_infra::db::{self, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings};
+use inventory_infra::outbox::OutboxSource;
 use inventory_infra::redact::redact_url;
 use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
 
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, detect_mode, natural_key_path};
 use crate::metrics::Metrics;
+use crate::relay::{RelayArgs, RunningRelay};
 use crate::retention::{self, PurgeSettings};
 use crate::runtime::{self, ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
@@ -57,6 +59,9 @@ pub struct ServeArgs {
     pub nats: NatsArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
+    /// The outbox relay `--strategy natural` runs beside its lanes.
+    #[command(flatten)]
+    pub relay: RelayArgs,
     /// Messages a lane hands the handler at once. The natural key on PostgreSQL commits each run
     /// of placements in a batch in one statement (a cancellation between them is handled in its
     /// place) and acks each message after its commit; other handlers take them one by one. 1 (no
@@ -162,7 +167,7 @@ impl ServeArgs {
 
 /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
 /// second for an immediate one.
-fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
+pub(crate) fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
@@ -198,7 +203,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let js = jetstream::context(client.clone());
     let settings = args.runtime_settings(db.get_database_backend());
     let consumer_name = settings.consumer.durable_name.clone();
-    let runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
+    let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
 
     let background = CancellationToken::new();
     // Stops the purge and the metrics server however start() returns.
@@ -223,9 +228,35 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             args.accept_short_retention,
         )?;
     }
+    // The natural key writes an event per decision into the outbox: its relay runs here,
+    // woken by the lanes after each commit that wrote one. Set up after the guard, so a
+    // refused start leaves no heartbeat behind.
+    let relay = match args.strategy {
+        StrategyArg::Natural => {
+            let topology = args.topology.topology();
+            let relay = crate::relay::prepare(
+                &js,
+                db.clone(),
+                OutboxSource::inventory(&topology),
+                &topology.events_stream(),
+                args.relay.settings(),
+            )
+            .await?;
+            runtime.wake_relay_on_events(relay.wake());
+            Some(relay)
+        }
+        StrategyArg::Inbox | StrategyArg::Email => None,
+    };
     let metrics = match args.metrics_addr {
         Some(addr) => {
             let metrics = Metrics::new()?;
+            if let Some(relay) = &relay {
+                metrics.watch_relay(
+                    relay.source().table(),
+                    relay.status(),
+                    args.relay.relay_unhealthy_after,
+                );
+            }
             crate::metrics::serve(
                 addr,
                 metrics.clone(),
@@ -268,8 +299,16 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         "consuming"
     );
     let metrics = metrics.map(|metrics| metrics.consumer(&consumer_name));
+    let relay = relay.map(RunningRelay::start);
+    let immediate = shutdown.immediate.clone();
     let ending = runtime.start(handler, metrics, shutdown).wait().await?;
     drop(purge_guard);
+    // After the lanes: the relay's last pass publishes what their last messages committed.
+    if let Some(relay) = relay
+        && !relay.stop(&immediate).await
+    {
+        tracing::warn!("outbox relay stopped at once; the rows it had not removed stay");
+    }
     match ending {
         Ending::Drained => {
             // Flushes the acks of the last messages before the process ends.

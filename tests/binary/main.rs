@@ -9,4 +9,5 @@
 
 mod cli;
 mod operating;
+mod relay_binary;
 mod serve_binary;

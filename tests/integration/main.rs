@@ -25,6 +25,7 @@ mod orders;
 mod outages;
 mod outbox;
 mod purge_load;
+mod relay;
 mod retention;
 mod retries;
 mod secure;

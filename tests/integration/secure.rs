@@ -21,6 +21,8 @@ async fn jetstream_works(url: &str, security: &NatsSecurity) -> Result<(), Strin
         subject_prefix: names.subject_prefix,
         dlq_stream: names.dlq_stream,
         dlq_subject_prefix: names.dlq_subject_prefix,
+        events_stream: names.events_stream,
+        events_subject_prefix: names.events_subject_prefix,
         ..Topology::default()
     };
     jetstream::ensure_streams(&jetstream::context(client), &topology)

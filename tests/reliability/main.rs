@@ -13,6 +13,8 @@
 //!   natural key, the inbox and the email.
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
+//! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
+//!   decisions keep being committed.
 #![expect(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -23,4 +25,5 @@ mod cluster;
 mod kill9;
 mod load;
 mod outages;
+mod relay_outage;
 mod support;

@@ -171,6 +171,8 @@ impl Scenario {
             subject_prefix: names.subject_prefix.clone(),
             dlq_stream: names.dlq_stream.clone(),
             dlq_subject_prefix: names.dlq_subject_prefix.clone(),
+            events_stream: names.events_stream.clone(),
+            events_subject_prefix: names.events_subject_prefix.clone(),
             duplicate_window: Duration::from_secs(120),
             replicas,
         };
@@ -242,6 +244,8 @@ impl Scenario {
             .args(["--subject-prefix", &topology.subject_prefix])
             .args(["--dlq-stream", &topology.dlq_stream])
             .args(["--dlq-subject-prefix", &topology.dlq_subject_prefix])
+            .args(["--events-stream", &topology.events_stream])
+            .args(["--events-subject-prefix", &topology.events_subject_prefix])
             .args(["--replicas", &topology.replicas.to_string()])
             // Short: a killed instance's unacked messages come back quickly.
             .args(["--ack-wait", "2s"])

@@ -74,6 +74,10 @@ impl BinaryRun {
             &self.names.dlq_stream,
             "--dlq-subject-prefix",
             &self.names.dlq_subject_prefix,
+            "--events-stream",
+            &self.names.events_stream,
+            "--events-subject-prefix",
+            &self.names.events_subject_prefix,
         ]
         .map(str::to_owned)
         .into()
@@ -84,7 +88,7 @@ impl BinaryRun {
         let mut command = Command::new(&self.binary);
         command.args(args);
         let first = args.first().copied().unwrap_or_default();
-        if ["serve", "publish", "dlq"].contains(&first) {
+        if ["serve", "publish", "dlq", "relay"].contains(&first) {
             command.args(self.topology_args());
         }
         command
@@ -132,7 +136,11 @@ impl BinaryRun {
 impl Drop for BinaryRun {
     fn drop(&mut self) {
         let nats_url = self.nats_url.clone();
-        let streams = [self.names.stream.clone(), self.names.dlq_stream.clone()];
+        let streams = [
+            self.names.stream.clone(),
+            self.names.dlq_stream.clone(),
+            self.names.events_stream.clone(),
+        ];
         run_to_end_from_drop(async move {
             if let Ok(client) = jetstream::connect(&nats_url, "test cleanup").await {
                 let js = jetstream::context(client);

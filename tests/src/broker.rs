@@ -8,6 +8,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self as js, context::Context};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
+use inventory_infra::outbox::RelayWake;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_service::runtime::{
     ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
@@ -48,6 +49,8 @@ impl Broker {
             subject_prefix: names.subject_prefix,
             dlq_stream: names.dlq_stream,
             dlq_subject_prefix: names.dlq_subject_prefix,
+            events_stream: names.events_stream,
+            events_subject_prefix: names.events_subject_prefix,
             duplicate_window: Duration::from_secs(120),
             replicas: 1,
         };
@@ -150,9 +153,12 @@ impl Broker {
 impl Drop for Broker {
     fn drop(&mut self) {
         let js = self.js.clone();
+        // The events stream exists only if a test's relay created it; deleting an absent
+        // stream is harmless.
         let names = [
             self.topology.stream.clone(),
             self.topology.dlq_stream.clone(),
+            self.topology.events_stream.clone(),
         ];
         crate::run_to_end_from_drop(async move {
             for name in names {
@@ -176,9 +182,24 @@ impl RunningService {
         db: DatabaseConnection,
         settings: RuntimeSettings,
     ) -> Self {
-        let runtime = ConsumerRuntime::prepare(&broker.js, db, settings)
+        Self::start_waking(broker, handler, db, settings, None).await
+    }
+
+    /// [`Self::start`], waking `relay` after each handling that committed an event, as
+    /// `serve --strategy natural` wakes its relay.
+    pub async fn start_waking<H: MessageHandler>(
+        broker: &Broker,
+        handler: H,
+        db: DatabaseConnection,
+        settings: RuntimeSettings,
+        relay: Option<RelayWake>,
+    ) -> Self {
+        let mut runtime = ConsumerRuntime::prepare(&broker.js, db, settings)
             .await
             .unwrap();
+        if let Some(wake) = relay {
+            runtime.wake_relay_on_events(wake);
+        }
         let running = runtime.start(handler, None, Shutdown::default());
         Self {
             stats: running.stats.clone(),

@@ -14,6 +14,8 @@
 //! - [`workload`]: orders with the producer's duplicates mixed in, published at a pace, and
 //!   the check of the promise after a fault scenario.
 //! - [`corpus`]: the hostile-input corpus under `tests/corpus/`, files and generated bodies.
+//! - [`outbox`]: outbox rows and the events in a stream, and the check that each event was
+//!   stored once and in its order's order.
 //! - [`TestDb`]: a fresh database per test, with the fixtures the tests share.
 #![expect(
     clippy::unwrap_used,
@@ -25,6 +27,7 @@ pub mod binary;
 pub mod broker;
 pub mod corpus;
 pub mod nats;
+pub mod outbox;
 pub mod pg_server;
 pub mod postgres;
 mod process;

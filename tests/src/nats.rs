@@ -466,6 +466,10 @@ pub struct TestNames {
     pub dlq_subject_prefix: String,
     /// `inventory-reserve-stock-<suffix>`, in place of `inventory-reserve-stock`.
     pub consumer: String,
+    /// `INVENTORY_<SUFFIX>`, in place of `INVENTORY`: the outbox relay's stream.
+    pub events_stream: String,
+    /// `t<suffix>.inventory`, in place of `inventory`: events go to `<prefix>.stock.reserved`.
+    pub events_subject_prefix: String,
 }
 
 impl TestNames {
@@ -523,6 +527,8 @@ pub fn unique_names(label: &str) -> TestNames {
         dlq_stream: format!("ORDERS_DLQ_{upper}"),
         dlq_subject_prefix: format!("t{suffix}.dlq"),
         consumer: format!("inventory-reserve-stock-{suffix}"),
+        events_stream: format!("INVENTORY_{upper}"),
+        events_subject_prefix: format!("t{suffix}.inventory"),
         suffix,
     }
 }
@@ -546,7 +552,12 @@ mod tests {
             a.dlq_subject(&a.consumer),
             format!("t{}.dlq.{}", a.suffix, a.consumer)
         );
-        for name in [&a.stream, &a.dlq_stream, &a.consumer] {
+        assert_eq!(
+            a.events_stream,
+            format!("INVENTORY_{}", a.suffix.to_ascii_uppercase())
+        );
+        assert_eq!(a.events_subject_prefix, format!("t{}.inventory", a.suffix));
+        for name in [&a.stream, &a.dlq_stream, &a.consumer, &a.events_stream] {
             assert!(!name.contains(['.', '*', '>', ' ']), "{name}");
         }
         assert_eq!(unique_names("").suffix.len(), 12);

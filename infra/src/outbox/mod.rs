@@ -7,6 +7,15 @@
 //! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), and
 //! [`pending`] reads both back the same way. The orders producer (`orders.rs`) writes its own
 //! outbox table of the same shape through [`insert`].
+//!
+//! # Layout
+//! - [`relay`]: the relay, which publishes an outbox's rows to their stream and deletes them
+//!   after the PubAck; why several relays, a stale one included, neither reorder nor double
+//!   an order's events.
+//! - `lease`: the partition leases and heartbeats through which relays share an outbox.
+//! - [`source`]: an outbox as the relay sees it, any table of the outbox's columns with its
+//!   stream and subject prefix (Inventory's `outbox`, the orders producer's
+//!   `orders_outbox`): reading, deleting, parking, listing and retrying parked rows.
 
 use chrono::Utc;
 use inventory_domain::outbox::partition;
@@ -16,6 +25,16 @@ use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder};
 use uuid::Uuid;
 
 use crate::entities::outbox;
+
+mod lease;
+pub mod relay;
+pub mod source;
+
+pub use lease::fair_share;
+pub use relay::{
+    LeaseTooLong, PassReport, Published, Relay, RelayError, RelaySettings, RelayStatus, RelayWake,
+};
+pub use source::{Backlog, OutboxSource, ParkedRow, Retry};
 
 /// An outbox table. Both have the columns of the migrations' `outbox_table.rs`, so one relay
 /// publishes either.

@@ -1,0 +1,332 @@
+//! Partition leases: how several relays share an outbox without a leader.
+//!
+//! The outbox's rows fall into [`PARTITIONS`] partitions by order. A relay publishes only the
+//! partitions it leases (`outbox_leases`, one row per outbox and partition: holder, expiry).
+//! Each relay also keeps a heartbeat row (`outbox_relays`); the live heartbeats say how many
+//! relays there are, and each aims at its fair share, `ceil(16 / live relays)`: it takes free
+//! or expired partitions up to it and releases what it holds beyond it. Nobody hands
+//! partitions out, so there is no leader to lose or to split: every step is one conditional
+//! statement that the database serializes (taking a partition succeeds only while it is free
+//! or expired; renewing only while this relay is still its holder).
+//!
+//! Expiry is measured by the database's clock (milliseconds since the epoch), the one clock
+//! every relay shares. A relay's own view of its lease is measured by its monotonic clock
+//! from just *before* it sent the renewal, so it always believes its lease ends no later than
+//! the database says it does.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use inventory_domain::outbox::PARTITIONS;
+use sea_orm::{ConnectionTrait, DbBackend, DbErr};
+
+use super::source::{backend, statement};
+
+/// The database's clock in milliseconds since the epoch, as SQL.
+fn now_ms(backend: DbBackend) -> &'static str {
+    match backend {
+        DbBackend::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+        _ => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    }
+}
+
+/// The partitions one relay should hold when `live` relays share `partitions`: the fair
+/// share, rounded up so that the shares cover every partition.
+pub fn fair_share(partitions: usize, live: usize) -> usize {
+    partitions.div_ceil(live.max(1))
+}
+
+/// One relay's leases on one outbox.
+#[derive(Debug)]
+pub(crate) struct Leases {
+    outbox: String,
+    holder: String,
+    lease: Duration,
+    /// Partition → the instant (local, monotonic) before which this relay may publish it.
+    held: BTreeMap<i16, Instant>,
+    last_round: Option<Instant>,
+}
+
+/// What one round of [`Leases::round`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Round {
+    pub(crate) live_relays: usize,
+    pub(crate) fair_share: usize,
+    pub(crate) taken: Vec<i16>,
+    pub(crate) released: Vec<i16>,
+    /// Held before and no longer this relay's: another relay took it after it expired.
+    pub(crate) lost: Vec<i16>,
+}
+
+impl Leases {
+    pub(crate) fn new(outbox: &str, holder: &str, lease: Duration) -> Self {
+        Self {
+            outbox: outbox.to_owned(),
+            holder: holder.to_owned(),
+            lease,
+            held: BTreeMap::new(),
+            last_round: None,
+        }
+    }
+
+    fn lease_ms(&self) -> i64 {
+        i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Makes the outbox's partition rows exist and writes this relay's heartbeat, so the
+    /// relays already running count it at their next round.
+    pub(crate) async fn register(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
+        let rows: Vec<String> = (0..PARTITIONS)
+            .map(|partition| format!("($1, {partition}, NULL, 0)"))
+            .collect();
+        let sql = format!(
+            "INSERT INTO outbox_leases (outbox, relay_partition, holder, expires_at) VALUES {} \
+             ON CONFLICT (outbox, relay_partition) DO NOTHING",
+            rows.join(", ")
+        );
+        db.execute_raw(statement(db, &sql, [self.outbox.clone().into()]))
+            .await?;
+        self.heartbeat(db).await
+    }
+
+    async fn heartbeat(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
+        let sql = format!(
+            "INSERT INTO outbox_relays (outbox, holder, expires_at) VALUES ($1, $2, {now} + $3) \
+             ON CONFLICT (outbox, holder) DO UPDATE SET expires_at = excluded.expires_at",
+            now = now_ms(backend(db))
+        );
+        db.execute_raw(statement(
+            db,
+            &sql,
+            [
+                self.outbox.clone().into(),
+                self.holder.clone().into(),
+                self.lease_ms().into(),
+            ],
+        ))
+        .await
+        .map(drop)
+    }
+
+    /// Whether a round is due: every fifth of the lease, so a relay renews several times
+    /// before its lease can run out.
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        self.last_round
+            .is_none_or(|last| now.duration_since(last) >= self.heartbeat_interval())
+    }
+
+    pub(crate) fn heartbeat_interval(&self) -> Duration {
+        self.lease / 5
+    }
+
+    /// When the next round is due.
+    pub(crate) fn next_round(&self) -> Instant {
+        self.last_round
+            .map_or_else(Instant::now, |last| last + self.heartbeat_interval())
+    }
+
+    /// Heartbeat, renew what is still this relay's, then move towards the fair share:
+    /// release the partitions beyond it (the highest first), or take free and expired ones
+    /// up to it.
+    pub(crate) async fn round(&mut self, db: &impl ConnectionTrait) -> Result<Round, DbErr> {
+        let sent = Instant::now();
+        self.last_round = Some(sent);
+        let now = now_ms(backend(db));
+        self.heartbeat(db).await?;
+        let live = db
+            .query_one_raw(statement(
+                db,
+                &format!(
+                    "SELECT COUNT(*) AS live FROM outbox_relays \
+                     WHERE outbox = $1 AND expires_at > {now}"
+                ),
+                [self.outbox.clone().into()],
+            ))
+            .await?
+            .map(|row| row.try_get::<i64>("", "live"))
+            .transpose()?
+            .unwrap_or(1);
+        let live = usize::try_from(live).unwrap_or(1).max(1);
+        let fair = fair_share(usize::from(PARTITIONS), live);
+        let mut round = Round {
+            live_relays: live,
+            fair_share: fair,
+            ..Round::default()
+        };
+
+        // Renewed only where this relay is still the holder: a partition someone else took
+        // after it expired is theirs.
+        let renewed = db
+            .query_all_raw(statement(
+                db,
+                &format!(
+                    "UPDATE outbox_leases SET expires_at = {now} + $3 \
+                     WHERE outbox = $1 AND holder = $2 RETURNING relay_partition"
+                ),
+                [
+                    self.outbox.clone().into(),
+                    self.holder.clone().into(),
+                    self.lease_ms().into(),
+                ],
+            ))
+            .await?
+            .iter()
+            .map(|row| row.try_get::<i16>("", "relay_partition"))
+            .collect::<Result<Vec<_>, _>>()?;
+        round.lost = self
+            .held
+            .keys()
+            .filter(|partition| !renewed.contains(partition))
+            .copied()
+            .collect();
+        let deadline = sent + self.lease;
+        self.held = renewed.iter().map(|p| (*p, deadline)).collect();
+
+        if self.held.len() > fair {
+            let extras: Vec<i16> = self
+                .held
+                .keys()
+                .rev()
+                .take(self.held.len() - fair)
+                .copied()
+                .collect();
+            for partition in extras {
+                self.release_one(db, partition).await?;
+                round.released.push(partition);
+            }
+        } else if self.held.len() < fair {
+            let free = db
+                .query_all_raw(statement(
+                    db,
+                    &format!(
+                        "SELECT relay_partition FROM outbox_leases \
+                         WHERE outbox = $1 AND (holder IS NULL OR expires_at <= {now}) \
+                         ORDER BY relay_partition"
+                    ),
+                    [self.outbox.clone().into()],
+                ))
+                .await?
+                .iter()
+                .map(|row| row.try_get::<i16>("", "relay_partition"))
+                .collect::<Result<Vec<_>, _>>()?;
+            for partition in free {
+                if self.held.len() >= fair {
+                    break;
+                }
+                // Taken only if still free or expired when the database gets to it: of two
+                // relays racing for it, one wins.
+                let took = db
+                    .execute_raw(statement(
+                        db,
+                        &format!(
+                            "UPDATE outbox_leases SET holder = $2, expires_at = {now} + $3 \
+                             WHERE outbox = $1 AND relay_partition = $4 \
+                               AND (holder IS NULL OR expires_at <= {now})"
+                        ),
+                        [
+                            self.outbox.clone().into(),
+                            self.holder.clone().into(),
+                            self.lease_ms().into(),
+                            partition.into(),
+                        ],
+                    ))
+                    .await?
+                    .rows_affected();
+                if took == 1 {
+                    self.held.insert(partition, deadline);
+                    round.taken.push(partition);
+                }
+            }
+        }
+        // Heartbeats of relays gone for a long time are only clutter.
+        db.execute_raw(statement(
+            db,
+            &format!("DELETE FROM outbox_relays WHERE outbox = $1 AND expires_at < {now} - $2"),
+            [self.outbox.clone().into(), (self.lease_ms() * 100).into()],
+        ))
+        .await?;
+        Ok(round)
+    }
+
+    async fn release_one(
+        &mut self,
+        db: &impl ConnectionTrait,
+        partition: i16,
+    ) -> Result<(), DbErr> {
+        self.held.remove(&partition);
+        db.execute_raw(statement(
+            db,
+            "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \
+             WHERE outbox = $1 AND relay_partition = $2 AND holder = $3",
+            [
+                self.outbox.clone().into(),
+                partition.into(),
+                self.holder.clone().into(),
+            ],
+        ))
+        .await
+        .map(drop)
+    }
+
+    /// Gives every partition back and removes the heartbeat, so the other relays take over
+    /// at their next round instead of waiting for the leases to expire.
+    pub(crate) async fn release_all(&mut self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
+        self.held.clear();
+        db.execute_raw(statement(
+            db,
+            "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \
+             WHERE outbox = $1 AND holder = $2",
+            [self.outbox.clone().into(), self.holder.clone().into()],
+        ))
+        .await?;
+        db.execute_raw(statement(
+            db,
+            "DELETE FROM outbox_relays WHERE outbox = $1 AND holder = $2",
+            [self.outbox.clone().into(), self.holder.clone().into()],
+        ))
+        .await
+        .map(drop)
+    }
+
+    /// The partitions this relay may start a publish in now: held, with at least `margin`
+    /// of the lease left, so a publish started now ends (or gives up) while the lease holds.
+    pub(crate) fn usable(&self, now: Instant, margin: Duration) -> Vec<i16> {
+        self.held
+            .iter()
+            .filter(|(_, deadline)| now + margin < **deadline)
+            .map(|(partition, _)| *partition)
+            .collect()
+    }
+
+    /// Whether `partition` is usable now (see [`Self::usable`]).
+    pub(crate) fn still_usable(&self, partition: i16, now: Instant, margin: Duration) -> bool {
+        self.held
+            .get(&partition)
+            .is_some_and(|deadline| now + margin < *deadline)
+    }
+
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fair_share;
+
+    #[test]
+    fn the_fair_shares_cover_every_partition() {
+        for live in 1..=20 {
+            let share = fair_share(16, live);
+            assert!(share * live >= 16, "{live} relays");
+            assert!(
+                share * (live) < 16 + live,
+                "{live} relays: no more than needed"
+            );
+        }
+        assert_eq!(fair_share(16, 1), 16);
+        assert_eq!(fair_share(16, 2), 8);
+        assert_eq!(fair_share(16, 3), 6);
+        assert_eq!(fair_share(16, 0), 16);
+    }
+}

@@ -1,0 +1,829 @@
+//! The outbox relay: publishes an outbox's rows to their stream and removes them once the
+//! stream has them.
+//!
+//! # One pass
+//!
+//! 1. Leases ([`super::lease`]): every fifth of the lease, heartbeat, renew, and move towards
+//!    the fair share of the 16 partitions.
+//! 2. Read every row still waiting in the partitions held, in `seq` order, up to a batch
+//!    (never "seq after the last seen": a row whose transaction commits after a higher seq's
+//!    is found by the next pass instead of being skipped). No transaction is opened.
+//! 3. Publish, `Nats-Msg-Id` = the event id, subject `<prefix>.<row's subject>`: one chain
+//!    per order, the chains of different orders pipelined (up to `max_in_flight` at once),
+//!    the rows of one order one after the other, each only after the PubAck of the one
+//!    before. A PubAck counts, a duplicate PubAck too (the stream had it already).
+//! 4. Delete the acknowledged rows, in chunks, each its own short statement.
+//!
+//! # Order per order
+//!
+//! Within an order, `seq` order is commit order (every event-writing transaction first takes
+//! the order's `order_states` row, see `consumers/natural.rs`), so once a row is visible,
+//! every earlier row of its order is too. A relay never has two publishes of one order in
+//! flight: the chain sends an order's next row only after the PubAck of the one before, and
+//! a pass starts only after the previous one ended. If a publish fails, the order's later
+//! rows are not sent in that pass; the next pass reads the failed row first again. So every
+//! event of an order is stored in the stream before any later event of the order is sent by
+//! anyone: whichever relay publishes event 2 has first seen a PubAck for event 1.
+//!
+//! # Several relays, and a stale one
+//!
+//! Partitions are leased, so relays do not do each other's work. The lease is not what keeps
+//! the stream right, though; two things are:
+//! - every relay reads in `seq` order and chains an order's rows as above, so even two
+//!   relays on one partition cannot store an order's events out of order;
+//! - a republished event (a relay that died after its PubAck and before its delete, or a
+//!   stale holder whose lease ran out while it published) carries the same `Nats-Msg-Id`, so
+//!   the stream drops it as long as it comes inside its duplicate window.
+//!
+//! A relay starts a publish only while at least `publish_timeout` of its lease is left (by
+//! its own monotonic clock, from before it sent the renewal), so its publishes end before
+//! another relay can take the partition. A republish by the next holder comes within about
+//! one lease of the first publish. [`RelaySettings::check_window`] refuses to start unless
+//! the lease plus the publish timeout is at most a quarter of the stream's duplicate window.
+//! The one copy a window cannot catch is a publish the NATS client buffered while
+//! disconnected and sent after reconnecting later than the window; consumers dedup by event
+//! id all the same.
+//!
+//! # Rows that cannot be published
+//!
+//! A row larger than the server's `max_payload` (or the stream's maximum message size), or
+//! whose subject no stream holds while the relay's stream exists, is parked: `parked_at` and
+//! `parked_reason` set, and left alone until an operator retries it. It blocks nothing but
+//! its own order's later rows, which wait behind it so that the order's events stay in order.
+//! Everything else (no connection, a timeout, the relay's whole stream missing) is a failure
+//! of the broker: the rows stay, the relay backs off (doubling up to `max_retry_delay`) and
+//! drains them once the broker is back.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishError, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
+use async_nats::jetstream::{self as js, ErrorCode};
+use bytes::Bytes;
+use futures::StreamExt;
+use sea_orm::{DatabaseConnection, DbErr};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::lease::Leases;
+use super::source::{Backlog, OutboxSource, PendingRow};
+use crate::jetstream::{self, ConfigDrift, Context, NatsError, PrefixStream};
+
+/// How a relay runs. The defaults suit a service; tests shorten the times.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelaySettings {
+    /// How long a partition stays leased without renewal. A relay renews every fifth of it.
+    pub lease: Duration,
+    /// The backup poll, for rows committed by processes that cannot wake this relay.
+    pub poll_interval: Duration,
+    /// Rows read per pass.
+    pub batch_size: usize,
+    /// Orders with a publish in flight at once.
+    pub max_in_flight: usize,
+    /// How long a publish waits for its PubAck.
+    pub publish_timeout: Duration,
+    /// The first delay after a failed pass; doubles per failed pass up to `max_retry_delay`.
+    pub retry_delay: Duration,
+    pub max_retry_delay: Duration,
+    /// Rows per DELETE statement.
+    pub delete_chunk: usize,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(200),
+            batch_size: 500,
+            max_in_flight: 128,
+            publish_timeout: Duration::from_secs(3),
+            retry_delay: Duration::from_millis(100),
+            max_retry_delay: Duration::from_secs(5),
+            delete_chunk: 500,
+        }
+    }
+}
+
+/// The lease is too long for the stream's duplicate window (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the relay's lease ({lease:?}) plus its publish timeout ({publish_timeout:?}) must be at \
+     most a quarter of stream {stream}'s duplicate window ({window:?}): a relay that took over \
+     a partition could republish an event after the window, and the stream would store it twice. \
+     Shorten the lease or lengthen the window"
+)]
+pub struct LeaseTooLong {
+    pub stream: String,
+    pub lease: Duration,
+    pub publish_timeout: Duration,
+    pub window: Duration,
+}
+
+impl RelaySettings {
+    /// Refuses a lease that is not much shorter than the stream's duplicate `window` (lease
+    /// plus publish timeout at most a quarter of it), and a publish timeout not shorter than
+    /// the lease (no publish could start inside a lease).
+    pub fn check_window(&self, stream: &str, window: Duration) -> Result<(), LeaseTooLong> {
+        if (self.lease + self.publish_timeout) * 4 <= window && self.publish_timeout < self.lease {
+            Ok(())
+        } else {
+            Err(LeaseTooLong {
+                stream: stream.to_owned(),
+                lease: self.lease,
+                publish_timeout: self.publish_timeout,
+                window,
+            })
+        }
+    }
+}
+
+/// Wakes a relay in this process as soon as a transaction that wrote an event committed, so
+/// the event does not wait for the backup poll.
+#[derive(Debug, Clone, Default)]
+pub struct RelayWake(Arc<Notify>);
+
+impl RelayWake {
+    /// Wakes the relay; wakes while it is busy come to one more pass, not one each.
+    pub fn notify(&self) {
+        self.0.notify_one();
+    }
+}
+
+/// What a relay has done, for metrics, the health check and tests.
+#[derive(Debug, Clone, Default)]
+pub struct RelayStatus(Arc<StatusInner>);
+
+#[derive(Debug, Default)]
+struct StatusInner {
+    published: AtomicU64,
+    duplicates: AtomicU64,
+    parked: AtomicU64,
+    held: AtomicUsize,
+    backlog: Mutex<Option<Backlog>>,
+    /// Since when every pass that had rows to publish failed; `None` while it publishes.
+    failing_since: Mutex<Option<Instant>>,
+    last_failure: Mutex<Option<String>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl RelayStatus {
+    /// Rows published and acknowledged as new by the stream, since start.
+    pub fn published(&self) -> u64 {
+        self.0.published.load(Ordering::Relaxed)
+    }
+
+    /// Rows the stream acknowledged as duplicates (it had the event id already).
+    pub fn duplicates(&self) -> u64 {
+        self.0.duplicates.load(Ordering::Relaxed)
+    }
+
+    /// Rows this relay parked since start.
+    pub fn parked(&self) -> u64 {
+        self.0.parked.load(Ordering::Relaxed)
+    }
+
+    /// Partitions this relay holds now.
+    pub fn held_partitions(&self) -> usize {
+        self.0.held.load(Ordering::Relaxed)
+    }
+
+    /// The outbox's backlog at the last look (every lease round).
+    pub fn backlog(&self) -> Option<Backlog> {
+        *lock(&self.0.backlog)
+    }
+
+    /// How long it has failed to publish rows that wait; `None` while it publishes.
+    pub fn failing_for(&self) -> Option<Duration> {
+        lock(&self.0.failing_since).map(|since| since.elapsed())
+    }
+
+    pub fn last_failure(&self) -> Option<String> {
+        lock(&self.0.last_failure).clone()
+    }
+
+    fn failed(&self, error: String) {
+        lock(&self.0.failing_since).get_or_insert_with(Instant::now);
+        *lock(&self.0.last_failure) = Some(error);
+    }
+
+    fn succeeded(&self) {
+        *lock(&self.0.failing_since) = None;
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("outbox relay database: {0}")]
+    Database(#[from] DbErr),
+    #[error(transparent)]
+    Nats(#[from] NatsError),
+    #[error(transparent)]
+    LeaseTooLong(#[from] LeaseTooLong),
+    #[error("the outbox table {table} cannot be read: {source}")]
+    MissingTable {
+        table: String,
+        #[source]
+        source: DbErr,
+    },
+    #[error("NATS is not connected")]
+    Disconnected,
+}
+
+/// What one pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// Rows read.
+    pub read: usize,
+    /// Acknowledged as new by the stream.
+    pub published: usize,
+    /// Acknowledged as duplicates: the stream had the event already.
+    pub duplicates: usize,
+    pub parked: usize,
+    /// Publishes that failed and will be tried again.
+    pub failed: usize,
+    /// Rows not tried: behind a failed row of their order, after a broker failure, or in a
+    /// partition whose lease was too close to its end.
+    pub held_back: usize,
+    /// Acknowledged rows removed.
+    pub deleted: u64,
+    /// The batch was full: more rows are probably waiting.
+    pub more: bool,
+}
+
+/// Rows acknowledged by the stream and not yet removed: what [`Relay::publish_pending`]
+/// leaves for [`Relay::delete_published`].
+#[derive(Debug, Default)]
+pub struct Published {
+    pub report: PassReport,
+    seqs: Vec<i64>,
+    /// The first failure of the pass, for the log and the health check.
+    failure: Option<String>,
+}
+
+/// What a failed publish means for its row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    /// The row can never be published as it is.
+    Park(String),
+    /// Nobody answered for the subject: no stream holds it, or the server is not ready.
+    NoResponders,
+    /// The broker is down, slow or busy: the row waits.
+    Retry(String),
+}
+
+fn verdict(error: &PublishError) -> Verdict {
+    match error.kind() {
+        PublishErrorKind::MaxPayloadExceeded => Verdict::Park(format!("too large: {error}")),
+        PublishErrorKind::StreamNotFound => Verdict::NoResponders,
+        _ => {
+            let js_code = std::error::Error::source(error)
+                .and_then(|source| source.downcast_ref::<js::Error>())
+                .map(js::Error::error_code);
+            match js_code {
+                Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
+                    Verdict::Park(format!("too large for the stream: {error}"))
+                }
+                _ => Verdict::Retry(error.to_string()),
+            }
+        }
+    }
+}
+
+/// What a failed publish does to its row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RowFailure {
+    Park(String),
+    Retry(String),
+}
+
+/// A subject a client may publish on: dot-separated tokens, none empty, no wildcard, no
+/// whitespace.
+fn publishable(subject: &str) -> bool {
+    !subject.is_empty()
+        && subject.split('.').all(|token| {
+            !token.is_empty()
+                && token != "*"
+                && token != ">"
+                && !token.chars().any(|c| c.is_whitespace() || c.is_control())
+        })
+}
+
+/// The rows grouped by order, each order's rows in seq order, the orders in the order of
+/// their first row.
+fn chains(rows: Vec<PendingRow>) -> Vec<Vec<PendingRow>> {
+    let mut index: HashMap<Uuid, usize> = HashMap::new();
+    let mut chains: Vec<Vec<PendingRow>> = Vec::new();
+    for row in rows {
+        match index.entry(row.order_id) {
+            Entry::Occupied(at) => chains[*at.get()].push(row),
+            Entry::Vacant(slot) => {
+                slot.insert(chains.len());
+                chains.push(vec![row]);
+            }
+        }
+    }
+    chains
+}
+
+/// What became of one order's chain in a pass.
+#[derive(Debug, Default)]
+struct ChainOutcome {
+    /// (seq, duplicate) of each acknowledged row.
+    acked: Vec<(i64, bool)>,
+    parked: usize,
+    failed: Option<String>,
+    held_back: usize,
+}
+
+/// A relay of one outbox, set up and ready to run.
+pub struct Relay {
+    db: DatabaseConnection,
+    js: Context,
+    client: async_nats::Client,
+    source: OutboxSource,
+    settings: RelaySettings,
+    leases: Leases,
+    holder: String,
+    wake: RelayWake,
+    status: RelayStatus,
+}
+
+impl Relay {
+    /// Creates the source's stream if absent (keeping an existing one and returning how it
+    /// differs), checks the lease against the stream's duplicate window as the server has
+    /// it, checks the table is there, and registers this relay's heartbeat.
+    pub async fn prepare(
+        js: &Context,
+        db: DatabaseConnection,
+        source: OutboxSource,
+        stream: &PrefixStream,
+        settings: RelaySettings,
+    ) -> Result<(Self, Vec<ConfigDrift>), RelayError> {
+        let (stream_handle, drifts) = jetstream::ensure_prefix_stream(js, stream).await?;
+        let window = stream_handle.cached_info().config.duplicate_window;
+        settings.check_window(&stream.name, window)?;
+        source
+            .check_table(&db)
+            .await
+            .map_err(|source_error| RelayError::MissingTable {
+                table: source.table().to_owned(),
+                source: source_error,
+            })?;
+        let holder = format!(
+            "pid{}-{}",
+            std::process::id(),
+            &Uuid::new_v4().simple().to_string()[..12]
+        );
+        let leases = Leases::new(source.table(), &holder, settings.lease);
+        leases.register(&db).await?;
+        Ok((
+            Self {
+                db,
+                client: js.client(),
+                js: js.clone(),
+                source,
+                settings,
+                leases,
+                holder,
+                wake: RelayWake::default(),
+                status: RelayStatus::default(),
+            },
+            drifts,
+        ))
+    }
+
+    /// The handle that wakes this relay.
+    pub fn wake(&self) -> RelayWake {
+        self.wake.clone()
+    }
+
+    pub fn status(&self) -> RelayStatus {
+        self.status.clone()
+    }
+
+    pub fn source(&self) -> &OutboxSource {
+        &self.source
+    }
+
+    /// This relay's name in the lease table.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// Publishes until `stop`, then makes one last pass (so what was committed just before
+    /// the stop goes out, unless the broker is failing) and gives its partitions back. The
+    /// pass in flight when `stop` comes always finishes, so no row is left published and not
+    /// removed; dropping the future instead (an immediate stop) leaves such rows, which the
+    /// next holder republishes as duplicates the stream drops.
+    pub async fn run(mut self, stop: CancellationToken) {
+        // The current backoff, while passes fail.
+        let mut delay: Option<Duration> = None;
+        // When the next pass is due: now, after a wake or a full batch; a poll interval after
+        // a pass; a backoff delay after a failed one.
+        let mut next_pass = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now >= next_pass {
+                next_pass = match self.pass().await {
+                    Ok(report) if report.failed == 0 => {
+                        if delay.take().is_some() {
+                            tracing::info!(outbox = self.source.table(), "publishing again");
+                        }
+                        if report.more {
+                            Instant::now()
+                        } else {
+                            Instant::now() + self.settings.poll_interval
+                        }
+                    }
+                    Ok(_) | Err(_) => {
+                        let next = delay.map_or(self.settings.retry_delay, |d| {
+                            (d * 2).min(self.settings.max_retry_delay)
+                        });
+                        tracing::warn!(
+                            outbox = self.source.table(),
+                            error = self.status.last_failure().unwrap_or_default(),
+                            retry_in = ?next,
+                            "outbox relay: rows wait"
+                        );
+                        delay = Some(next);
+                        Instant::now() + next
+                    }
+                };
+            } else if self.leases.due(now) {
+                // Between passes (a long poll, a backoff) the leases are renewed all the same,
+                // or they would lapse.
+                if let Err(error) = self.lease_round().await {
+                    self.status.failed(error.to_string());
+                }
+            }
+            if stop.is_cancelled() {
+                break;
+            }
+            let backing_off = delay.is_some();
+            let until = next_pass.min(self.leases.next_round());
+            tokio::select! {
+                () = stop.cancelled() => break,
+                // A wake does not cut a backoff short: a failing broker is not hammered.
+                () = self.wake.0.notified(), if !backing_off => next_pass = Instant::now(),
+                () = tokio::time::sleep_until(until.into()) => {}
+            }
+        }
+        if delay.is_none()
+            && jetstream::is_connected(&self.client)
+            && let Err(error) = self.pass().await
+        {
+            tracing::warn!(%error, "outbox relay: last pass failed; the rows stay");
+        }
+        if let Err(error) = self.leases.release_all(&self.db).await {
+            tracing::warn!(%error, "outbox relay: partitions not released; they expire");
+        }
+        self.status.0.held.store(0, Ordering::Relaxed);
+        tracing::info!(outbox = self.source.table(), "outbox relay stopped");
+    }
+
+    /// One pass: the lease round if due, publish what waits, delete what was acknowledged.
+    /// The step [`Self::run`] repeats, public so a test can drive the relay pass by pass.
+    pub async fn pass(&mut self) -> Result<PassReport, RelayError> {
+        let published = match self.publish_pending().await {
+            Ok(published) => published,
+            Err(error) => {
+                self.status.failed(error.to_string());
+                return Err(error);
+            }
+        };
+        let failure = published.failure.clone();
+        let report = match self.delete_published(published).await {
+            Ok(report) => report,
+            Err(error) => {
+                self.status.failed(error.to_string());
+                return Err(error);
+            }
+        };
+        match failure {
+            Some(error) => self.status.failed(error),
+            None => self.status.succeeded(),
+        }
+        Ok(report)
+    }
+
+    async fn lease_round(&mut self) -> Result<(), RelayError> {
+        let round = self.leases.round(&self.db).await?;
+        self.status
+            .0
+            .held
+            .store(self.leases.held(), Ordering::Relaxed);
+        if !round.taken.is_empty() || !round.released.is_empty() || !round.lost.is_empty() {
+            tracing::info!(
+                outbox = self.source.table(),
+                live_relays = round.live_relays,
+                fair_share = round.fair_share,
+                taken = ?round.taken,
+                released = ?round.released,
+                lost = ?round.lost,
+                held = self.leases.held(),
+                "outbox partitions"
+            );
+        }
+        let backlog = self.source.backlog(&self.db).await?;
+        *lock(&self.status.0.backlog) = Some(backlog);
+        Ok(())
+    }
+
+    /// Steps 1 to 3 of a pass: the rows acknowledged by the stream are returned, not yet
+    /// deleted. A process that dies here has published rows still in the outbox; the next
+    /// relay republishes them and the stream drops them as duplicates.
+    pub async fn publish_pending(&mut self) -> Result<Published, RelayError> {
+        if self.leases.due(Instant::now()) {
+            self.lease_round().await?;
+        }
+        let margin = self.settings.publish_timeout;
+        let partitions = self.leases.usable(Instant::now(), margin);
+        if partitions.is_empty() {
+            return Ok(Published::default());
+        }
+        let rows = self
+            .source
+            .read_pending(&self.db, &partitions, self.settings.batch_size)
+            .await?;
+        let mut published = Published {
+            report: PassReport {
+                read: rows.len(),
+                more: rows.len() >= self.settings.batch_size,
+                ..PassReport::default()
+            },
+            ..Published::default()
+        };
+        if rows.is_empty() {
+            return Ok(published);
+        }
+        if !jetstream::is_connected(&self.client) {
+            // Nothing is sent while disconnected: the client would only buffer it.
+            published.report.held_back = rows.len();
+            published.report.failed = 1;
+            published.failure = Some(RelayError::Disconnected.to_string());
+            published.report.more = false;
+            return Ok(published);
+        }
+        let broker_failing = AtomicBool::new(false);
+        let this = &*self;
+        let outcomes: Vec<ChainOutcome> = futures::stream::iter(chains(rows))
+            .map(|chain| this.publish_chain(chain, &broker_failing))
+            .buffer_unordered(self.settings.max_in_flight.max(1))
+            .collect()
+            .await;
+        for outcome in outcomes {
+            for (seq, duplicate) in outcome.acked {
+                published.seqs.push(seq);
+                if duplicate {
+                    published.report.duplicates += 1;
+                } else {
+                    published.report.published += 1;
+                }
+            }
+            published.report.parked += outcome.parked;
+            published.report.held_back += outcome.held_back;
+            if let Some(error) = outcome.failed {
+                published.report.failed += 1;
+                published.failure.get_or_insert(error);
+            }
+        }
+        let report = &published.report;
+        self.status
+            .0
+            .published
+            .fetch_add(report.published as u64, Ordering::Relaxed);
+        self.status
+            .0
+            .duplicates
+            .fetch_add(report.duplicates as u64, Ordering::Relaxed);
+        self.status
+            .0
+            .parked
+            .fetch_add(report.parked as u64, Ordering::Relaxed);
+        if published.failure.is_some() {
+            published.report.more = false;
+        }
+        Ok(published)
+    }
+
+    /// Step 4 of a pass: removes the rows the stream acknowledged.
+    pub async fn delete_published(
+        &mut self,
+        published: Published,
+    ) -> Result<PassReport, RelayError> {
+        let mut report = published.report;
+        if !published.seqs.is_empty() {
+            // Rows left here are published again by a later pass: duplicates, dropped by
+            // the stream.
+            report.deleted = self
+                .source
+                .delete(&self.db, &published.seqs, self.settings.delete_chunk)
+                .await?;
+        }
+        Ok(report)
+    }
+
+    /// One order's rows in a pass, one at a time: each is sent only after the one before it
+    /// was acknowledged, and a failure stops the chain, so the order's later rows wait.
+    async fn publish_chain(
+        &self,
+        chain: Vec<PendingRow>,
+        broker_failing: &AtomicBool,
+    ) -> ChainOutcome {
+        let mut outcome = ChainOutcome::default();
+        let total = chain.len();
+        for (done, row) in chain.into_iter().enumerate() {
+            let margin = self.settings.publish_timeout;
+            if broker_failing.load(Ordering::Relaxed)
+                || !self
+                    .leases
+                    .still_usable(row.relay_partition, Instant::now(), margin)
+            {
+                outcome.held_back = total - done;
+                return outcome;
+            }
+            match self.publish_row(&row).await {
+                Ok(ack) => outcome.acked.push((row.seq, ack.duplicate)),
+                Err(RowFailure::Park(reason)) => {
+                    match self.source.park(&self.db, row.seq, &reason).await {
+                        Ok(()) => {
+                            tracing::error!(
+                                outbox = self.source.table(),
+                                seq = row.seq,
+                                event_id = %row.event_id,
+                                order_id = %row.order_id,
+                                %reason,
+                                "outbox row parked; its order's later rows wait behind it"
+                            );
+                            outcome.parked = 1;
+                        }
+                        Err(error) => outcome.failed = Some(format!("parking a row: {error}")),
+                    }
+                    outcome.held_back = total - done - 1;
+                    return outcome;
+                }
+                Err(RowFailure::Retry(error)) => {
+                    broker_failing.store(true, Ordering::Relaxed);
+                    outcome.failed = Some(error);
+                    outcome.held_back = total - done - 1;
+                    return outcome;
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Publishes one row and waits for its PubAck; a failure comes back as what it means for
+    /// the row.
+    async fn publish_row(&self, row: &PendingRow) -> Result<PublishAck, RowFailure> {
+        let subject = self.source.subject(&row.subject);
+        if !publishable(&subject) {
+            return Err(RowFailure::Park(format!(
+                "not a subject one can publish on: {subject:?}"
+            )));
+        }
+        let message = PublishMessage::build()
+            .message_id(row.event_id.to_string())
+            .payload(Bytes::from(row.payload.clone()));
+        let attempt = async {
+            let ack = self.js.send_publish(subject.clone(), message).await?;
+            ack.await
+        };
+        let result = match tokio::time::timeout(self.settings.publish_timeout, attempt).await {
+            Ok(result) => result,
+            Err(_) => Err(PublishError::new(PublishErrorKind::TimedOut)),
+        };
+        let error = match result {
+            Ok(ack) => return Ok(ack),
+            Err(error) => error,
+        };
+        Err(match verdict(&error) {
+            Verdict::Park(reason) => RowFailure::Park(reason),
+            Verdict::Retry(error) => RowFailure::Retry(error),
+            Verdict::NoResponders => self.no_stream_for(&subject).await,
+        })
+    }
+
+    /// After "no responders": parks only if the relay's stream is there and JetStream says no
+    /// stream holds the subject. A missing stream, or a server that did not answer (still
+    /// starting), is a failure of the broker: every row waits, none is parked.
+    async fn no_stream_for(&self, subject: &str) -> RowFailure {
+        match self.js.stream_by_subject(subject).await {
+            Ok(stream) => RowFailure::Retry(format!(
+                "no responders for {subject}, which stream {stream} holds: the server was not ready"
+            )),
+            Err(error) if error.kind() == GetStreamByNameErrorKind::NotFound => {
+                match self.js.get_stream(self.source.stream()).await {
+                    Ok(_) => RowFailure::Park(format!(
+                        "no stream holds subject {subject} (stream {} exists, and its subjects \
+                         do not cover it)",
+                        self.source.stream()
+                    )),
+                    Err(error) => RowFailure::Retry(format!(
+                        "stream {} is not there: {error}",
+                        self.source.stream()
+                    )),
+                }
+            }
+            Err(error) => RowFailure::Retry(format!("no responders for {subject}: {error}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+
+    fn row(seq: i64, order: Uuid) -> PendingRow {
+        PendingRow {
+            seq,
+            event_id: Uuid::now_v7(),
+            relay_partition: 0,
+            order_id: order,
+            subject: "stock.reserved".into(),
+            payload: "{}".into(),
+            created_at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn chains_keep_each_orders_rows_in_seq_order() {
+        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let rows = vec![
+            row(1, a),
+            row(2, b),
+            row(3, a),
+            row(4, c),
+            row(5, b),
+            row(6, a),
+        ];
+        let seqs: Vec<Vec<i64>> = chains(rows)
+            .iter()
+            .map(|chain| chain.iter().map(|r| r.seq).collect())
+            .collect();
+        assert_eq!(seqs, [vec![1, 3, 6], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn what_a_failed_publish_means_for_its_row() {
+        let cases = [
+            (PublishErrorKind::MaxPayloadExceeded, "park"),
+            (PublishErrorKind::StreamNotFound, "no responders"),
+            (PublishErrorKind::TimedOut, "retry"),
+            (PublishErrorKind::BrokenPipe, "retry"),
+            (PublishErrorKind::MaxAckPending, "retry"),
+            (PublishErrorKind::Other, "retry"),
+        ];
+        for (kind, expected) in cases {
+            let got = match verdict(&PublishError::new(kind)) {
+                Verdict::Park(_) => "park",
+                Verdict::NoResponders => "no responders",
+                Verdict::Retry(_) => "retry",
+            };
+            assert_eq!(got, expected, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn only_plain_subjects_are_published() {
+        assert!(publishable("inventory.stock.reserved"));
+        for bad in [
+            "",
+            "inventory..x",
+            "inventory.*",
+            "inventory.>",
+            "a b",
+            "a.\n",
+        ] {
+            assert!(!publishable(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_lease_must_be_much_shorter_than_the_duplicate_window() {
+        let settings = RelaySettings::default();
+        assert!(settings.check_window("S", Duration::from_secs(120)).is_ok());
+        assert!(settings.check_window("S", Duration::from_secs(52)).is_ok());
+        let error = settings
+            .check_window("S", Duration::from_secs(51))
+            .expect_err("13 s is more than a quarter of 51 s");
+        assert!(error.to_string().contains("duplicate window"), "{error}");
+        let slow = RelaySettings {
+            publish_timeout: Duration::from_secs(10),
+            ..RelaySettings::default()
+        };
+        assert!(slow.check_window("S", Duration::from_secs(3600)).is_err());
+    }
+}
