@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use inventory_domain::{
     BookId, ConsumerName, CrashPoint, DeadLetterReason, DedupKey, Effect, Event, Message,
-    MessageId, OrderId, Outcome, Quantity, ReservationStatus, StockItem,
+    MessageId, OrderId, Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind,
+    StockItem,
 };
 use inventory_infra::consumers::study::{DedupCache, MistakenConsumer};
 use inventory_infra::db::FreshDatabase;
@@ -390,7 +391,14 @@ impl Lab {
     ) -> Result<(bool, Outcome, Message)> {
         let book = self.dune(DUNE_ON_HAND).await?;
         let consumer = EmailConsumer::new(self.db.clone(), name(EMAIL_CONSUMER)?, provider.clone());
-        let message = order_placed(book, ORDER_QUANTITY)?;
+        // What the notifier consumes: Inventory's event that it reserved the order's copies.
+        let message = Message::stock_reserved(&StockEvent::new(
+            StockEventKind::Reserved,
+            OrderId::new_v7(),
+            book,
+            Quantity::new(ORDER_QUANTITY)?,
+            "an OrderPlaced",
+        ));
         let crashed = consumer
             .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
             .handle(&message)
@@ -574,38 +582,33 @@ impl Lab {
         })
     }
 
-    /// Two consumers of one message, the stock reservation and the email, sharing an inbox.
-    /// Returns whether the email consumer processed it and how many emails went out.
-    async fn shared_inbox(&self, stock_name: &str, email_name: &str) -> Result<(bool, usize)> {
+    /// Two consumers of one OrderPlaced sharing an inbox: the stock reservation and a second
+    /// one (an analytics feed keeping its own log). Returns whether the second processed it.
+    async fn shared_inbox(&self, stock_name: &str, second_name: &str) -> Result<bool> {
         let book = self.dune(DUNE_ON_HAND).await?;
         let message = order_placed(book, ORDER_QUANTITY)?;
-        let provider = InMemoryEmailProvider::without_lookup();
         self.consumer_named(HandlerKind::Inbox(DetectMode::OnConflict), stock_name)?
             .handle(&message)
             .await?;
-        let email = EmailConsumer::new(self.db.clone(), name(email_name)?, provider.clone())
+        let second = self
+            .consumer_named(HandlerKind::Inbox(DetectMode::OnConflict), second_name)?
             .handle(&message)
             .await?;
-        // Calls, not delivered mail: the provider would hide a second send under one key.
-        Ok((email.processed(), provider.send_calls()))
+        Ok(second.processed())
     }
 
     async fn key_without_consumer(&self) -> Result<ScenarioLine> {
         // Keying by message id alone is the same as every consumer writing one shared name.
-        let (silenced_processed, silenced_sent) =
-            self.shared_inbox("orders-inbox", "orders-inbox").await?;
-        let (keyed_processed, keyed_sent) = self
-            .shared_inbox("inventory-reserve-stock-inbox", EMAIL_CONSUMER)
+        let silenced = self.shared_inbox("orders-inbox", "orders-inbox").await?;
+        let keyed = self
+            .shared_inbox("inventory-reserve-stock-inbox", "analytics-orders-inbox")
             .await?;
         Ok(ScenarioLine {
             label: "key without consumer",
             text: format!(
-                "stock and email consumers share an inbox keyed by message id alone -> email processed: {silenced_processed}, emails sent: {silenced_sent}; keyed (message id, consumer) -> email processed: {keyed_processed}, emails sent: {keyed_sent}"
+                "two consumers of one message share an inbox keyed by message id alone -> the second processed: {silenced}; keyed (message id, consumer) -> the second processed: {keyed}"
             ),
-            as_expected: !silenced_processed
-                && silenced_sent == 0
-                && keyed_processed
-                && keyed_sent == 1,
+            as_expected: !silenced && keyed,
         })
     }
 

@@ -20,7 +20,7 @@ use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
-use inventory_domain::{EventKind, Message};
+use inventory_domain::{EventKind, Message, StockEvent};
 
 pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, dlq_headers};
 
@@ -546,6 +546,20 @@ impl OrderPublisher {
         })?;
         let subject = self.topology.subject(message.event.kind());
         self.publish_raw(&subject, &key, Bytes::from(body)).await
+    }
+
+    /// Publishes Inventory's `event` to the events stream, its id as `Nats-Msg-Id`: what the
+    /// relay does with an outbox row, for tests and the study that feed the email notifier
+    /// without a relay.
+    pub async fn publish_event(&self, event: &StockEvent) -> Result<PublishReceipt, NatsError> {
+        let subject = format!(
+            "{}.{}",
+            self.topology.events_subject_prefix,
+            event.subject_token()
+        );
+        let id = event.event_id.to_string();
+        self.publish_raw(&subject, &id, Bytes::from(event.body()))
+            .await
     }
 
     /// Publishes `body` to `subject` with `message_id`, retrying with the same id.

@@ -57,9 +57,14 @@ impl RuntimeSettings {
     /// The contract's consumer for `handler`, reading `topology`'s subjects, with the `serve`
     /// defaults: what a caller changes is set on the value returned.
     pub fn new(topology: Topology, handler: HandlerKind, concurrency: usize) -> Self {
-        // The email goes out for placed orders only; stock follows both events.
+        // The email goes out for Inventory's reservations only; stock follows both order
+        // events.
         let filter_subject = match handler {
-            HandlerKind::Email => topology.subject(EventKind::Placed),
+            HandlerKind::Email => format!(
+                "{}.{}",
+                topology.events_subject_prefix,
+                EventKind::StockReserved.subject_token()
+            ),
             _ => format!("{}.>", topology.subject_prefix),
         };
         Self {
@@ -126,7 +131,16 @@ impl ConsumerRuntime {
         db: DatabaseConnection,
         settings: RuntimeSettings,
     ) -> Result<Self, RuntimeError> {
-        let (stream, drifts) = jetstream::ensure_streams(js, &settings.topology).await?;
+        let (orders, mut drifts) = jetstream::ensure_streams(js, &settings.topology).await?;
+        // The email notifier reads Inventory's events; the stock consumers read the orders.
+        let stream = if settings.handler == HandlerKind::Email {
+            let (events, events_drifts) =
+                jetstream::ensure_prefix_stream(js, &settings.topology.events_stream()).await?;
+            drifts.extend(events_drifts);
+            events
+        } else {
+            orders
+        };
         let (mut consumer, consumer_drifts) =
             jetstream::ensure_consumer(&stream, &settings.consumer).await?;
         for drift in drifts.iter().chain(&consumer_drifts) {

@@ -4,7 +4,10 @@ use std::process::{Child, Command};
 use std::time::Duration;
 
 use inventory_domain::BookId;
+use inventory_infra::EMAIL_CONSUMER;
+use inventory_infra::jetstream;
 use inventory_tests::binary::BinaryRun;
+use inventory_tests::broker::eventually;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
@@ -191,9 +194,14 @@ async fn a_second_signal_abandons_the_message_in_flight_and_it_is_redelivered() 
     assert_eq!(setup.reserved().await, 2);
 }
 
+/// The chain as processes: orders into `serve --strategy natural`, whose relay publishes each
+/// decision to the events stream, and `serve --strategy email` mailing each StockReserved.
+/// An order resent under a new message id is reserved once, so mailed once; its cancellation
+/// (released) is not the notifier's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_email_strategy_mails_each_placed_order_once() {
+async fn the_email_strategy_mails_each_reserved_order_once() {
     let setup = Setup::new().await;
+    setup.put_stock(BOOK, "Dune", 100);
     let mailbox =
         std::env::temp_dir().join(format!("inventory-mailbox-{}.jsonl", setup.names.suffix));
     let order = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
@@ -218,40 +226,64 @@ async fn the_email_strategy_mails_each_placed_order_once() {
         order,
         "--resend-with-new-id",
     ]);
-    setup.run(&["publish", "cancelled", "--order-id", order]);
-    let mut service = setup.serve_with(&[
+    let mut stock = setup.serve();
+    let mut email = setup.serve_with(&[
         "--strategy",
         "email",
         "--mailbox",
         mailbox.to_str().unwrap(),
     ]);
-    let lines = || {
-        std::fs::read_to_string(&mailbox)
-            .map(|text| text.lines().count())
-            .unwrap_or(0)
-    };
-    for _ in 0..400 {
-        if lines() == 5 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // Three orders, and one order published twice under two message ids: an email per message
-    // id, since the email's idempotency key is the message id. The cancellation is not for
-    // this consumer: its filter takes placed orders only.
-    assert_eq!(lines(), 5);
-    signal(&service, "TERM");
-    let status = exited_within(&mut service, Duration::from_secs(20)).expect("exits");
-    let output = service.wait_with_output().unwrap();
-    assert!(
-        status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    let js = jetstream::context(
+        jetstream::connect(&inventory_tests::nats::shared_url().await, "email test")
+            .await
+            .unwrap(),
     );
+    // Settled: `events` on the events stream, and the notifier holding nothing pending or
+    // unacked.
+    let settled = |events: u64| {
+        let js = js.clone();
+        let stream = setup.names.events_stream.clone();
+        async move {
+            eventually(
+                &format!("{events} events, the notifier settled"),
+                || async {
+                    let Ok(mut stream) = js.get_stream(&stream).await else {
+                        return false;
+                    };
+                    let stored = stream.info().await.unwrap().state.messages;
+                    let Ok(mut consumer) = stream
+                        .get_consumer::<async_nats::jetstream::consumer::pull::Config>(
+                            EMAIL_CONSUMER,
+                        )
+                        .await
+                    else {
+                        return false;
+                    };
+                    let state = jetstream::consumer_state(&mut consumer).await.unwrap();
+                    stored == events && state.pending == 0 && state.ack_pending == 0
+                },
+            )
+            .await;
+        }
+    };
+    settled(4).await;
+    // The cancellation after the mail went out: released, not mailed again.
+    setup.run(&["publish", "cancelled", "--order-id", order]);
+    settled(5).await;
+    let lines = std::fs::read_to_string(&mailbox)
+        .map(|text| text.lines().count())
+        .unwrap_or(0);
+    assert_eq!(lines, 4);
+    for service in [&mut stock, &mut email] {
+        signal(service, "TERM");
+        let status = exited_within(service, Duration::from_secs(20)).expect("exits");
+        assert!(status.success());
+    }
+    let output = email.wait_with_output().unwrap();
     let logs = String::from_utf8_lossy(&output.stderr);
-    assert!(!logs.contains("dead-lettered"));
+    assert!(!logs.contains("dead-lettered"), "{logs}");
     // The file keeps one line per key whatever the consumer does; the log has every send call.
-    assert_eq!(logs.matches("mailbox: mail written").count(), 5, "{logs}");
+    assert_eq!(logs.matches("mailbox: mail written").count(), 4, "{logs}");
     assert_eq!(logs.matches("not written again").count(), 0, "{logs}");
     std::fs::remove_file(&mailbox).unwrap();
 }

@@ -12,7 +12,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, EventKind, Message, Outcome, ReservationStatus,
+    BookId, ConsumerName, CrashPoint, Event, EventKind, Message, Outcome, ReservationStatus,
+    StockEvent, StockEventKind,
 };
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
@@ -21,7 +22,7 @@ use inventory_infra::{
 };
 use inventory_service::runtime::{RuntimeSettings, Stats};
 use inventory_tests::broker::{Broker, RunningService, eventually};
-use inventory_tests::{Backend, TestDb, placed};
+use inventory_tests::{Backend, TestDb, placed, stock_reserved};
 
 const STOCK_POINTS: [CrashPoint; 3] = [
     CrashPoint::AfterDedupCheck,
@@ -37,19 +38,26 @@ struct Run {
     dead_letter_reasons: Vec<String>,
 }
 
-/// One order through the loop with `handler`, which dies once at its planned point.
+/// One order through the loop with `handler`, which dies once at its planned point: an
+/// OrderPlaced for a stock consumer, for the email notifier Inventory's StockReserved.
 async fn crash_and_redeliver<H: MessageHandler>(
     db: &TestDb,
     make_handler: impl FnOnce() -> H,
+    email: bool,
 ) -> Run {
     let broker = Broker::new().await;
     let book = db.dune(10).await;
-    let message = placed(book, 2);
+    let (message, settings) = if email {
+        let message = stock_reserved(book, 2);
+        (message, broker.email_settings(2, 5))
+    } else {
+        (placed(book, 2), broker.settings(2, 5))
+    };
     let (stats, dead_letter_reasons) = crash_in_loop(
         &broker,
         db,
         make_handler(),
-        broker.settings(2, 5),
+        settings,
         std::slice::from_ref(&message),
     )
     .await;
@@ -77,7 +85,23 @@ async fn crash_in_loop<H: MessageHandler>(
     messages: &[Message],
 ) -> (Arc<Stats>, Vec<String>) {
     for message in messages {
-        broker.publisher().publish(message).await.unwrap();
+        match &message.event {
+            Event::StockReserved(reserved) => {
+                let event = StockEvent {
+                    event_id: message.key.storage_key().parse().unwrap(),
+                    kind: StockEventKind::Reserved,
+                    order_id: reserved.order_id,
+                    book_id: reserved.book_id,
+                    quantity: reserved.quantity,
+                    occurred_at: chrono::Utc::now(),
+                    caused_by: "a placement".into(),
+                };
+                broker.publisher().publish_event(&event).await.unwrap();
+            }
+            _ => {
+                broker.publisher().publish(message).await.unwrap();
+            }
+        }
     }
     let service = RunningService::start(broker, handler, db.conn.clone(), settings).await;
     let stats = service.stats.clone();
@@ -109,9 +133,12 @@ async fn stock_strategy(strategy: HandlerKind, expected: impl Fn(CrashPoint) -> 
         let consumer = consumer.clone();
         let db = &db;
         async move {
-            let run =
-                crash_and_redeliver(db, || consumer.with_faults(Faults::crash_once_at(point)))
-                    .await;
+            let run = crash_and_redeliver(
+                db,
+                || consumer.with_faults(Faults::crash_once_at(point)),
+                false,
+            )
+            .await;
             (point, run)
         }
     }))
@@ -224,11 +251,15 @@ async fn email_crash_at_every_point_is_redelivered_and_mails_once() {
                 InMemoryEmailProvider::without_lookup()
             };
             let outcomes = Arc::default();
-            let run = crash_and_redeliver(db, || Recorded {
-                inner: EmailConsumer::new(db.conn.clone(), name, provider.clone())
-                    .with_faults(Faults::crash_once_at(point)),
-                outcomes: Arc::clone(&outcomes),
-            })
+            let run = crash_and_redeliver(
+                db,
+                || Recorded {
+                    inner: EmailConsumer::new(db.conn.clone(), name, provider.clone())
+                        .with_faults(Faults::crash_once_at(point)),
+                    outcomes: Arc::clone(&outcomes),
+                },
+                true,
+            )
             .await;
             let outcomes = outcomes.lock().unwrap().clone();
             let sent = (provider.sent_count(), provider.send_calls());

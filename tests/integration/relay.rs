@@ -270,6 +270,12 @@ async fn a_row_without_a_stream_is_parked_then_retried_in_order() {
         duplicate_window: Duration::from_secs(120),
         ..Default::default()
     };
+    // In place of the broker's events stream, which holds every subject below the prefix.
+    broker
+        .js
+        .delete_stream(&broker.topology.events_stream)
+        .await
+        .unwrap();
     broker.js.create_stream(config.clone()).await.unwrap();
     let order = Uuid::now_v7();
     let first = outbox::insert(&db.conn, TABLE, order, "stock.reserved", "{}".into()).await;

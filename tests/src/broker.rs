@@ -57,6 +57,9 @@ impl Broker {
         let client = jetstream::connect(url, "inventory tests").await.unwrap();
         let js = jetstream::context(client.clone());
         jetstream::ensure_streams(&js, &topology).await.unwrap();
+        jetstream::ensure_prefix_stream(&js, &topology.events_stream())
+            .await
+            .unwrap();
         Self {
             client,
             js,
@@ -98,6 +101,15 @@ impl Broker {
         settings
     }
 
+    /// [`Self::settings`] for the email notifier: its consumer reads the events stream.
+    pub fn email_settings(&self, concurrency: usize, max_deliver: i64) -> RuntimeSettings {
+        let mut settings = self.settings(concurrency, max_deliver);
+        let email = RuntimeSettings::new(self.topology.clone(), HandlerKind::Email, concurrency);
+        settings.handler = HandlerKind::Email;
+        settings.consumer.filter_subject = email.consumer.filter_subject;
+        settings
+    }
+
     /// Creates the test's consumer as [`Self::settings`] would, before any service starts.
     pub async fn consumer(&self, max_deliver: i64) {
         let stream = self.js.get_stream(&self.topology.stream).await.unwrap();
@@ -106,10 +118,19 @@ impl Broker {
             .unwrap();
     }
 
+    /// The state of the test's consumer: on the orders stream, or on the events stream for
+    /// the email notifier's ([`Self::email_settings`]).
     pub async fn consumer_state(&self) -> ConsumerState {
-        let stream = self.js.get_stream(&self.topology.stream).await.unwrap();
-        let mut consumer: PullConsumer = stream.get_consumer(&self.consumer_name).await.unwrap();
-        jetstream::consumer_state(&mut consumer).await.unwrap()
+        for name in [&self.topology.stream, &self.topology.events_stream] {
+            let Ok(stream) = self.js.get_stream(name).await else {
+                continue;
+            };
+            let found: Result<PullConsumer, _> = stream.get_consumer(&self.consumer_name).await;
+            if let Ok(mut consumer) = found {
+                return jetstream::consumer_state(&mut consumer).await.unwrap();
+            }
+        }
+        panic!("no consumer {} on either stream", self.consumer_name);
     }
 
     /// Waits until the test's consumer has nothing pending or unacked: every message acked or
