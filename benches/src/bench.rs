@@ -33,9 +33,9 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::bench_e2e;
 use crate::chart::{self, Labels};
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
+use crate::{bench_e2e, bench_relay};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::HandlerKind;
@@ -68,6 +68,9 @@ pub enum BenchCommand {
     /// while the inbox handler takes a steady flow of messages: how long the purge takes, and
     /// the handler's latency before and during it.
     Purge(PurgeArgs),
+    /// The outbox relay: events/s draining a backlog of pending rows, and the latency from a
+    /// decision's commit to its event stored in the stream under a steady flow.
+    Relay(Box<bench_relay::RelayArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -154,6 +157,7 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         BenchCommand::Costs(args) => costs(args).await.map(|()| true),
         BenchCommand::Chart(args) => draw_chart(&args).map(|()| true),
         BenchCommand::Purge(args) => purge(&args).await.map(|()| true),
+        BenchCommand::Relay(args) => bench_relay::run(&args).await.map(|()| true),
     }
 }
 

@@ -21,6 +21,7 @@
 
 pub mod bench;
 pub mod bench_e2e;
+pub mod bench_relay;
 pub mod chart;
 pub mod cli;
 pub mod compare;

@@ -34,7 +34,7 @@ async fn kill_9_at_random_moments(chaos: Chaos) {
     let book = db.dune(1_000_000).await;
     let nats = inventory_tests::nats::shared_url().await;
     let mut scenario = Scenario::new("kill9", &db.url, &nats, 1);
-    scenario.served = chaos.served;
+    scenario.serve(chaos.served);
     scenario.serve_args = chaos.serve_args.iter().map(|&arg| arg.to_owned()).collect();
     let (_client, js) = scenario.connect().await;
     let new_ids = chaos.served.new_id_resends(chaos.orders);

@@ -105,7 +105,7 @@ async fn postgres_restarted_twice_mid_stream(served: Served) {
     }
     let nats = inventory_tests::nats::shared_url().await;
     let mut scenario = Scenario::new("pgout", &fresh.url, &nats, 1);
-    scenario.served = served;
+    scenario.serve(served);
     let (_client, js) = scenario.connect().await;
     let orders = orders(served);
     let workload = Workload::new(
@@ -152,7 +152,7 @@ async fn nats_stopped_then_killed_mid_stream(served: Served) {
     let db = TestDb::new(Backend::Postgres).await;
     let books = [db.dune(1_000_000).await, db.dune(1_000_000).await];
     let mut scenario = Scenario::new("natsout", &db.url, &server.url(), 1);
-    scenario.served = served;
+    scenario.serve(served);
     let (_client, js) = scenario.connect().await;
     let orders = orders(served);
     let workload = Workload::new(

@@ -26,7 +26,8 @@ pub(crate) enum Served {
     /// `--strategy inbox`: exact for copies under the same message id. A resend under a new id
     /// is its known blind spot (it reserves again), so its workloads have none.
     Inbox,
-    /// `--strategy email`: one mail per placed order in the mailbox file, none lost. One
+    /// `--strategy email`: one mail per reserved order in the mailbox file, none lost; fed
+    /// Inventory's StockReserved for each order (see [`Scenario::serve`]). One
     /// instance: its file is the provider its lookup asks, so a crash after a send is
     /// reconciled, not mailed again. Two instances would need two files (a mailbox is locked
     /// by one process), and a redelivery on the other instance looks up the wrong file.
@@ -164,6 +165,16 @@ pub(crate) struct Scenario {
 }
 
 impl Scenario {
+    /// Serves `served`. The email notifier reads Inventory's events: its scenarios publish
+    /// them to the workload's own stream, which then holds its events subjects too.
+    pub(crate) fn serve(&mut self, served: Served) {
+        self.served = served;
+        if served == Served::Email {
+            self.topology.events_stream = self.topology.stream.clone();
+            self.topology.events_subject_prefix = self.topology.subject_prefix.clone();
+        }
+    }
+
     pub(crate) fn new(label: &str, database_url: &str, nats_url: &str, replicas: usize) -> Self {
         let names = unique_names(label);
         let topology = Topology {
@@ -214,7 +225,12 @@ impl Scenario {
         chunk: usize,
         pause: Duration,
     ) -> JoinHandle<()> {
-        let (js, topology, sends) = (js.clone(), self.topology.clone(), sends.to_vec());
+        let sends = if self.served == Served::Email {
+            workload::as_reserved_events(sends)
+        } else {
+            sends.to_vec()
+        };
+        let (js, topology) = (js.clone(), self.topology.clone());
         tokio::spawn(
             async move { workload::publish(&js, &topology, &sends, 64, chunk, pause).await },
         )

@@ -15,7 +15,7 @@ use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::PublishMessage;
 use futures::StreamExt;
 use inventory_benches::workload::SplitMix64;
-use inventory_domain::{BookId, Message, OrderId};
+use inventory_domain::{BookId, Event, Message, OrderId, StockEvent, StockEventKind};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{OrderPublisher, Topology};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
@@ -153,26 +153,85 @@ pub async fn publish(
     }
 }
 
+/// The sends as the email notifier receives them: each OrderPlaced as Inventory's StockReserved
+/// for it, the event id its message id, so a same-id resend is the same event again.
+pub fn as_reserved_events(sends: &[Send]) -> Vec<Send> {
+    sends
+        .iter()
+        .map(|send| Send {
+            message: Message::stock_reserved(&reserved_event(&send.message)),
+            kind: send.kind,
+        })
+        .collect()
+}
+
+/// The StockReserved of a placement message, or the event a StockReserved message carries.
+fn reserved_event(message: &Message) -> StockEvent {
+    let (order_id, book_id, quantity) = match &message.event {
+        Event::Placed(placed) => (placed.order_id, placed.book_id, placed.quantity),
+        Event::StockReserved(reserved) => (reserved.order_id, reserved.book_id, reserved.quantity),
+        Event::Cancelled(_) => panic!("a cancellation reserves nothing"),
+    };
+    StockEvent {
+        event_id: message
+            .key
+            .storage_key()
+            .parse()
+            .expect("a UUID message id"),
+        kind: StockEventKind::Reserved,
+        order_id,
+        book_id,
+        quantity,
+        occurred_at: chrono::Utc::now(),
+        caused_by: "a placement".into(),
+    }
+}
+
 async fn publish_one(js: &Context, publisher: &OrderPublisher, topology: &Topology, send: &Send) {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let result = match send.kind {
-            SendKind::Original | SendKind::NewId => publisher
-                .publish(&send.message)
+        let result = match (send.kind, &send.message.event) {
+            (SendKind::Original | SendKind::NewId, Event::StockReserved(_)) => publisher
+                .publish_event(&reserved_event(&send.message))
                 .await
                 .map(drop)
                 .map_err(|error| error.to_string()),
-            SendKind::SameId => {
-                let body = send.message.to_plain_json().expect("a plain JSON body");
-                let subject = topology.subject(send.message.event.kind());
+            (SendKind::SameId, Event::StockReserved(_)) => {
+                let event = reserved_event(&send.message);
+                let subject = format!(
+                    "{}.{}",
+                    topology.events_subject_prefix,
+                    event.subject_token()
+                );
                 match js
-                    .send_publish(subject, PublishMessage::build().payload(body.into()))
+                    .send_publish(
+                        subject,
+                        PublishMessage::build().payload(event.body().into()),
+                    )
                     .await
                 {
                     Ok(ack) => ack.await.map(drop).map_err(|error| error.to_string()),
                     Err(error) => Err(error.to_string()),
                 }
             }
+            _ => match send.kind {
+                SendKind::Original | SendKind::NewId => publisher
+                    .publish(&send.message)
+                    .await
+                    .map(drop)
+                    .map_err(|error| error.to_string()),
+                SendKind::SameId => {
+                    let body = send.message.to_plain_json().expect("a plain JSON body");
+                    let subject = topology.subject(send.message.event.kind());
+                    match js
+                        .send_publish(subject, PublishMessage::build().payload(body.into()))
+                        .await
+                    {
+                        Ok(ack) => ack.await.map(drop).map_err(|error| error.to_string()),
+                        Err(error) => Err(error.to_string()),
+                    }
+                }
+            },
         };
         match result {
             Ok(()) => return,
