@@ -230,23 +230,48 @@ async fn steady_flow(
     });
 
     let total = args.rate * args.seconds.as_secs().max(1);
+    // Lanes of their own connection each, fed at the rate: one lane alone would set the pace.
+    let (orders, received) = tokio::sync::mpsc::channel::<OrderId>(1_024);
+    let received = Arc::new(tokio::sync::Mutex::new(received));
+    let lanes: Vec<_> = (0..FLOW_LANES)
+        .map(|_| {
+            let (handler, received, committed, wake) = (
+                handler.clone(),
+                Arc::clone(&received),
+                Arc::clone(&committed),
+                wake.clone(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    let Some(order) = received.lock().await.recv().await else {
+                        break;
+                    };
+                    let message = Message::placed(order, book, Quantity::new(1)?);
+                    let outcome = handler.handle(&message).await?;
+                    if !outcome.processed() {
+                        bail!("a fresh placement came out as {outcome:?}");
+                    }
+                    committed
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .insert(order, Instant::now());
+                    wake.notify();
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
     let mut ticks =
         tokio::time::interval(Duration::from_secs(1) / u32::try_from(args.rate.max(1))?);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let started = Instant::now();
     for _ in 0..total {
         ticks.tick().await;
-        let order = OrderId::new_v7();
-        let message = Message::placed(order, book, Quantity::new(1)?);
-        let outcome = handler.handle(&message).await?;
-        if !outcome.processed() {
-            bail!("a fresh placement came out as {outcome:?}");
-        }
-        committed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(order, Instant::now());
-        wake.notify();
+        orders.send(OrderId::new_v7()).await?;
+    }
+    drop(orders);
+    for lane in lanes {
+        lane.await??;
     }
     let flow = started.elapsed();
     // Every event published and, a moment later, arrived.
@@ -277,6 +302,9 @@ async fn steady_flow(
     );
     Ok(())
 }
+
+/// Lanes deciding the steady flow's placements.
+const FLOW_LANES: usize = 4;
 
 async fn count_outbox(db: &DatabaseConnection) -> Result<i64> {
     let row = db
