@@ -5,7 +5,7 @@
 //! prints its figures (seed, kills, counts, throughput, memory) to stderr: add `--nocapture`.
 //!
 //! # Layout
-//! - `support`: running `inventory serve` as a process, killing and restarting it; `Served`,
+//! - `support`: running `inventory serve` (or any command) as a process, killing and restarting it; `Served`,
 //!   the strategy a scenario runs and the promise checked after it.
 //! - `kill9`: instances SIGKILLed and restarted at random moments under a producer: the natural
 //!   key (one statement, and batches of 16), the inbox, the email.
@@ -15,12 +15,15 @@
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
+//! - `chain`: every process of the chain (orders relays, natural instances, Inventory's relay,
+//!   the email notifier) SIGKILLed and restarted at random under 5,000 orders.
 #![expect(
     clippy::unwrap_used,
     clippy::expect_used,
     reason = "a test fails by panicking"
 )]
 
+mod chain;
 mod cluster;
 mod kill9;
 mod load;

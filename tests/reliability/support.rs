@@ -240,7 +240,26 @@ impl Scenario {
     /// the log; its part before a `-` is the instance's slot, which keeps its mailbox.
     pub(crate) fn spawn(&self, label: &str) -> Instance {
         let slot = label.split('-').next().unwrap_or(label);
-        let mailbox = self.mail.join(format!("{slot}.jsonl"));
+        let mailbox = self.mailbox(slot);
+        let mut args: Vec<String> = ["serve", "--strategy", self.served.flag(), "--mailbox"]
+            .map(str::to_owned)
+            .into();
+        args.push(mailbox.to_str().unwrap().to_owned());
+        args.extend(["--consumer".to_owned(), self.names.consumer.clone()]);
+        args.extend(serve_fault_args());
+        args.extend(self.serve_args.iter().cloned());
+        self.start(label, &args, &self.names.consumer)
+    }
+
+    /// The email strategy's mailbox file of an instance slot, kept across its restarts.
+    pub(crate) fn mailbox(&self, slot: &str) -> PathBuf {
+        self.mail.join(format!("{slot}.jsonl"))
+    }
+
+    /// Starts `inventory <args>` on the scenario's streams, database and NATS, with its
+    /// metrics on a port of its own and its log in `<label>.log`; `consumer` is the one its
+    /// in-flight gauge is read for (none for a relay).
+    pub(crate) fn start(&self, label: &str, args: &[String], consumer: &str) -> Instance {
         let metrics_port = free_port();
         let log = self.logs.join(format!("{label}.log"));
         let file = File::options()
@@ -251,11 +270,8 @@ impl Scenario {
         let topology = &self.topology;
         let mut command = Command::new(binary());
         command
-            .args(["serve", "--strategy", self.served.flag()])
-            .arg("--mailbox")
-            .arg(&mailbox)
+            .args(args)
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .args(["--consumer", &self.names.consumer])
             .args(["--stream", &topology.stream])
             .args(["--subject-prefix", &topology.subject_prefix])
             .args(["--dlq-stream", &topology.dlq_stream])
@@ -263,12 +279,6 @@ impl Scenario {
             .args(["--events-stream", &topology.events_stream])
             .args(["--events-subject-prefix", &topology.events_subject_prefix])
             .args(["--replicas", &topology.replicas.to_string()])
-            // Short: a killed instance's unacked messages come back quickly.
-            .args(["--ack-wait", "2s"])
-            // Many kills can hit one message; a max-deliveries dead letter would be a loss.
-            .args(["--max-deliver", "100"])
-            .args(["--retry-delay", "200ms", "--max-retry-delay", "2s"])
-            .args(&self.serve_args)
             .env("DATABASE_URL", &self.database_url)
             .env("NATS_URL", &self.nats_url)
             .env("RUST_LOG", &self.rust_log)
@@ -279,7 +289,7 @@ impl Scenario {
             child: Some(command.spawn().unwrap()),
             label: label.to_owned(),
             metrics_port,
-            consumer: self.names.consumer.clone(),
+            consumer: consumer.to_owned(),
         }
     }
 
@@ -445,4 +455,22 @@ pub(crate) fn seed(scenario: &str) -> u64 {
         .unwrap_or_else(rand::random);
     eprintln!("[{scenario}] seed {seed} (replay with CHAOS_SEED={seed})");
     seed
+}
+
+/// The consumer settings of a `serve` under faults.
+pub(crate) fn serve_fault_args() -> Vec<String> {
+    [
+        // Short: a killed instance's unacked messages come back quickly.
+        "--ack-wait",
+        "2s",
+        // Many kills can hit one message; a max-deliveries dead letter would be a loss.
+        "--max-deliver",
+        "100",
+        "--retry-delay",
+        "200ms",
+        "--max-retry-delay",
+        "2s",
+    ]
+    .map(str::to_owned)
+    .into()
 }
