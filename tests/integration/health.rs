@@ -37,7 +37,7 @@ async fn serve_health(
 }
 
 /// The status and the JSON body of `GET /healthz`.
-async fn healthz(addr: SocketAddr) -> (u16, serde_json::Value) {
+pub(crate) async fn healthz(addr: SocketAddr) -> (u16, serde_json::Value) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     stream
         .write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")

@@ -16,9 +16,10 @@ use inventory_tests::outbox::{
     self, Row, assert_each_order_in_order, assert_published_once_in_order, decide, fast_settings,
 };
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::health::healthz;
 
 const TABLE: &str = "outbox";
 
@@ -643,18 +644,4 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
     );
     stop.cancel();
     running.await.unwrap();
-}
-
-/// The status and the JSON body of `GET /healthz`.
-async fn healthz(addr: std::net::SocketAddr) -> (u16, serde_json::Value) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = response.split_once("\r\n\r\n").unwrap().1;
-    (status, serde_json::from_str(body).unwrap())
 }
