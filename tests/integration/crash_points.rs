@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 
 use inventory_domain::{
     BookId, ConsumerName, CrashPoint, Event, EventKind, Message, Outcome, ReservationStatus,
-    StockEvent, StockEventKind,
 };
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
@@ -22,7 +21,7 @@ use inventory_infra::{
 };
 use inventory_service::runtime::{RuntimeSettings, Stats};
 use inventory_tests::broker::{Broker, RunningService, eventually};
-use inventory_tests::{Backend, TestDb, placed, stock_reserved};
+use inventory_tests::{Backend, TestDb, placed, stock_reserved, workload};
 
 const STOCK_POINTS: [CrashPoint; 3] = [
     CrashPoint::AfterDedupCheck,
@@ -86,16 +85,8 @@ async fn crash_in_loop<H: MessageHandler>(
 ) -> (Arc<Stats>, Vec<String>) {
     for message in messages {
         match &message.event {
-            Event::StockReserved(reserved) => {
-                let event = StockEvent {
-                    event_id: message.key.storage_key().parse().unwrap(),
-                    kind: StockEventKind::Reserved,
-                    order_id: reserved.order_id,
-                    book_id: reserved.book_id,
-                    quantity: reserved.quantity,
-                    occurred_at: chrono::Utc::now(),
-                    caused_by: "a placement".into(),
-                };
+            Event::StockReserved(_) => {
+                let event = workload::reserved_event(message);
                 broker.publisher().publish_event(&event).await.unwrap();
             }
             _ => {

@@ -166,7 +166,7 @@ pub fn as_reserved_events(sends: &[Send]) -> Vec<Send> {
 }
 
 /// The StockReserved of a placement message, or the event a StockReserved message carries.
-fn reserved_event(message: &Message) -> StockEvent {
+pub fn reserved_event(message: &Message) -> StockEvent {
     let (order_id, book_id, quantity) = match &message.event {
         Event::Placed(placed) => (placed.order_id, placed.book_id, placed.quantity),
         Event::StockReserved(reserved) => (reserved.order_id, reserved.book_id, reserved.quantity),
