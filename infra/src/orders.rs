@@ -19,7 +19,7 @@ use uuid::Uuid;
 use crate::consumers::begin_write;
 use crate::entities::{order_lines, orders};
 use crate::outbox::{self, OutboxTable};
-use crate::stock::{DataError, quantity_from};
+use crate::stock::{DataError, quantity_column, quantity_from};
 
 /// What `place` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,7 +108,7 @@ impl OrdersRepository {
         order_lines::ActiveModel {
             order_id: Set(order_id.as_uuid()),
             book_id: Set(book_id.as_uuid()),
-            quantity: Set(int_quantity(quantity)?),
+            quantity: Set(quantity_column(quantity.get())?),
             message_id: Set(message_id.as_str().to_owned()),
         }
         .insert(&txn)
@@ -198,8 +198,4 @@ fn stored_message_id(stored: String) -> Result<MessageId, DataError> {
         column: "message_id",
         value: stored,
     })
-}
-
-fn int_quantity(quantity: Quantity) -> Result<i32, DataError> {
-    crate::stock::int_column("quantity", quantity.get())
 }

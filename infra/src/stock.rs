@@ -74,6 +74,11 @@ impl From<DataError> for DbErr {
     }
 }
 
+/// A quantity as its `int` column holds it.
+pub(crate) fn quantity_column(quantity: u32) -> Result<i32, DataError> {
+    int_column("quantity", quantity)
+}
+
 pub(crate) fn quantity_from(stored: i32) -> Result<Quantity, DataError> {
     Quantity::new(stored.into()).map_err(|_| DataError::Unreadable {
         column: "reservation quantity",

@@ -40,13 +40,11 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use super::work::{
-    lock_stock, not_an_order_event, quantity_column, release_stock, set_reserved, unknown_book,
-};
+use super::work::{lock_stock, not_an_order_event, release_stock, set_reserved, unknown_book};
 use super::{HandleError, StockConsumer, begin_write, finish};
 use crate::entities::{order_states, stock_items, stock_reservations};
 use crate::outbox;
-use crate::stock::{DataError, quantity_from};
+use crate::stock::{DataError, quantity_column, quantity_from};
 
 impl StockConsumer {
     pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {

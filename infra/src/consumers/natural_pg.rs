@@ -26,10 +26,10 @@ use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
-use super::work::{quantity_column, unknown_book};
+use super::work::unknown_book;
 use super::{HandleError, MessageHandler, StockConsumer};
 use crate::faults::Faults;
-use crate::stock::{DataError, int_column, quantity_from, status_from};
+use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
 /// One placement: the steps of the reference handler's `reserve`, in its order, with the
 /// rule of `StockItem::decide_reservation` in `decided`. Comments are `/* */`: the pgbench

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use super::HandleError;
 use crate::entities::{reservation_log, stock_items};
-use crate::stock::{DataError, int_column, quantity_from, stock_item_from};
+use crate::stock::{int_column, quantity_column, quantity_from, stock_item_from};
 
 /// Applies `event` through `conn`: inside the caller's transaction, or (in the study of a
 /// mistake) through another connection.
@@ -89,10 +89,6 @@ pub(crate) fn unknown_book(book_id: BookId) -> Outcome {
         DeadLetterReason::UnknownBook,
         format!("no stock item for book {book_id}"),
     )
-}
-
-pub(crate) fn quantity_column(quantity: u32) -> Result<i32, DataError> {
-    int_column("quantity", quantity)
 }
 
 /// The stock row, locked for this transaction on PostgreSQL (SQLite has one writer anyway).
