@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::chart::{self, Labels};
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
-use crate::{bench_e2e, bench_relay};
+use crate::{bench_e2e, bench_relay, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::HandlerKind;
@@ -48,11 +48,16 @@ pub enum BenchCommand {
     /// OrderPlaced through JetStream into PostgreSQL by the real consumer loop, acked after
     /// commit: messages per second.
     EndToEnd(Box<bench_e2e::EndToEndArgs>),
-    /// Prints the pgbench script (the one-statement handler's SQL) and the SQL that seeds its
-    /// books, for scripts/bench-vs-pgbench.sh.
+    /// Prints the pgbench script (the one-statement handler's SQL, or one of the statements
+    /// that bound it) and the SQL that seeds its books, for scripts/bench-vs-pgbench.sh and
+    /// scripts/bench-cancel-guard.sh.
     PgbenchScript {
         #[arg(long, default_value_t = 1_000)]
         books: usize,
+        /// Which statement: `reserve` (`RESERVE_SQL`) or a bound of it (see guard_cost.rs).
+        #[arg(long, default_value = "reserve",
+              value_parser = clap::builder::PossibleValuesParser::new(guard_cost::STATEMENTS))]
+        statement: String,
         /// Prints the seeding SQL instead of the script.
         #[arg(long)]
         seed: bool,
@@ -146,11 +151,17 @@ pub struct ChartArgs {
 pub async fn run(command: BenchCommand) -> Result<bool> {
     match command {
         BenchCommand::EndToEnd(args) => end_to_end(&args).await.map(|()| true),
-        BenchCommand::PgbenchScript { books, seed } => {
+        BenchCommand::PgbenchScript {
+            books,
+            statement,
+            seed,
+        } => {
             if seed {
                 println!("{}", bench_e2e::pgbench_seed_sql(books));
             } else {
-                print!("{}", bench_e2e::pgbench_script(books));
+                let statement = guard_cost::statement(&statement)
+                    .with_context(|| format!("no statement {statement}"))?;
+                print!("{}", bench_e2e::pgbench_script(&statement, books));
             }
             Ok(true)
         }

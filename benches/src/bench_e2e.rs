@@ -207,11 +207,12 @@ async fn publish_and_consume(
     })
 }
 
-/// The pgbench script that runs the one-statement handler's own SQL (`RESERVE_SQL`) with fresh
-/// orders over `books` books, seeded by [`pgbench_seed_sql`]. pgbench variables stand in for
-/// the statement's parameters, so the database does the same work per message as the service.
-pub fn pgbench_script(books: usize) -> String {
-    let statement = inventory_infra::consumers::natural_pg::RESERVE_SQL
+/// The pgbench script that runs `statement` (the one-statement handler's own SQL, `RESERVE_SQL`,
+/// or a bound of it with the same parameters) with fresh orders over `books` books, seeded by
+/// [`pgbench_seed_sql`]. pgbench variables stand in for the statement's parameters, so the
+/// database does the same work per message as the service.
+pub fn pgbench_script(statement: &str, books: usize) -> String {
+    let statement = statement
         .replace("$1", "md5('o' || :n::text)::uuid")
         .replace("$2", "md5('b' || :b::text)::uuid")
         .replace("$3", "(1 + :n::bigint % 3)::int4")

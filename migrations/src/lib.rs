@@ -6,8 +6,9 @@
 //! - `m20261130_000002_create_stock_reservations`: the natural key, `(order_id, book_id)`.
 //! - `m20261130_000003_create_inbox`: the dedup record, `(message_id, consumer)`, indexed by
 //!   `completed_at` for the retention purge.
-//! - `m20261130_000004_create_order_states`: one row per order that placement and cancellation
-//!   both write, so a cancellation that arrives first still wins.
+//! - `m20261130_000004_create_order_states`: one row per cancelled order, so a cancellation
+//!   that arrives before its placement still wins. (Before migration 10 placements wrote a row
+//!   too; those rows stay, with no cancellation, and mean nothing.)
 //! - `m20261130_000005_create_reservation_log`: the reservations of the strategies without a
 //!   natural key (naive, check-then-process, inbox), where an order can be reserved twice.
 //! - `m20261201_000006_create_outbox`: the events of reservation decisions, written in the
@@ -19,6 +20,8 @@
 //!   separate orders database gets the whole schema and uses these three.
 //! - `m20261201_000009_index_parked_outbox_rows`: on both outbox tables, parked rows by order,
 //!   which the relay looks up to hold an order's later rows behind a parked one.
+//! - `m20261201_000010_create_lock_order`: `lock_order(order_id)` on PostgreSQL, the order's
+//!   lock that placement and cancellation take instead of writing a row (natural.rs).
 
 pub use sea_orm_migration::prelude::*;
 
@@ -31,6 +34,7 @@ mod m20261201_000006_create_outbox;
 mod m20261201_000007_create_outbox_leases;
 mod m20261201_000008_create_orders;
 mod m20261201_000009_index_parked_outbox_rows;
+mod m20261201_000010_create_lock_order;
 mod outbox_table;
 
 pub struct Migrator;
@@ -48,6 +52,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000007_create_outbox_leases::Migration),
             Box::new(m20261201_000008_create_orders::Migration),
             Box::new(m20261201_000009_index_parked_outbox_rows::Migration),
+            Box::new(m20261201_000010_create_lock_order::Migration),
         ]
     }
 }

@@ -233,8 +233,8 @@ struct Reservation {
 struct Model {
     stock: BTreeMap<BookId, StockItem>,
     reservations: BTreeMap<(OrderId, BookId), Reservation>,
-    /// An `order_states` row: the cancelling message's key once cancelled.
-    orders: BTreeMap<OrderId, Option<String>>,
+    /// An `order_states` row, written by a cancellation only: the cancelling message's key.
+    cancelled: BTreeMap<OrderId, String>,
     /// The outbox: one event per decision, as [`ROWS_SQL`] prints it.
     events: Vec<String>,
 }
@@ -266,8 +266,7 @@ impl Model {
         let Some(stock) = self.stock.get_mut(&placed.book_id) else {
             return Outcome::refused(DeadLetterReason::UnknownBook, "");
         };
-        let cancelled = self.orders.entry(placed.order_id).or_default().is_some();
-        let (status, effect) = if cancelled {
+        let (status, effect) = if self.cancelled.contains_key(&placed.order_id) {
             (
                 ReservationStatus::Released,
                 Effect::ArrivedAfterCancellation,
@@ -302,11 +301,10 @@ impl Model {
 
     /// Cancelled once; what the order holds goes back to stock.
     fn cancel(&mut self, key: String, order: OrderId) -> Outcome {
-        let state = self.orders.entry(order).or_default();
-        if state.is_some() {
+        if self.cancelled.contains_key(&order) {
             return Outcome::Duplicate;
         }
-        *state = Some(key.clone());
+        self.cancelled.insert(order, key.clone());
         let mut copies = 0;
         for ((_, book), reservation) in self
             .reservations
@@ -342,13 +340,8 @@ impl Model {
                 r.message_id
             )
         });
-        let orders = self
-            .orders
-            .iter()
-            .map(|(order, cancelled)| match cancelled {
-                None => format!("order {order} open"),
-                Some(key) => format!("order {order} cancelled by {key}"),
-            });
+        let orders =
+            (self.cancelled.iter()).map(|(order, key)| format!("order {order} cancelled by {key}"));
         stock
             .chain(reservations)
             .chain(orders)

@@ -200,7 +200,7 @@ async fn natural_key_concurrent_cancel_and_place_cancel_wins(db: TestDb) {
             async move { consumer.handle(&other).await }
         });
         if db.backend == Backend::Postgres {
-            // Either way the second waits on the order's state row the held one wrote.
+            // Either way the second waits for the order's lock the held one took.
             db.wait_for_lock_waiter().await;
         } else {
             // SQLite shows no waiting writer (it retries inside its busy handler): the second

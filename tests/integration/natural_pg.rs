@@ -84,7 +84,7 @@ async fn row_versions(db: &TestDb, message: &inventory_domain::Message) -> Vec<S
     let order = message.event.order_id().as_uuid();
     let sql = format!(
         "SELECT (SELECT xmin || '/' || xmax FROM stock_items) || ' ' || \
-                (SELECT xmin || '/' || xmax FROM order_states WHERE order_id = '{order}') || ' ' || \
+                coalesce((SELECT xmin || '/' || xmax FROM order_states WHERE order_id = '{order}'), 'none') || ' ' || \
                 (SELECT xmin || '/' || xmax FROM stock_reservations WHERE order_id = '{order}')"
     );
     let row = db
@@ -128,7 +128,7 @@ async fn one_statement_lets_a_cancellation_that_came_first_win() {
     assert_eq!(db.reserved(book).await, 0);
 }
 
-/// A transaction of the test's own holding a row lock, so that handlers started meanwhile are
+/// A transaction of the test's own holding a lock, so that handlers started meanwhile are
 /// all seen waiting inside their statements at once before any of them goes on.
 async fn hold(db: &TestDb, sql: &str, id: uuid::Uuid) -> DatabaseTransaction {
     let blocker = db.conn.begin().await.unwrap();
@@ -223,14 +223,9 @@ async fn a_cancellation_racing_its_placement_always_wins() {
         let place = placed_for(order, book, 3);
         let cancel = Message::cancelled(order);
         let (a, b) = (handler.clone(), handler.clone());
-        // Both claim the order's row, held here until both are seen waiting for it: then they
+        // Both take the order's lock, held here until both are seen waiting for it: then they
         // race for it, whichever was started first.
-        let blocker = hold(
-            &db,
-            "INSERT INTO order_states (order_id) VALUES ($1)",
-            order.as_uuid(),
-        )
-        .await;
+        let blocker = hold(&db, "SELECT lock_order($1)", order.as_uuid()).await;
         let (placed, cancelled) = if round % 2 == 0 {
             let place = tokio::spawn(async move { a.handle(&place).await });
             let cancel = tokio::spawn(async move { b.handle(&cancel).await });

@@ -1,42 +1,46 @@
 //! Natural idempotency: the reservation's business key `(order_id, book_id)` is the arbiter.
 //!
-//! Placement and cancellation of one order both write its `order_states` row, which serializes
-//! them on PostgreSQL: a cancellation that commits first is seen by the placement, and one that
-//! commits second sees the placement's reservation, so a cancellation always wins.
+//! Placement and cancellation of one order both take the order's lock, which serializes them:
+//! a cancellation that commits first is seen by the placement, and one that commits second sees
+//! the placement's reservation, so a cancellation always wins. On PostgreSQL the lock is
+//! `lock_order` (migration 10), a transaction-scoped advisory lock that reads the order's state
+//! after it is granted: a placement writes no row for it. Only a cancellation writes the
+//! order's `order_states` row. On SQLite every write transaction holds the database's one
+//! writer lock from its `BEGIN IMMEDIATE`, so reading the row is enough.
 //!
 //! # Lock order
 //!
 //! Every path of the natural key (this handler, both statements in `natural_pg.rs`, placement
-//! and cancellation) takes its row locks in one order, so two messages never wait for each
-//! other in a cycle (a deadlock, which PostgreSQL breaks by failing one of them):
+//! and cancellation) takes its locks in one order, so two messages never wait for each other
+//! in a cycle (a deadlock, which PostgreSQL breaks by failing one of them):
 //!
 //! 1. `stock_items` rows, by `book_id`;
-//! 2. `order_states` rows, by `order_id`;
+//! 2. orders (`lock_order`), by `order_id`;
 //! 3. `stock_reservations` keys.
 //!
 //! Reads that lock nothing come first: a placement looks for its reservation, a cancellation
-//! for the books its order holds. A cancellation locks those books, then claims its order's
-//! row, and starts over if a placement of the order committed in between.
+//! for the books its order holds. A cancellation locks those books, then its order, and starts
+//! over if a placement of the order committed in between.
 //!
 //! # Events
 //!
 //! Each decision writes its event into the outbox in its own transaction: a reservation
 //! reserved or rejected, and each reservation a cancellation releases. A copy, a new-id resend
 //! or a placement after the cancellation decides nothing and writes none. The event row is
-//! written after the order's `order_states` row is taken, so the events of one order get their
-//! outbox `seq` in the order their transactions commit: the relay publishes them in that order.
-//! Whoever stops a path from writing `order_states` must keep that true some other way.
+//! written after the order's lock is taken, so the events of one order get their outbox `seq`
+//! in the order their transactions commit: the relay publishes them in that order. Whoever
+//! stops a path from taking the order's lock must keep that true some other way.
 
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    CrashPoint, Effect, Event, Message, OrderCancelled, OrderPlaced, Outcome, Quantity,
+    CrashPoint, Effect, Event, Message, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity,
     ReservationDecision, ReservationStatus, StockEvent, StockEventKind,
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbErr, EntityTrait, QueryFilter, QueryOrder,
-    QuerySelect, Set, TryInsertResult,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, QueryFilter,
+    QueryOrder, QuerySelect, Set, Statement, TryInsertResult,
 };
 use uuid::Uuid;
 
@@ -64,7 +68,7 @@ impl StockConsumer {
     }
 
     /// The steps of `RESERVE_SQL` (natural_pg.rs), in its order: the reservation, the stock
-    /// row, the order's row, then the reservation inserted with what was decided.
+    /// row, the order, then the reservation inserted with what was decided.
     async fn reserve(
         &self,
         txn: &DatabaseTransaction,
@@ -77,7 +81,7 @@ impl StockConsumer {
         let Some(stock) = lock_stock(txn, placed.book_id).await? else {
             return Ok(unknown_book(placed.book_id));
         };
-        let decision = if order_is_cancelled(txn, placed).await? {
+        let decision = if lock_order(txn, placed.order_id).await? {
             None
         } else {
             Some(stock.decide_reservation(placed.quantity))
@@ -143,6 +147,7 @@ impl StockConsumer {
                 .all(txn)
                 .await?;
         }
+        lock_order(txn, cancelled.order_id).await?;
         let row = order_states::ActiveModel {
             order_id: Set(order),
             cancelled_at: Set(Some(Utc::now())),
@@ -168,7 +173,7 @@ impl StockConsumer {
         if !matches!(won, TryInsertResult::Inserted(rows) if rows > 0) {
             return Ok(Some(Outcome::Duplicate));
         }
-        // No placement of the order can commit from here on: the order's row is taken.
+        // No placement of the order can commit from here on: the order's lock is taken.
         let held = held(txn, order).await?;
         if held.iter().any(|r| !books.contains(&r.book_id)) {
             return Ok(None);
@@ -216,26 +221,24 @@ async fn held(
         .await
 }
 
-/// Touches the order's state row (creating it if need be) and reads whether it is cancelled.
-/// The write is the point: it makes a concurrent cancellation of this order wait, or wait for it.
-async fn order_is_cancelled(
-    conn: &impl ConnectionTrait,
-    placed: &OrderPlaced,
-) -> Result<bool, DbErr> {
-    let row = order_states::ActiveModel {
-        order_id: Set(placed.order_id.as_uuid()),
-        cancelled_at: Set(None),
-        cancel_message_id: Set(None),
-    };
-    let state = order_states::Entity::insert(row)
-        .on_conflict(
-            OnConflict::column(order_states::Column::OrderId)
-                .update_column(order_states::Column::OrderId)
-                .to_owned(),
-        )
-        .exec_with_returning(conn)
+/// Takes the order's lock (see the module's comment) and reads whether it is cancelled, as
+/// committed once the lock was granted.
+async fn lock_order(conn: &impl ConnectionTrait, order: OrderId) -> Result<bool, DbErr> {
+    if conn.get_database_backend() == DbBackend::Postgres {
+        let row = conn
+            .query_one_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "SELECT lock_order($1) AS cancelled",
+                [order.as_uuid().into()],
+            ))
+            .await?
+            .ok_or_else(|| DbErr::RecordNotFound("lock_order returned no row".into()))?;
+        return row.try_get("", "cancelled");
+    }
+    let state = order_states::Entity::find_by_id(order.as_uuid())
+        .one(conn)
         .await?;
-    Ok(state.cancelled_at.is_some())
+    Ok(state.is_some_and(|state| state.cancelled_at.is_some()))
 }
 
 /// The quantity of the order's reservation of this book, if it has one.

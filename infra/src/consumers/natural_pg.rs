@@ -3,7 +3,7 @@
 //! The same rules as the reference handler in `natural.rs` (reservation key first, a
 //! cancellation that came first wins, a rejection is kept, an unknown book writes nothing), in
 //! one round trip: the statement stops at a reservation already there; else it locks the stock
-//! row, touches the order's state row, decides, inserts the reservation unless its key is taken
+//! row, then the order (`lock_order`), decides, inserts the reservation unless its key is taken
 //! meanwhile, and moves stock only if that insert won. Both statements take their locks in the
 //! order `natural.rs` sets down for every path.
 //!
@@ -46,14 +46,11 @@ WITH existing AS (
     FROM stock_items WHERE book_id = $2 AND NOT EXISTS (SELECT 1 FROM existing)
     FOR UPDATE
 ), guard AS (
-    /* A no-op update rather than DO NOTHING, for its row lock and its RETURNING. The lock
-       makes a cancellation of the order wait for this statement, or this one for it, and
-       RETURNING reads the row as last committed, so a cancellation that committed while this
-       statement waited still wins. */
-    INSERT INTO order_states (order_id)
-    SELECT $1 FROM stock
-    ON CONFLICT (order_id) DO UPDATE SET order_id = EXCLUDED.order_id
-    RETURNING cancelled_at IS NOT NULL AS cancelled
+    /* The order's lock, taken after the stock row's: a cancellation of the order in flight
+       finishes first, or waits for this statement. lock_order reads the order's state with
+       a snapshot of its own, taken once the lock is granted, so a cancellation that committed
+       while this statement waited still wins. Nothing is written for it (migration 10). */
+    SELECT lock_order($1) AS cancelled FROM stock
 ), decided AS (
     SELECT CASE WHEN guard.cancelled THEN 'released'
                 WHEN stock.available >= $3 THEN 'reserved'
@@ -73,7 +70,7 @@ WITH existing AS (
     WHERE book_id = $2 AND EXISTS (SELECT 1 FROM inserted WHERE status = 'reserved')
 ), event AS (
     /* The decision's event ($5 its id, $6 its relay partition), committed with it: the
-       outbox. Written after the guard took the order's row, so the events of one order are
+       outbox. Written after the guard took the order's lock, so the events of one order are
        numbered in commit order. A placement after the cancellation (released) decided nothing
        and writes none; the body is StockEvent::body's, built here. */
     INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
@@ -130,12 +127,9 @@ WITH input AS (
     WHERE existing.taken IS NULL
     ORDER BY input.order_id, input.book_id, input.idx
 ), guard AS (
-    /* The no-op update of RESERVE_SQL, for the row locks and the cancellations as last
-       committed, taken in order_id order. */
-    INSERT INTO order_states (order_id)
-    SELECT DISTINCT order_id FROM fresh ORDER BY order_id
-    ON CONFLICT (order_id) DO UPDATE SET order_id = EXCLUDED.order_id
-    RETURNING order_id, cancelled_at IS NOT NULL AS cancelled
+    /* RESERVE_SQL's order locks, taken in order_id order. */
+    SELECT order_id, lock_order(order_id) AS cancelled
+    FROM (SELECT DISTINCT order_id FROM fresh ORDER BY order_id OFFSET 0) orders
 ), wanted AS (
     SELECT fresh.book_id, sum(fresh.quantity) AS copies
     FROM fresh JOIN guard USING (order_id)
