@@ -1,15 +1,18 @@
 //! Connecting to PostgreSQL or SQLite with settings fit for a consumer, applying migrations,
-//! what a database error means for a retry ([`DbFailure`]), and whether the database answers,
-//! asked outside the pool ([`Probe`]).
+//! what a database error means for a retry ([`DbFailure`]), whether the database answers,
+//! asked outside the pool ([`Probe`]), and the schema checked instead of migrated by a role
+//! that may not change it ([`SchemaPolicy`]).
 
 mod failure;
 mod probe;
+mod schema;
 
 use std::time::Duration;
 
 pub use failure::{DbErrorCode, DbFailure};
 use inventory_migrations::{Migrator, MigratorTrait};
 pub use probe::{Probe, ProbeError};
+pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
 use sea_orm::{ConnectOptions, ConnectionTrait, DbErr};
 pub use sea_orm::{DatabaseConnection, DbBackend};
@@ -59,6 +62,24 @@ pub async fn connect_and_migrate(
 ) -> Result<DatabaseConnection, DbErr> {
     let db = connect(url, max_connections).await?;
     migrate(&db).await?;
+    Ok(db)
+}
+
+/// [`connect`], then the schema as `policy` says: the migrations applied, or (run by a role
+/// that changes no schema) checked current and the role's grants checked, changing nothing.
+pub async fn open(
+    url: &str,
+    max_connections: u32,
+    policy: SchemaPolicy,
+) -> Result<DatabaseConnection, SchemaError> {
+    let db = connect(url, max_connections).await?;
+    match policy {
+        SchemaPolicy::Migrate => migrate(&db).await?,
+        SchemaPolicy::Check => {
+            schema::check_current(&db).await?;
+            schema::check_privileges(&db).await?;
+        }
+    }
     Ok(db)
 }
 

@@ -25,6 +25,32 @@
 
 pub use sea_orm_migration::prelude::*;
 
+/// What a role that serves needs of the schema these migrations make, and nothing more: it
+/// reads and writes rows, it changes no schema. `deploy/grants.sql` grants exactly this; the
+/// commands run with `--skip-migrations` check it at start (infra's `db::open`).
+pub mod grants {
+    /// SELECT, INSERT, UPDATE and DELETE on each.
+    pub const TABLES: [&str; 11] = [
+        "stock_items",
+        "stock_reservations",
+        "inbox",
+        "order_states",
+        "reservation_log",
+        "outbox",
+        "outbox_leases",
+        "outbox_relays",
+        "orders",
+        "order_lines",
+        "orders_outbox",
+    ];
+    /// SELECT only: which migrations are applied.
+    pub const MIGRATIONS_TABLE: &str = "seaql_migrations";
+    /// USAGE: the outboxes' `seq` (bigserial) columns take their next value from these.
+    pub const SEQUENCES: [&str; 2] = ["outbox_seq_seq", "orders_outbox_seq_seq"];
+    /// EXECUTE (PUBLIC holds it unless revoked).
+    pub const FUNCTIONS: [&str; 1] = ["lock_order(uuid)"];
+}
+
 mod m20261130_000001_create_stock_items;
 mod m20261130_000002_create_stock_reservations;
 mod m20261130_000003_create_inbox;

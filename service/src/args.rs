@@ -4,13 +4,36 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
-use inventory_infra::db::DEFAULT_DATABASE_URL;
+use inventory_infra::db::{DEFAULT_DATABASE_URL, SchemaPolicy};
 use inventory_infra::jetstream::{self, NatsSecurity, Topology};
 use inventory_infra::{DetectMode, NaturalKeyPath};
 
 /// `Debug` masks the URL's password.
 #[derive(Clone, clap::Args)]
 pub struct DatabaseArgs {
+    /// Database URL: postgres://… or sqlite://….
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, default_value = DEFAULT_DATABASE_URL)]
+    pub database_url: String,
+    /// Runs no DDL: checks that every migration is applied and that the role holds the grants
+    /// of deploy/grants.sql, and refuses to start otherwise (for a role that may not change the
+    /// schema; `inventory migrate` applies them).
+    #[arg(long, env = "INVENTORY_SKIP_MIGRATIONS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub skip_migrations: bool,
+}
+
+impl DatabaseArgs {
+    pub fn schema(&self) -> SchemaPolicy {
+        if self.skip_migrations {
+            SchemaPolicy::Check
+        } else {
+            SchemaPolicy::Migrate
+        }
+    }
+}
+
+/// The database `inventory migrate` changes. `Debug` masks the URL's password.
+#[derive(Clone, clap::Args)]
+pub struct MigrateArgs {
     /// Database URL: postgres://… or sqlite://….
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, default_value = DEFAULT_DATABASE_URL)]
     pub database_url: String,
@@ -181,6 +204,18 @@ impl std::fmt::Debug for OrdersDatabaseArgs {
 impl std::fmt::Debug for DatabaseArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DatabaseArgs")
+            .field(
+                "database_url",
+                &inventory_infra::redact::redact_url(&self.database_url),
+            )
+            .field("skip_migrations", &self.skip_migrations)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for MigrateArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MigrateArgs")
             .field(
                 "database_url",
                 &inventory_infra::redact::redact_url(&self.database_url),

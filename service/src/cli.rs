@@ -12,7 +12,7 @@ use inventory_infra::orders::{Cancellation, OrdersRepository, Placement};
 use inventory_infra::{db, retention};
 use serde::Serialize;
 
-use crate::args::{DatabaseArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
+use crate::args::{DatabaseArgs, MigrateArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
 use crate::{dlq, publish, relay, serve, study};
 
 #[derive(Debug, Parser)]
@@ -36,7 +36,7 @@ pub enum Command {
     /// Applies the migrations to the database.
     Migrate {
         #[command(flatten)]
-        database: DatabaseArgs,
+        database: MigrateArgs,
     },
     /// Sets and shows stock.
     Stock {
@@ -221,9 +221,9 @@ pub async fn run(cli: Cli) -> Result<bool> {
                     database,
                 },
         } => {
-            let conn = db::connect_and_migrate(&database.database_url, COMMAND_POOL)
+            let conn = db::open(&database.database_url, COMMAND_POOL, database.schema())
                 .await
-                .context("connecting to the database")?;
+                .context("opening the database")?;
             let cutoff = chrono::Utc::now()
                 - chrono::Duration::from_std(older_than).context("--older-than is too large")?;
             let report =
@@ -254,9 +254,9 @@ pub async fn run(cli: Cli) -> Result<bool> {
 
 async fn run_orders(command: OrdersCommand) -> Result<()> {
     let (OrdersCommand::Place { database, .. } | OrdersCommand::Cancel { database, .. }) = &command;
-    let conn = db::connect_and_migrate(database.url(), COMMAND_POOL)
+    let conn = db::open(database.url(), COMMAND_POOL, database.database.schema())
         .await
-        .context("connecting to the orders database")?;
+        .context("opening the orders database")?;
     let orders = OrdersRepository::new(conn);
     match command {
         OrdersCommand::Place {
@@ -296,9 +296,9 @@ struct StockRow {
 }
 
 async fn repository(database: &DatabaseArgs) -> Result<StockRepository> {
-    let conn = db::connect_and_migrate(&database.database_url, COMMAND_POOL)
+    let conn = db::open(&database.database_url, COMMAND_POOL, database.schema())
         .await
-        .context("connecting to the database")?;
+        .context("opening the database")?;
     Ok(StockRepository::new(conn))
 }
 

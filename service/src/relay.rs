@@ -178,9 +178,9 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     crate::serve::listen_for_signals(shutdown.clone())?;
     let url = database_url(args.source, &args.databases);
-    let db = db::connect_and_migrate(url, args.db_pool_size)
+    let db = db::open(url, args.db_pool_size, args.databases.database.schema())
         .await
-        .with_context(|| format!("connecting to the database at {}", redact_url(url)))?;
+        .with_context(|| format!("opening the database at {}", redact_url(url)))?;
     let client = args.nats.connect("inventory relay").await?;
     let js = jetstream::context(client.clone());
     let (source, stream) = args.source.source(&args.topology.topology());
@@ -248,9 +248,9 @@ pub struct OutboxTarget {
 impl OutboxTarget {
     async fn open(&self) -> anyhow::Result<(DatabaseConnection, OutboxSource)> {
         let url = database_url(self.source, &self.databases);
-        let conn = db::connect_and_migrate(url, 2)
+        let conn = db::open(url, 2, self.databases.database.schema())
             .await
-            .with_context(|| format!("connecting to the database at {}", redact_url(url)))?;
+            .with_context(|| format!("opening the database at {}", redact_url(url)))?;
         // Only the table matters here; the stream names do not.
         let (source, _) = self.source.source(&Topology::default());
         Ok((conn, source))

@@ -191,14 +191,18 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     listen_for_signals(shutdown.clone())?;
 
-    let db = db::connect_and_migrate(&args.database.database_url, args.db_pool_size)
-        .await
-        .with_context(|| {
-            format!(
-                "connecting to the database at {}",
-                redact_url(&args.database.database_url)
-            )
-        })?;
+    let db = db::open(
+        &args.database.database_url,
+        args.db_pool_size,
+        args.database.schema(),
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "opening the database at {}",
+            redact_url(&args.database.database_url)
+        )
+    })?;
     let client = args.nats.connect("inventory serve").await?;
     let js = jetstream::context(client.clone());
     let settings = args.runtime_settings(db.get_database_backend());

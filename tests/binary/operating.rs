@@ -5,7 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use inventory_domain::BookId;
-use inventory_tests::binary::{BinaryRun, free_port, http_get, sample};
+use inventory_tests::binary::{BinaryRun, free_port, http_get, sample, stop};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
@@ -49,21 +49,6 @@ impl Setup {
             .unwrap();
         row.try_get_by_index::<i64>(0).unwrap()
     }
-}
-
-fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let output = child.wait_with_output().unwrap();
-    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&output.stderr));
-    (output.status, text)
 }
 
 /// Waits until a `serve` fetches from the durable consumer `name`: past its start-up checks

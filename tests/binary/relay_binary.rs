@@ -1,13 +1,12 @@
 //! The outbox relay as processes: the one `serve --strategy natural` runs, `inventory relay`
 //! on its own, and the `outbox parked|retry` commands.
 
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use inventory_domain::{BookId, OrderId};
 use inventory_infra::jetstream;
 use inventory_infra::{HandlerKind, NaturalKeyPath};
-use inventory_tests::binary::{BinaryRun, free_port, http_get, sample};
+use inventory_tests::binary::{BinaryRun, free_port, http_get, sample, stop};
 use inventory_tests::broker::eventually;
 use inventory_tests::outbox::{self, assert_published_once_in_order};
 use inventory_tests::placed_for;
@@ -15,22 +14,6 @@ use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use uuid::Uuid;
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
-
-/// SIGTERM, then the exit status and everything the process printed.
-fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let output = child.wait_with_output().unwrap();
-    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&output.stderr));
-    (output.status, text)
-}
 
 /// Waits until the process's /healthz answers, and returns it.
 fn wait_for_health(port: u16) -> (u16, serde_json::Value) {

@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use inventory_infra::jetstream;
 
@@ -150,6 +150,22 @@ impl Drop for BinaryRun {
             }
         });
     }
+}
+
+/// SIGTERM, then the exit status and everything the process printed (SIGKILL after 20 s).
+pub fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    (output.status, text)
 }
 
 /// A plain HTTP/1.0 GET: (status, body); `None` while nothing listens.
