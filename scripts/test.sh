@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432
 # and NATS with JetStream on 127.0.0.1:4222, started if they are not running and installed from
-# Debian's packages if absent. DATABASE_URL / NATS_URL, when set, name other servers instead.
+# Debian's packages if absent, and promtool (Debian's prometheus package) for the alert rules. DATABASE_URL / NATS_URL, when set, name other servers instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,8 +63,14 @@ ensure_nats() {
   export NATS_URL=nats://127.0.0.1:4222
 }
 
+# promtool checks and unit-tests the alerting rules under deploy/ (tests/binary/deploy.rs).
+ensure_promtool() {
+  command -v promtool >/dev/null || apt_install prometheus
+}
+
 ensure_postgres
 ensure_nats
+ensure_promtool
 fast=$(mktemp)
 slow=$(mktemp)
 trap 'rm -f "$fast" "$slow"' EXIT

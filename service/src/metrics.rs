@@ -19,7 +19,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use inventory_infra::db::{DatabaseConnection, Probe};
-use inventory_infra::jetstream;
+use inventory_infra::jetstream::{self, ConsumerState};
 use inventory_infra::outbox::RelayStatus;
 use prometheus::{
     Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
@@ -38,6 +38,8 @@ pub struct Metrics {
     dead_letters: IntCounterVec,
     handling: HistogramVec,
     in_flight: IntGaugeVec,
+    pending: IntGaugeVec,
+    ack_pending: IntGaugeVec,
     purged: IntCounter,
     processing_older: IntGauge,
     outbox: OutboxMetrics,
@@ -54,6 +56,7 @@ struct OutboxMetrics {
     published: IntCounterVec,
     duplicates: IntCounterVec,
     partitions: IntGaugeVec,
+    failing: IntGaugeVec,
 }
 
 #[derive(Clone)]
@@ -119,6 +122,14 @@ impl OutboxMetrics {
                 ),
                 label,
             )?,
+            failing: IntGaugeVec::new(
+                Opts::new(
+                    "inventory_outbox_relay_failing",
+                    "1 while this relay has failed for longer than --relay-unhealthy-after to \
+                     publish rows that wait (as /healthz's \"relay\": \"failing\"), else 0.",
+                ),
+                label,
+            )?,
         };
         registry.register(Box::new(metrics.pending.clone()))?;
         registry.register(Box::new(metrics.oldest_pending.clone()))?;
@@ -126,6 +137,7 @@ impl OutboxMetrics {
         registry.register(Box::new(metrics.published.clone()))?;
         registry.register(Box::new(metrics.duplicates.clone()))?;
         registry.register(Box::new(metrics.partitions.clone()))?;
+        registry.register(Box::new(metrics.failing.clone()))?;
         Ok(metrics)
     }
 
@@ -140,6 +152,9 @@ impl OutboxMetrics {
         self.partitions
             .with_label_values(&outbox)
             .set(i64::try_from(status.held_partitions()).unwrap_or(i64::MAX));
+        self.failing
+            .with_label_values(&outbox)
+            .set(i64::from(relay.failing()));
         if let Some(backlog) = status.backlog() {
             self.pending
                 .with_label_values(&outbox)
@@ -192,6 +207,22 @@ impl Metrics {
             ),
             &["consumer"],
         )?;
+        let pending = IntGaugeVec::new(
+            Opts::new(
+                "inventory_consumer_pending_messages",
+                "Messages of the stream the durable consumer has not delivered yet (its lag), as \
+                 the server counted at the last look (every 10 s).",
+            ),
+            &["consumer"],
+        )?;
+        let ack_pending = IntGaugeVec::new(
+            Opts::new(
+                "inventory_consumer_ack_pending_messages",
+                "Messages delivered to the durable consumer and not acked yet, by any instance, \
+                 at the last look.",
+            ),
+            &["consumer"],
+        )?;
         let purged = IntCounter::new(
             "inventory_inbox_rows_purged_total",
             "Completed inbox rows deleted by the retention purge.",
@@ -205,6 +236,8 @@ impl Metrics {
         registry.register(Box::new(dead_letters.clone()))?;
         registry.register(Box::new(handling.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
+        registry.register(Box::new(pending.clone()))?;
+        registry.register(Box::new(ack_pending.clone()))?;
         registry.register(Box::new(purged.clone()))?;
         registry.register(Box::new(processing_older.clone()))?;
         let outbox = OutboxMetrics::new(&registry)?;
@@ -216,6 +249,8 @@ impl Metrics {
             dead_letters,
             handling,
             in_flight,
+            pending,
+            ack_pending,
             purged,
             processing_older,
         })
@@ -229,6 +264,8 @@ impl Metrics {
             dead_letters: self.dead_letters.clone(),
             handling: self.handling.with_label_values(&[consumer]),
             in_flight: self.in_flight.with_label_values(&[consumer]),
+            pending: self.pending.with_label_values(&[consumer]),
+            ack_pending: self.ack_pending.with_label_values(&[consumer]),
         }
     }
 
@@ -273,6 +310,8 @@ pub struct ConsumerMetrics {
     dead_letters: IntCounterVec,
     handling: Histogram,
     in_flight: IntGauge,
+    pending: IntGauge,
+    ack_pending: IntGauge,
 }
 
 /// Counts a delivery in flight until dropped, so a handler that panics is not counted forever.
@@ -285,6 +324,14 @@ impl Drop for InFlight {
 }
 
 impl ConsumerMetrics {
+    /// The consumer's counts as the server has them.
+    pub fn record_lag(&self, state: &ConsumerState) {
+        self.pending
+            .set(i64::try_from(state.pending).unwrap_or(i64::MAX));
+        self.ack_pending
+            .set(i64::try_from(state.ack_pending).unwrap_or(i64::MAX));
+    }
+
     pub fn start(&self) -> InFlight {
         self.in_flight.inc();
         InFlight(self.in_flight.clone())

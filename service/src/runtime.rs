@@ -261,6 +261,27 @@ impl Running {
         jetstream::consumer_state(&mut self.consumer.clone()).await
     }
 
+    /// Reads the consumer's counts every `every` into `metrics` until the lanes stop: its lag
+    /// is the server's to know, not any one instance's. A failed look keeps the last figures.
+    pub fn report_lag(&self, metrics: ConsumerMetrics, every: Duration) {
+        let mut consumer = self.consumer.clone();
+        let stop = self.shutdown.graceful.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = ticks.tick() => {}
+                }
+                match jetstream::consumer_state(&mut consumer).await {
+                    Ok(state) => metrics.record_lag(&state),
+                    Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
+                }
+            }
+        });
+    }
+
     pub fn is_finished(&self) -> bool {
         self.task.is_finished()
     }

@@ -19,6 +19,9 @@ use crate::relay::{RelayArgs, RunningRelay};
 use crate::retention::{self, PurgeSettings};
 use crate::runtime::{self, ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
+/// How often the consumer's lag is read for `/metrics`.
+const LAG_INTERVAL: Duration = Duration::from_secs(10);
+
 /// The strategy `serve` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StrategyArg {
@@ -305,7 +308,11 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let metrics = metrics.map(|metrics| metrics.consumer(&consumer_name));
     let relay = relay.map(RunningRelay::start);
     let immediate = shutdown.immediate.clone();
-    let ending = runtime.start(handler, metrics, shutdown).wait().await?;
+    let running = runtime.start(handler, metrics.clone(), shutdown);
+    if let Some(metrics) = metrics {
+        running.report_lag(metrics, LAG_INTERVAL);
+    }
+    let ending = running.wait().await?;
     drop(purge_guard);
     // After the lanes: the relay's last pass publishes what their last messages committed.
     if let Some(relay) = relay

@@ -8,6 +8,7 @@
 )]
 
 mod cli;
+mod deploy;
 mod least_privilege;
 mod operating;
 mod relay_binary;
