@@ -10,6 +10,7 @@
 mod cli;
 mod deploy;
 mod least_privilege;
+mod nats_permissions;
 mod operating;
 mod relay_binary;
 mod serve_binary;

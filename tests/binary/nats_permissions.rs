@@ -1,0 +1,130 @@
+//! The NATS user of `deploy/nats/inventory-user.conf`, on a nats-server of the test's own with
+//! that user beside an administrator: `serve --strategy natural` works end to end as it (a
+//! reservation, a dead letter, the relay's event), and what the service has no business doing
+//! (publishing orders, deleting a stream) is refused.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use inventory_domain::BookId;
+use inventory_infra::jetstream::{self, Context, NatsSecurity, Topology};
+use inventory_tests::binary::{BinaryRun, inventory, stop};
+use inventory_tests::nats::NatsServer;
+
+const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
+const INVENTORY_USER: &str = include_str!("../../deploy/nats/inventory-user.conf");
+const PASSWORD: &str = "inventory-pa55";
+const ADMIN_PASSWORD: &str = "admin-pa55";
+
+fn user(name: &str, password: &str) -> NatsSecurity {
+    NatsSecurity {
+        user: Some(name.into()),
+        password: Some(password.into()),
+        ..NatsSecurity::default()
+    }
+}
+
+async fn connect(server: &NatsServer, security: &NatsSecurity) -> Context {
+    let client = jetstream::connect_with(&server.url(), "permissions test", security)
+        .await
+        .unwrap();
+    jetstream::context(client)
+}
+
+/// `inventory <args>` against the test's database and this server, as `name`, with the
+/// default stream names the user's permissions name.
+fn command(run: &BinaryRun, server: &NatsServer, name: &str, password: &str) -> Command {
+    let mut command = Command::new(inventory());
+    command
+        .env("DATABASE_URL", &run.database_url)
+        .env("NATS_URL", server.url())
+        .env("NATS_USER", name)
+        .env("NATS_PASSWORD", password)
+        .env("RUST_LOG", "info,sqlx=warn");
+    command
+}
+
+fn publish(run: &BinaryRun, server: &NatsServer, book: &str) {
+    let output = command(run, server, "admin", ADMIN_PASSWORD)
+        .args(["publish", "placed", "--book-id", book, "--quantity", "2"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+}
+
+async fn messages(js: &Context, stream: &str) -> u64 {
+    js.get_stream(stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete_streams() {
+    let config = format!(
+        "authorization {{\n  users = [\n    {{ user: admin, password: \"{ADMIN_PASSWORD}\" }}\n{}\n  ]\n}}\n",
+        INVENTORY_USER.replace("$INVENTORY_NATS_PASSWORD", &format!("\"{PASSWORD}\""))
+    );
+    let server = NatsServer::start_with_config(&config).await;
+    let admin = connect(&server, &user("admin", ADMIN_PASSWORD)).await;
+    // The administrator creates the streams; the service only looks them up.
+    let topology = Topology::default();
+    jetstream::ensure_streams(&admin, &topology).await.unwrap();
+    jetstream::ensure_prefix_stream(&admin, &topology.events_stream())
+        .await
+        .unwrap();
+
+    let run = BinaryRun::new("nats_permissions", "info,sqlx=warn").await;
+    run.put_stock(BOOK, "Dune", 10);
+    let service: Child = command(&run, &server, "inventory", PASSWORD)
+        .args(["serve", "--strategy", "natural", "--ack-wait", "2s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    publish(&run, &server, BOOK);
+    publish(&run, &server, &BookId::new_v7().to_string());
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let reserved = run.db.reserved(BookId::parse(BOOK).unwrap()).await;
+        let dead_letters = messages(&admin, &topology.dlq_stream).await;
+        let events = messages(&admin, &topology.events_stream).await;
+        if (reserved, dead_letters, events) == (2, 1, 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "reserved {reserved}, dead letters {dead_letters}, events {events}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let service_user = connect(&server, &user("inventory", PASSWORD)).await;
+    let published = async {
+        service_user
+            .publish("orders.placed", "{}".into())
+            .await?
+            .await
+            .map(drop)
+            .map_err(|error| error.to_string().into())
+    };
+    let refused: Result<(), Box<dyn std::error::Error>> = published.await;
+    assert!(refused.is_err(), "the service user published an order");
+    assert!(
+        service_user.delete_stream(&topology.stream).await.is_err(),
+        "the service user deleted the stream"
+    );
+    assert_eq!(messages(&admin, &topology.stream).await, 2);
+
+    let (status, log) = stop(service);
+    assert!(status.success(), "{log}");
+    assert!(
+        !log.to_lowercase().contains("permissions violation"),
+        "{log}"
+    );
+}
