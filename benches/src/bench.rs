@@ -231,8 +231,14 @@ async fn purge_under_flow(args: &PurgeArgs, conn: &DatabaseConnection) -> Result
     tokio::time::sleep(Duration::from_secs(1)).await;
     let purge_started = Instant::now();
     let cutoff = chrono::Utc::now() - chrono::Duration::days(1);
-    let report =
-        inventory_infra::retention::purge_completed(conn, cutoff, args.batch_size, false).await?;
+    let report = inventory_infra::retention::purge_completed(
+        conn,
+        "inventory-reserve-stock-inbox",
+        cutoff,
+        args.batch_size,
+        false,
+    )
+    .await?;
     let purge_ended = Instant::now();
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

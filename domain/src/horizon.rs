@@ -2,10 +2,12 @@
 //! so how long its dedup record must be kept. A retention shorter than that lets a late copy
 //! find no record and be applied twice.
 //!
-//! Three things bring a copy back: JetStream redelivering (a lost ack, a nak), the producer
+//! Four things bring a copy back late: JetStream redelivering (a lost ack, a nak), the producer
 //! retrying (the stream drops retries only inside its duplicate window, so the inbox must at
-//! least cover that), and an operator replaying a dead letter (an allowance the operator
-//! chooses). The horizon is their sum: a conservative bound, never an estimate.
+//! least cover that), a copy stored in the stream waiting for its first delivery while the
+//! consumer lags (as long as the stream's `max_age` keeps it, or, with no `max_age`, an
+//! allowance the operator states), and an operator replaying a dead letter (an allowance the
+//! operator chooses). The horizon is their sum: a conservative bound, never an estimate.
 
 use std::time::Duration;
 
@@ -53,18 +55,48 @@ pub struct Horizon {
     /// `None`: the consumer redelivers without limit, so no finite retention is safe.
     pub redelivery: Option<Duration>,
     pub duplicate_window: Duration,
+    pub first_delivery: FirstDelivery,
     pub replay_allowance: Duration,
+}
+
+/// How long a message stored in the stream can wait for its first delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstDelivery {
+    /// The stream's `max_age`: an older message is gone from it.
+    MaxAge(Duration),
+    /// The stream keeps messages without an age limit, so as long as the consumer may lag
+    /// behind it: what the operator allows for.
+    LagAllowance(Duration),
+}
+
+impl FirstDelivery {
+    /// From the stream's `max_age` (zero: none) and the operator's lag allowance.
+    pub fn new(max_age: Duration, lag_allowance: Duration) -> Self {
+        if max_age.is_zero() {
+            Self::LagAllowance(lag_allowance)
+        } else {
+            Self::MaxAge(max_age)
+        }
+    }
+
+    pub fn wait(self) -> Duration {
+        match self {
+            Self::MaxAge(wait) | Self::LagAllowance(wait) => wait,
+        }
+    }
 }
 
 impl Horizon {
     pub fn new(
         policy: &RedeliveryPolicy,
         duplicate_window: Duration,
+        first_delivery: FirstDelivery,
         replay_allowance: Duration,
     ) -> Self {
         Self {
             redelivery: policy.redelivery_span(),
             duplicate_window,
+            first_delivery,
             replay_allowance,
         }
     }
@@ -74,6 +106,7 @@ impl Horizon {
         self.redelivery.map(|redelivery| {
             redelivery
                 .saturating_add(self.duplicate_window)
+                .saturating_add(self.first_delivery.wait())
                 .saturating_add(self.replay_allowance)
         })
     }
@@ -137,7 +170,12 @@ mod tests {
     #[test]
     fn unlimited_deliveries_have_no_horizon() {
         assert_eq!(policy(30, &[], -1, 0).redelivery_span(), None);
-        let horizon = Horizon::new(&policy(30, &[], -1, 0), SECOND, SECOND);
+        let horizon = Horizon::new(
+            &policy(30, &[], -1, 0),
+            SECOND,
+            FirstDelivery::LagAllowance(SECOND),
+            SECOND,
+        );
         assert_eq!(horizon.total(), None);
         let forever = Duration::from_secs(u64::MAX);
         assert_eq!(
@@ -150,14 +188,16 @@ mod tests {
     }
 
     #[test]
-    fn the_horizon_adds_the_duplicate_window_and_the_replay_allowance() {
-        // Given 300 s of redeliveries, a 2 min duplicate window and a 1 h replay allowance
+    fn the_horizon_adds_the_duplicate_window_the_first_delivery_and_the_replay_allowance() {
+        // Given 300 s of redeliveries, a 2 min duplicate window, a stream keeping messages 10 min
+        // and a 1 h replay allowance
         let horizon = Horizon::new(
             &policy(30, &[], 10, 5),
             Duration::from_secs(120),
+            FirstDelivery::new(Duration::from_secs(600), Duration::from_secs(86_400)),
             Duration::from_secs(3_600),
         );
-        let total = Duration::from_secs(300 + 120 + 3_600);
+        let total = Duration::from_secs(300 + 120 + 600 + 3_600);
         assert_eq!(horizon.total(), Some(total));
         // Then a retention of exactly the horizon passes, one second less is refused
         assert_eq!(horizon.check(total), Ok(()));
@@ -168,5 +208,20 @@ mod tests {
                 horizon: Some(total)
             })
         );
+    }
+
+    #[test]
+    fn a_stream_without_max_age_counts_the_lag_allowance_and_one_with_it_its_max_age() {
+        let hour = Duration::from_secs(3_600);
+        assert_eq!(
+            FirstDelivery::new(Duration::ZERO, hour),
+            FirstDelivery::LagAllowance(hour)
+        );
+        assert_eq!(
+            FirstDelivery::new(10 * hour, hour),
+            FirstDelivery::MaxAge(10 * hour)
+        );
+        // A long max_age outweighs a short lag allowance: the stream may hold a copy that long.
+        assert_eq!(FirstDelivery::new(10 * hour, hour).wait(), 10 * hour);
     }
 }

@@ -24,7 +24,7 @@ pub mod outcome;
 pub mod ports;
 pub mod stock;
 
-pub use horizon::{Horizon, RedeliveryPolicy, RetentionTooShort};
+pub use horizon::{FirstDelivery, Horizon, RedeliveryPolicy, RetentionTooShort};
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
 pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,

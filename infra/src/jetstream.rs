@@ -260,7 +260,7 @@ impl Topology {
         }
     }
 
-    fn stream_config(&self) -> stream::Config {
+    pub fn stream_config(&self) -> stream::Config {
         self.orders_stream().config()
     }
 
@@ -422,6 +422,46 @@ pub async fn ensure_streams(
     let orders = ensure_stream(js, topology.stream_config(), &mut drifts).await?;
     ensure_stream(js, topology.dlq_stream_config(), &mut drifts).await?;
     Ok((orders, drifts))
+}
+
+/// The settings of the durable consumer `name` as the server has them, and of its stream, from
+/// the first of `streams` that holds it; `None` when none does.
+pub async fn find_consumer(
+    js: &Context,
+    streams: &[String],
+    name: &str,
+) -> Result<Option<(consumer::Config, stream::Config)>, NatsError> {
+    for stream_name in streams {
+        let doing = format!("looking up consumer {name} on stream {stream_name}");
+        let stream = match js.get_stream(stream_name).await {
+            Ok(stream) => stream,
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js)
+                ) =>
+            {
+                continue;
+            }
+            Err(error) => return Err(nats_error(doing)(error)),
+        };
+        match stream.consumer_info(name).await {
+            Ok(info) => return Ok(Some((info.config, stream.cached_info().config.clone()))),
+            Err(error) if is_consumer_not_found(&error) => {}
+            Err(error) => return Err(nats_error(doing)(error)),
+        }
+    }
+    Ok(None)
+}
+
+fn is_consumer_not_found(error: &ConsumerInfoError) -> bool {
+    match error.kind() {
+        ConsumerInfoErrorKind::NotFound => true,
+        ConsumerInfoErrorKind::JetStream(error) => {
+            error.error_code() == ErrorCode::CONSUMER_NOT_FOUND
+        }
+        _ => false,
+    }
 }
 
 /// The settings of a durable pull consumer.

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DbBackend, DbErr, EntityTrait,
-    PaginatorTrait, QueryFilter, Statement,
+    PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, Statement,
 };
 
 use crate::entities::inbox;
@@ -27,16 +27,20 @@ pub struct PurgeReport {
 /// Any number: it only has to be the same in every instance of the service.
 const PURGE_LOCK_KEY: i64 = 0x696e_626f_7870; // "inboxp"
 
-/// Deletes completed inbox rows with `completed_at` before `cutoff`, `batch_size` at a time.
-/// On PostgreSQL each batch first takes a transaction-scoped advisory lock, so with several
-/// instances only one purges at a time; on SQLite the single writer already serializes them.
+/// Deletes `consumer`'s completed inbox rows with `completed_at` before `cutoff`, `batch_size`
+/// at a time: one consumer's rows only, since the cutoff must cover that consumer's own
+/// redelivery horizon. On PostgreSQL each batch first takes a transaction-scoped advisory lock,
+/// so with several instances only one purges at a time; on SQLite the single writer already
+/// serializes them.
 pub async fn purge_completed(
     db: &DatabaseConnection,
+    consumer: &str,
     cutoff: DateTime<Utc>,
     batch_size: u64,
     dry_run: bool,
 ) -> Result<PurgeReport, DbErr> {
     let processing_older = inbox::Entity::find()
+        .filter(inbox::Column::Consumer.eq(consumer))
         .filter(inbox::Column::CompletedAt.is_null())
         .filter(inbox::Column::ReceivedAt.lt(cutoff))
         .count(db)
@@ -47,13 +51,14 @@ pub async fn purge_completed(
     };
     if dry_run {
         report.deleted = inbox::Entity::find()
+            .filter(inbox::Column::Consumer.eq(consumer))
             .filter(inbox::Column::CompletedAt.lt(cutoff))
             .count(db)
             .await?;
         return Ok(report);
     }
     loop {
-        let Some(deleted) = delete_batch(db, cutoff, batch_size).await? else {
+        let Some(deleted) = delete_batch(db, consumer, cutoff, batch_size).await? else {
             report.skipped_locked = true;
             return Ok(report);
         };
@@ -68,6 +73,7 @@ pub async fn purge_completed(
 /// One batch in its own transaction; `None` if another purger holds the lock.
 async fn delete_batch(
     db: &DatabaseConnection,
+    consumer: &str,
     cutoff: DateTime<Utc>,
     batch_size: u64,
 ) -> Result<Option<u64>, DbErr> {
@@ -96,11 +102,12 @@ async fn delete_batch(
         txn.execute_raw(Statement::from_sql_and_values(
             DbBackend::Postgres,
             "DELETE FROM inbox WHERE ctid = ANY(ARRAY(\
-               SELECT ctid FROM inbox WHERE completed_at < $1 \
+               SELECT ctid FROM inbox WHERE completed_at < $1 AND consumer = $3 \
                ORDER BY completed_at LIMIT $2))",
             [
                 cutoff.into(),
                 i64::try_from(batch_size).unwrap_or(i64::MAX).into(),
+                consumer.into(),
             ],
         ))
         .await?
@@ -110,6 +117,7 @@ async fn delete_batch(
             .columns([inbox::Column::MessageId, inbox::Column::Consumer])
             .from(inbox::Entity)
             .and_where(Expr::col(inbox::Column::CompletedAt).lt(cutoff))
+            .and_where(Expr::col(inbox::Column::Consumer).eq(consumer))
             .order_by(inbox::Column::CompletedAt, sea_orm::Order::Asc)
             .limit(batch_size)
             .to_owned();
@@ -127,4 +135,16 @@ async fn delete_batch(
     };
     txn.commit().await?;
     Ok(Some(deleted))
+}
+
+/// The consumers that have rows in the inbox, in name order.
+pub async fn inbox_consumers(db: &DatabaseConnection) -> Result<Vec<String>, DbErr> {
+    inbox::Entity::find()
+        .select_only()
+        .column(inbox::Column::Consumer)
+        .distinct()
+        .order_by_asc(inbox::Column::Consumer)
+        .into_tuple()
+        .all(db)
+        .await
 }

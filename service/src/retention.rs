@@ -5,13 +5,57 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use humantime::format_duration;
-use inventory_domain::{Horizon, RetentionTooShort};
+use inventory_domain::{FirstDelivery, Horizon, RedeliveryPolicy, RetentionTooShort};
 use inventory_infra::db::DatabaseConnection;
+use inventory_infra::delivery::ConsumerConfig;
 use inventory_infra::retention::purge_completed;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+
+/// What the operator allows for in the redelivery horizon, beside what the server's settings
+/// say: shared by `serve` and `inbox purge`, so both check the same horizon.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AllowanceArgs {
+    /// How long after a dead letter operators may still replay it; part of the horizon.
+    #[arg(long, env = "REPLAY_ALLOWANCE", default_value = "7days", value_parser = humantime::parse_duration)]
+    pub replay_allowance: Duration,
+    /// How far the consumer may fall behind its stream, when the stream has no max_age: a copy
+    /// stored meanwhile waits that long for its first delivery. Part of the horizon; a stream's
+    /// max_age takes its place.
+    #[arg(long, env = "LAG_ALLOWANCE", default_value = "1day", value_parser = humantime::parse_duration)]
+    pub lag_allowance: Duration,
+}
+
+/// The horizon of `consumer` as the server has it and its stream (`duplicate_window`,
+/// `max_age`, zero for none), with the consuming service's longest nak delay.
+pub fn horizon(
+    consumer: &ConsumerConfig,
+    duplicate_window: Duration,
+    max_age: Duration,
+    longest_nak_delay: Duration,
+    allowances: &AllowanceArgs,
+) -> Horizon {
+    Horizon::new(
+        &RedeliveryPolicy {
+            ack_wait: consumer.ack_wait,
+            backoff: consumer.backoff.clone(),
+            max_deliver: consumer.max_deliver,
+            longest_nak_delay,
+        },
+        duplicate_window,
+        FirstDelivery::new(max_age, allowances.lag_allowance),
+        allowances.replay_allowance,
+    )
+}
+
+fn first_delivery(first: FirstDelivery) -> String {
+    match first {
+        FirstDelivery::MaxAge(wait) => format!("max_age {}", format_duration(wait)),
+        FirstDelivery::LagAllowance(wait) => format!("lag allowance {}", format_duration(wait)),
+    }
+}
 
 /// How the background purge runs.
 #[derive(Debug, Clone, Copy)]
@@ -23,26 +67,55 @@ pub struct PurgeSettings {
     pub batch_size: u64,
 }
 
+/// The flags a refusal names: the retention's and the one that overrides the refusal.
+#[derive(Debug, Clone, Copy)]
+pub struct GuardFlags {
+    pub retention: &'static str,
+    pub overriding: &'static str,
+}
+
+/// `serve`'s: its background purge's retention.
+pub const SERVE_FLAGS: GuardFlags = GuardFlags {
+    retention: "--inbox-retention",
+    overriding: "--accept-short-retention",
+};
+
+/// `inbox purge`'s.
+pub const PURGE_FLAGS: GuardFlags = GuardFlags {
+    retention: "--older-than",
+    overriding: "--force",
+};
+
 /// The guard's answer to a retention shorter than the horizon, naming both durations.
-pub fn refusal_message(consumer: &str, horizon: &Horizon, refusal: RetentionTooShort) -> String {
+pub fn refusal_message(
+    consumer: &str,
+    horizon: &Horizon,
+    refusal: RetentionTooShort,
+    flags: GuardFlags,
+) -> String {
     let retention = format_duration(refusal.retention);
+    let GuardFlags {
+        retention: flag,
+        overriding,
+    } = flags;
     match (refusal.horizon, horizon.redelivery) {
         (Some(total), Some(redelivery)) => format!(
-            "--inbox-retention {retention} is shorter than the redelivery horizon {} of consumer \
-             {consumer} (redeliveries {}, duplicate window {}, replay allowance {}): a copy \
+            "{flag} {retention} is shorter than the redelivery horizon {} of consumer \
+             {consumer} (redeliveries {}, duplicate window {}, {}, replay allowance {}): a copy \
              arriving later would find its inbox row purged and be applied twice. Raise \
-             --inbox-retention to at least {}, or pass --accept-short-retention",
+             {flag} to at least {}, or pass {overriding}",
             format_duration(total),
             format_duration(redelivery),
             format_duration(horizon.duplicate_window),
+            first_delivery(horizon.first_delivery),
             format_duration(horizon.replay_allowance),
             format_duration(total),
         ),
         _ => format!(
-            "--inbox-retention {retention} is shorter than the redelivery horizon of consumer \
+            "{flag} {retention} is shorter than the redelivery horizon of consumer \
              {consumer}, which is unbounded: its max_deliver is unlimited, so JetStream may \
              redeliver a message at any time. Give the consumer a max_deliver, or pass \
-             --accept-short-retention"
+             {overriding}"
         ),
     }
 }
@@ -66,19 +139,26 @@ pub fn guard(
         Err(refusal) if accept_short => {
             tracing::warn!(
                 "{}; going on as --accept-short-retention says",
-                refusal_message(consumer, horizon, refusal)
+                refusal_message(consumer, horizon, refusal, SERVE_FLAGS)
             );
             Ok(())
         }
-        Err(refusal) => Err(anyhow::anyhow!(refusal_message(consumer, horizon, refusal))),
+        Err(refusal) => Err(anyhow::anyhow!(refusal_message(
+            consumer,
+            horizon,
+            refusal,
+            SERVE_FLAGS
+        ))),
     }
 }
 
-/// Runs a purge now and then every `interval` until `stop`; each purge's counts are logged, and
+/// Runs a purge of `consumer`'s rows now and then every `interval` until `stop` (only its own:
+/// the guard checked the retention against its horizon alone); each purge's counts are logged, and
 /// rows still "processing" older than the retention are reported at warn. A purge cut short by
 /// `stop` rolls back only its current batch.
 pub fn spawn_purge(
     db: DatabaseConnection,
+    consumer: String,
     settings: PurgeSettings,
     metrics: Option<Metrics>,
     stop: CancellationToken,
@@ -97,7 +177,7 @@ pub fn spawn_purge(
             let started = std::time::Instant::now();
             let purged = tokio::select! {
                 () = stop.cancelled() => return,
-                purged = purge_completed(&db, cutoff, settings.batch_size.max(1), false) => purged,
+                purged = purge_completed(&db, &consumer, cutoff, settings.batch_size.max(1), false) => purged,
             };
             match purged {
                 Ok(report) if report.skipped_locked => {

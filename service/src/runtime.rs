@@ -120,6 +120,8 @@ pub struct ConsumerRuntime {
     /// The consumer's settings as the server has them, which rule over `settings.consumer`.
     server_consumer: ConsumerConfig,
     duplicate_window: Duration,
+    /// The stream's `max_age`; zero: none.
+    max_age: Duration,
     relay_wake: Option<RelayWake>,
 }
 
@@ -154,6 +156,7 @@ impl ConsumerRuntime {
                 &settings.consumer.durable_name,
             ),
             duplicate_window: stream.cached_info().config.duplicate_window,
+            max_age: stream.cached_info().config.max_age,
             settings,
             db,
             consumer,
@@ -181,6 +184,11 @@ impl ConsumerRuntime {
     /// How long the stream drops a resend of a message id it has stored.
     pub fn duplicate_window(&self) -> Duration {
         self.duplicate_window
+    }
+
+    /// How long the stream keeps a message; zero when it has no limit.
+    pub fn stream_max_age(&self) -> Duration {
+        self.max_age
     }
 
     /// The settings' handler on this runtime's database, its dedup rows under the consumer's

@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use inventory_domain::{Horizon, RedeliveryPolicy};
 use inventory_infra::db::{self, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings};
 use inventory_infra::outbox::OutboxSource;
@@ -16,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, detect_mode, natural_key_path};
 use crate::metrics::Metrics;
 use crate::relay::{RelayArgs, RunningRelay};
-use crate::retention::{self, PurgeSettings};
+use crate::retention::{self, AllowanceArgs, PurgeSettings};
 use crate::runtime::{self, ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
@@ -101,7 +100,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
     /// Completed inbox rows older than this are purged in the background. Must cover the
-    /// redelivery horizon (redeliveries + duplicate window + replay allowance).
+    /// redelivery horizon (redeliveries + duplicate window + the stream's max_age or the lag
+    /// allowance + replay allowance).
     #[arg(long, env = "INBOX_RETENTION", default_value = "14days", value_parser = humantime::parse_duration)]
     pub inbox_retention: Duration,
     /// Time between background purges; 0s turns the purge (and its horizon check) off.
@@ -110,9 +110,8 @@ pub struct ServeArgs {
     /// Rows per purge batch; each batch is one short transaction.
     #[arg(long, default_value_t = 1_000)]
     pub purge_batch_size: u64,
-    /// How long after a dead letter operators may still replay it; part of the horizon.
-    #[arg(long, env = "REPLAY_ALLOWANCE", default_value = "7days", value_parser = humantime::parse_duration)]
-    pub replay_allowance: Duration,
+    #[command(flatten)]
+    pub allowances: AllowanceArgs,
     /// Starts even when --inbox-retention is shorter than the redelivery horizon (a warning
     /// instead of a refusal).
     #[arg(long)]
@@ -217,16 +216,12 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let _stop_background = background.clone().drop_guard();
     if !args.purge_interval.is_zero() {
         // The server's values rule, whatever this process would have set.
-        let consumer = runtime.server_consumer();
-        let horizon = Horizon::new(
-            &RedeliveryPolicy {
-                ack_wait: consumer.ack_wait,
-                backoff: consumer.backoff.clone(),
-                max_deliver: consumer.max_deliver,
-                longest_nak_delay: args.max_retry_delay,
-            },
+        let horizon = retention::horizon(
+            runtime.server_consumer(),
             runtime.duplicate_window(),
-            args.replay_allowance,
+            runtime.stream_max_age(),
+            args.max_retry_delay,
+            &args.allowances,
         );
         retention::guard(
             &consumer_name,
@@ -285,7 +280,13 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         };
         // The purge stops with the first signal: it must not hold the database while draining.
         let stop = shutdown.graceful.child_token();
-        retention::spawn_purge(db.clone(), settings, metrics.clone(), stop.clone())?;
+        retention::spawn_purge(
+            db.clone(),
+            consumer_name.clone(),
+            settings,
+            metrics.clone(),
+            stop.clone(),
+        )?;
         purge_guard = Some(stop.drop_guard());
     }
 

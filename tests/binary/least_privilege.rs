@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use inventory_domain::BookId;
 use inventory_infra::db::SchemaPolicy;
 use inventory_migrations::{Migrator, MigratorTrait};
-use inventory_tests::binary::{BinaryRun, stop};
+use inventory_tests::binary::{BinaryRun, ended, stop};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use uuid::Uuid;
 
@@ -89,19 +89,6 @@ async fn eventually_scalar(run: &BinaryRun, sql: &str, expected: i64) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// The exit status and output of a command that must end by itself within 30 s.
-fn ended(mut child: Child) -> (std::process::ExitStatus, String) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "still running after 30 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().unwrap();
-    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&output.stderr));
-    (output.status, text)
 }
 
 fn serve(run: &BinaryRun) -> Child {

@@ -5,7 +5,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use inventory_domain::BookId;
-use inventory_tests::binary::{BinaryRun, free_port, http_get, sample, stop};
+use inventory_infra::jetstream::{self, Topology};
+use inventory_tests::binary::{BinaryRun, ended, free_port, http_get, sample, stop};
+use inventory_tests::nats;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
@@ -101,6 +103,8 @@ async fn a_retention_shorter_than_the_redelivery_horizon_is_refused() {
             "2m",
             "--replay-allowance",
             "1day",
+            "--lag-allowance",
+            "1h",
             "--inbox-retention",
             "1day",
         ])
@@ -108,13 +112,16 @@ async fn a_retention_shorter_than_the_redelivery_horizon_is_refused() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
-    // 10 deliveries × 30 s + the 2 min window + the 1 day allowance: both durations named.
+    // 10 deliveries × 30 s + the 2 min window + an hour's lag (the stream has no max_age) + the
+    // 1 day allowance: both durations named, and each part.
     assert!(
-        stderr.contains("--inbox-retention 1day is shorter than the redelivery horizon 1day 7m"),
+        stderr.contains("--inbox-retention 1day is shorter than the redelivery horizon 1day 1h 7m"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("redeliveries 5m, duplicate window 2m, replay allowance 1day"),
+        stderr.contains(
+            "redeliveries 5m, duplicate window 2m, lag allowance 1h, replay allowance 1day"
+        ),
         "{stderr}"
     );
 }
@@ -190,6 +197,8 @@ async fn the_horizon_is_the_existing_consumers_not_the_flags() {
             max_deliver,
             "--replay-allowance",
             "0s",
+            "--lag-allowance",
+            "0s",
             "--inbox-retention",
             "2h",
         ]
@@ -222,7 +231,8 @@ async fn the_horizon_is_the_existing_consumers_not_the_flags() {
 async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
     let setup = Setup::new().await;
     setup.put_stock(BOOK, "Dune", 1000);
-    // 300 completed rows from two days ago, and one older row still "processing".
+    // 300 completed rows from two days ago, and one older row still "processing", all this
+    // consumer's: the purge takes only its own consumer's rows.
     setup
         .db
         .conn
@@ -230,7 +240,7 @@ async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
             "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
              SELECT 'old-' || g, 'inventory-reserve-stock-inbox', now() - interval '2 days', \
                     now() - interval '2 days', repeat('0', 64) FROM generate_series(1, 300) g; \
-             INSERT INTO inbox VALUES ('stuck', 'notifications-stock-reserved-email', \
+             INSERT INTO inbox VALUES ('stuck', 'inventory-reserve-stock-inbox', \
                     now() - interval '3 days', NULL, repeat('0', 64))",
         )
         .await
@@ -245,6 +255,8 @@ async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
         "--inbox-retention",
         "1day",
         "--replay-allowance",
+        "1h",
+        "--lag-allowance",
         "1h",
         "--purge-interval",
         "1s",
@@ -500,4 +512,119 @@ async fn secrets_never_reach_the_logs_or_help() {
         .execute_unprepared(&format!("DROP ROLE IF EXISTS {role}"))
         .await
         .unwrap();
+}
+
+/// The stream's own `max_age` counts in the horizon: a copy can wait that long in the stream
+/// for its first delivery. The stream is made before `serve` looks, with 20 days.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_streams_max_age_counts_in_the_horizon() {
+    let setup = Setup::new().await;
+    let mut config = Topology {
+        stream: setup.names.stream.clone(),
+        subject_prefix: setup.names.subject_prefix.clone(),
+        ..Topology::default()
+    }
+    .stream_config();
+    config.max_age = Duration::from_secs(20 * 24 * 3600);
+    let client = jetstream::connect(&nats::shared_url().await, "max_age test")
+        .await
+        .unwrap();
+    jetstream::context(client)
+        .create_stream(config)
+        .await
+        .unwrap();
+    let (status, stderr) = ended(setup.serve(&["--strategy", "inbox", "--consumer", "aged"]));
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    // The default 14-day retention under 20 days of max_age, 7 of replay allowance and more.
+    assert!(
+        stderr.contains("--inbox-retention 14days is shorter"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("max_age 20days"), "{stderr}");
+}
+
+/// `inventory inbox purge` checks each consumer's horizon as `serve` does, and purges each
+/// consumer's rows on their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_purge_refuses_a_cutoff_inside_a_consumers_horizon_unless_forced() {
+    let setup = Setup::new().await;
+    create_consumer(&setup, "short", "1s", "2").await;
+    create_consumer(&setup, "long", "1h", "10").await;
+    // Completed two days ago, for each consumer.
+    for consumer in ["short", "long"] {
+        setup
+            .db
+            .conn
+            .execute_unprepared(&format!(
+                "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
+                 SELECT 'old-' || g, '{consumer}', now() - interval '3 days', \
+                        now() - interval '2 days', repeat('0', 64) \
+                 FROM generate_series(1, 5) AS g"
+            ))
+            .await
+            .unwrap();
+    }
+    let purge = |extra: &[&str]| {
+        let mut args = vec![
+            "inbox",
+            "purge",
+            "--older-than",
+            "1day",
+            "--replay-allowance",
+            "0s",
+            "--lag-allowance",
+            "0s",
+        ];
+        args.extend_from_slice(extra);
+        setup.command(&args).output().unwrap()
+    };
+    let rows = |consumer: &'static str| {
+        let setup = &setup;
+        async move {
+            setup
+                .scalar(&format!(
+                    "SELECT count(*) FROM inbox WHERE consumer = '{consumer}'"
+                ))
+                .await
+        }
+    };
+
+    // Every consumer by default: `long`'s horizon (10 hours and more) is within a day, but
+    // refused whole: nothing is deleted, not even `short`'s.
+    let everyone = purge(&["--max-retry-delay", "3h"]);
+    let stderr = String::from_utf8_lossy(&everyone.stderr);
+    assert_eq!(everyone.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--older-than 1day is shorter than the redelivery horizon"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("of consumer long"), "{stderr}");
+    assert!(stderr.contains("or pass --force"), "{stderr}");
+    assert_eq!((rows("short").await, rows("long").await), (5, 5));
+
+    // One consumer whose horizon the cutoff covers: its rows only.
+    let short = purge(&["--consumer", "short"]);
+    assert!(short.status.success(), "{short:?}");
+    assert_eq!((rows("short").await, rows("long").await), (0, 5));
+
+    // A consumer the server does not know: its horizon is unknown, so refused.
+    setup
+        .db
+        .conn
+        .execute_unprepared(
+            "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
+             VALUES ('gone-1', 'gone', now() - interval '3 days', now() - interval '2 days', \
+                     repeat('0', 64))",
+        )
+        .await
+        .unwrap();
+    let unknown = purge(&["--consumer", "gone"]);
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert_eq!(unknown.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("consumer gone is on neither"), "{stderr}");
+
+    // --force purges what it is told, looking nothing up.
+    let forced = purge(&["--force", "--max-retry-delay", "3h"]);
+    assert!(forced.status.success(), "{forced:?}");
+    assert_eq!((rows("long").await, rows("gone").await), (0, 0));
 }

@@ -66,7 +66,11 @@ async fn the_purge_commits_batch_by_batch_while_messages_flow_and_keeps_the_rete
     let cutoff = chrono::Utc::now() - chrono::Duration::days(1);
     let purge = tokio::spawn({
         let conn = db.conn.clone();
-        async move { purge_completed(&conn, cutoff, BATCH, false).await.unwrap() }
+        async move {
+            purge_completed(&conn, "inventory-reserve-stock-inbox", cutoff, BATCH, false)
+                .await
+                .unwrap()
+        }
     });
     db.wait_for_lock_waiter().await;
 

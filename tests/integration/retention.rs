@@ -27,19 +27,24 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
         .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
         .handle(&stuck)
         .await;
+    let sent = stock_reserved(book, 2);
+    assert!(email.handle(&sent).await.unwrap().processed());
+    let name = consumer.consumer().as_str();
 
-    let nothing_is_old = purge_completed(&db.conn, Utc::now() - Duration::hours(1), 10, false)
-        .await
-        .unwrap();
+    let nothing_is_old =
+        purge_completed(&db.conn, name, Utc::now() - Duration::hours(1), 10, false)
+            .await
+            .unwrap();
     assert_eq!(
         (nothing_is_old.deleted, nothing_is_old.processing_older),
         (0, 0)
     );
 
     let later = Utc::now() + Duration::hours(1);
-    let dry = purge_completed(&db.conn, later, 10, true).await.unwrap();
-    assert_eq!((dry.deleted, dry.processing_older), (25, 1));
-    let name = consumer.consumer().as_str();
+    let dry = purge_completed(&db.conn, name, later, 10, true)
+        .await
+        .unwrap();
+    assert_eq!((dry.deleted, dry.processing_older), (25, 0));
     assert!(
         db.stock
             .inbox_entry(&keys[0], name)
@@ -48,13 +53,26 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
             .is_some()
     );
 
-    let report = purge_completed(&db.conn, later, 10, false).await.unwrap();
+    let report = purge_completed(&db.conn, name, later, 10, false)
+        .await
+        .unwrap();
     assert_eq!(report.deleted, 25);
     assert_eq!(report.batches, 3);
-    assert_eq!(report.processing_older, 1);
+    assert_eq!(report.processing_older, 0);
     for key in &keys {
         assert_eq!(db.stock.inbox_entry(key, name).await.unwrap(), None);
     }
+    // One consumer's purge leaves another's rows, whose horizon it did not check.
+    let other = db
+        .stock
+        .inbox_entry(&sent.key.storage_key(), "emails")
+        .await
+        .unwrap();
+    assert!(other.is_some_and(|entry| entry.completed));
+    let emails = purge_completed(&db.conn, "emails", later, 10, false)
+        .await
+        .unwrap();
+    assert_eq!((emails.deleted, emails.processing_older), (1, 1));
     let kept = db
         .stock
         .inbox_entry(&stuck.key.storage_key(), "emails")
@@ -66,12 +84,14 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
 
 on_both_backends!(purge_deletes_completed_rows_in_batches_and_keeps_processing_ones);
 
+const SEEDED_CONSUMER: &str = "inventory-reserve-stock-inbox";
+
 /// Completed inbox rows a month old, as many purges would find them.
 async fn seed_completed(db: &TestDb, rows: u64) {
     db.conn
         .execute_unprepared(&format!(
             "INSERT INTO inbox (message_id, consumer, received_at, completed_at, payload_hash) \
-             SELECT 'seed-' || g, 'inventory-reserve-stock-inbox', \
+             SELECT 'seed-' || g, '{SEEDED_CONSUMER}', \
                     now() - interval '31 days', \
                     now() - interval '30 days' + g * interval '1 millisecond', \
                     repeat('0', 64) \
@@ -94,7 +114,11 @@ async fn instances_purging_at_once_leave_it_to_one_and_the_others_skip() {
         .unwrap();
     let cutoff = Utc::now() - Duration::days(1);
     let purge = |conn: sea_orm::DatabaseConnection| {
-        tokio::spawn(async move { purge_completed(&conn, cutoff, 10, false).await.unwrap() })
+        tokio::spawn(async move {
+            purge_completed(&conn, SEEDED_CONSUMER, cutoff, 10, false)
+                .await
+                .unwrap()
+        })
     };
     let first = purge(db.conn.clone());
     db.wait_for_lock_waiter().await;

@@ -88,7 +88,7 @@ impl BinaryRun {
         let mut command = Command::new(&self.binary);
         command.args(args);
         let first = args.first().copied().unwrap_or_default();
-        if ["serve", "publish", "dlq", "relay"].contains(&first) {
+        if ["serve", "publish", "dlq", "relay", "inbox"].contains(&first) {
             command.args(self.topology_args());
         }
         command
@@ -162,6 +162,23 @@ pub fn stop(mut child: Child) -> (std::process::ExitStatus, String) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    (output.status, text)
+}
+
+/// The exit status and output of a command that must end by itself within 30 s; one still
+/// running then is killed and the test fails.
+pub fn ended(mut child: Child) -> (std::process::ExitStatus, String) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("still running after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let output = child.wait_with_output().unwrap();
     let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
     text.push_str(&String::from_utf8_lossy(&output.stderr));
