@@ -7,9 +7,11 @@
 #   2. CPU per message of the service process against the hand-written consumer of the same
 #      statement (`inventory bench hand-written`: tokio-postgres + async-nats) at 1, 4 and 16;
 #   3. batched: pgbench running the batch statement (RESERVE_BATCH_SQL, arrays of 16 and 64
-#      placements, 16 clients) against `end-to-end --batch-size 16/64 --concurrency 16`;
-#   4. the latency batching adds: publish to handled, p50/p99, at half the per-message peak
-#      (the service's rate at 16 in flight in step 1), per message and in batches of 16 and 64.
+#      placements, 16 clients, each on books of its own as the lanes are) against
+#      `end-to-end --batch-size 16/64 --concurrency 16`;
+#   4. the latency batching adds: publish to handled, p50/p99, per message and in batches of 16
+#      and 64, at half the per-message peak (the service's rate at 16 in flight in step 1), the
+#      same process publishing meanwhile (a rate below the one asked: it did not keep up).
 #
 #   scripts/bench-vs-pgbench.sh [seconds per pgbench run, default 15] [messages per service run, default 20000]
 #

@@ -616,11 +616,14 @@ fn without_comments(sql: &str) -> String {
 }
 
 /// The pgbench script that runs the batch statement (`RESERVE_BATCH_SQL`) on `batch` fresh
-/// placements at a time, over consecutive books from a random one as a lane's batch of the
-/// end-to-end workload has them. Each array is built in the statement from pgbench's variables,
-/// so the text around the parameters is the handler's own (comments dropped, as above). A
-/// pgbench transaction is a batch.
+/// placements at a time. As the lanes of the end-to-end run take consecutive messages, so
+/// consecutive books, and never lock each other's books, each pgbench client orders consecutive
+/// books, from a random one, in a slice of the books of its own (`books / 16`: for up to 16
+/// clients). Each array is built in the statement from pgbench's variables, so the text around
+/// the parameters is the handler's own (comments dropped, as above). A pgbench transaction is a
+/// batch.
 pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
+    let slice = (books / 16).max(1);
     let array = |element: &str| {
         format!("(SELECT array_agg({element} ORDER BY i) FROM generate_series(1, {batch}) i)")
     };
@@ -629,7 +632,7 @@ pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
         .replace(
             "$2",
             &array(&format!(
-                "md5('b' || (1 + (:b::bigint + i) % {books})::text)::uuid"
+                "md5('b' || (1 + :client_id * {slice} + (:b::bigint + i) % {slice})::text)::uuid"
             )),
         )
         .replace("$3", &array("(1 + (:n::bigint + i) % 3)::int4"))
@@ -638,7 +641,7 @@ pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
         .replace("$6", &array("md5('e' || :n::text || '-' || i)::uuid"))
         .replace("$7", &array("((:n::bigint + i) % 16)::int2"));
     format!(
-        "\\set n random(1, 1000000000000)\n\\set b random(1, {books})\n{};\n",
+        "\\set n random(1, 1000000000000)\n\\set b random(0, {slice} - 1)\n{};\n",
         statement.replace('\n', " ")
     )
 }
