@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Side by side, one run: PostgreSQL alone (pgbench running the one-statement handler's own SQL)
-# against the service end to end (published to JetStream, consumed by the real loop, acked after
-# commit), at 1, 4 and 16 in flight; then the batched mode at 16. Prints the ratios.
+# Side by side, one run, every ratio of the PostgreSQL path against its own bound:
+#
+#   1. per message: pgbench running the one-statement handler's own SQL (RESERVE_SQL) against the
+#      service end to end (published to JetStream, consumed by the real loop, acked after
+#      commit), at 1, 4 and 16 in flight;
+#   2. CPU per message of the service process against the hand-written consumer of the same
+#      statement (`inventory bench hand-written`: tokio-postgres + async-nats) at 1, 4 and 16;
+#   3. batched: pgbench running the batch statement (RESERVE_BATCH_SQL, arrays of 16 and 64
+#      placements, 16 clients, each on books of its own as the lanes are) against
+#      `end-to-end --batch-size 16/64 --concurrency 16`;
+#   4. the latency batching adds: publish to handled, p50/p99, per message and in batches of 16
+#      and 64, at half the per-message peak (the service's rate at 16 in flight in step 1), the
+#      same process publishing meanwhile (a rate below the one asked: it did not keep up).
 #
 #   scripts/bench-vs-pgbench.sh [seconds per pgbench run, default 15] [messages per service run, default 20000]
 #
-# Needs the local PostgreSQL (or DATABASE_URL naming a server) and NATS (or NATS_URL).
+# Needs the local PostgreSQL (or DATABASE_URL naming a server), NATS (or NATS_URL), pgbench,
+# psql and jq. About six minutes with the defaults, once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,37 +26,82 @@ server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 books=1000
 
 cargo build --release --locked -p inventory-service -p inventory-benches >&2
-inventory=target/release/inventory
+inventory=${CARGO_TARGET_DIR:-target}/release/inventory
 
 db="pgbench_reserve_$$"
 base=${server%/*}
-cleanup() { psql -q "$server" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true; rm -f "$script"; }
-script=$(mktemp --suffix=.sql)
+dir=$(mktemp -d)
+cleanup() { psql -q "$server" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true; rm -rf "$dir"; }
 trap cleanup EXIT
 psql -q "$server" -c "CREATE DATABASE $db" >/dev/null
 DATABASE_URL="$base/$db" "$inventory" migrate >/dev/null
 psql -q "$base/$db" -c "$("$inventory" bench pgbench-script --seed --books $books)" >/dev/null
-"$inventory" bench pgbench-script --books $books >"$script"
+"$inventory" bench pgbench-script --books $books >"$dir/one.sql"
+for batch in 16 64; do
+  "$inventory" bench pgbench-script --books $books --batch-size $batch >"$dir/batch$batch.sql"
+done
 
+# Statements per second of script $1 on $2 clients.
 pgbench_tps() {
-  local clients=$1 threads=$(( $1 < 2 ? $1 : 2 ))
+  local script=$1 clients=$2 threads=$(( $2 < 2 ? $2 : 2 ))
   pgbench -n -M prepared -f "$script" -c "$clients" -j "$threads" -T "$seconds" "$base/$db" 2>/dev/null |
     sed -n 's/^tps = \([0-9.]*\) .*/\1/p'
 }
 
-service_rate() {
-  "$inventory" bench end-to-end --json --messages "$messages" --books $books --concurrency "$1" --batch-size "$2" |
-    sed -n 's/.*"messages_per_second":\([0-9.]*\).*/\1/p'
+# One end-to-end run's JSON report: bench_json <command> <in flight> <batch> [more flags].
+bench_json() {
+  local command=$1 in_flight=$2 batch=$3
+  shift 3
+  "$inventory" bench "$command" --json --books $books --concurrency "$in_flight" --batch-size "$batch" "$@"
 }
 
-printf '%-10s %-8s %14s %16s %8s\n' "in flight" "batch" "pgbench msg/s" "service msg/s" "ratio"
+ratio() { echo "$1 / $2" | bc -l; }
+
+echo "1. per message: the service against pgbench running RESERVE_SQL"
+printf '%-10s %14s %14s %8s\n' "in flight" "pgbench msg/s" "service msg/s" "ratio"
+declare -A service_cpu
+peak=0
 for clients in 1 4 16; do
-  tps=$(pgbench_tps "$clients")
-  rate=$(service_rate "$clients" 1)
-  printf '%-10s %-8s %14.0f %16.0f %8.2f\n' "$clients" 1 "$tps" "$rate" "$(echo "$rate / $tps" | bc -l)"
+  tps=$(pgbench_tps "$dir/one.sql" "$clients")
+  report=$(bench_json end-to-end "$clients" 1 --messages "$messages")
+  rate=$(jq .messages_per_second <<<"$report")
+  service_cpu[$clients]=$(jq '[.cpu_micros_per_message, .cpu_user_seconds, .cpu_system_seconds, .messages] | @tsv' -r <<<"$report")
+  printf '%-10s %14.0f %14.0f %8.2f\n' "$clients" "$tps" "$rate" "$(ratio "$rate" "$tps")"
+  peak=$rate
 done
-tps=$(pgbench_tps 16)
+
+echo
+echo "2. CPU per message of the whole process while consuming: the service against the hand-written consumer"
+printf '%-10s %18s %18s %8s %16s\n' "in flight" "service µs (u/s)" "hand µs (u/s)" "ratio" "hand msg/s"
+for clients in 1 4 16; do
+  report=$(bench_json hand-written "$clients" 1 --messages "$messages")
+  read -r s_total s_user s_system s_messages <<<"${service_cpu[$clients]}"
+  h_total=$(jq .cpu_micros_per_message <<<"$report")
+  h_user=$(jq '.cpu_user_seconds * 1e6 / .messages' <<<"$report")
+  h_system=$(jq '.cpu_system_seconds * 1e6 / .messages' <<<"$report")
+  printf '%-10s %6.1f (%4.1f/%4.1f) %6.1f (%4.1f/%4.1f) %8.2f %16.0f\n' "$clients" \
+    "$s_total" "$(echo "$s_user * 1000000 / $s_messages" | bc -l)" "$(echo "$s_system * 1000000 / $s_messages" | bc -l)" \
+    "$h_total" "$h_user" "$h_system" "$(ratio "$s_total" "$h_total")" "$(jq .messages_per_second <<<"$report")"
+done
+
+echo
+echo "3. batched, 16 in flight: the service against pgbench running RESERVE_BATCH_SQL on arrays of the same size"
+printf '%-8s %14s %14s %8s %12s\n' "batch" "pgbench msg/s" "service msg/s" "ratio" "service µs"
 for batch in 16 64; do
-  rate=$(service_rate 16 "$batch")
-  printf '%-10s %-8s %14.0f %16.0f %8.2f\n' 16 "$batch" "$tps" "$rate" "$(echo "$rate / $tps" | bc -l)"
+  tps=$(pgbench_tps "$dir/batch$batch.sql" 16)
+  report=$(bench_json end-to-end 16 "$batch" --messages $(( messages * 4 )))
+  rate=$(jq .messages_per_second <<<"$report")
+  bound=$(echo "$tps * $batch" | bc -l)
+  printf '%-8s %14.0f %14.0f %8.2f %12.1f\n' "$batch" "$bound" "$rate" "$(ratio "$rate" "$bound")" \
+    "$(jq .cpu_micros_per_message <<<"$report")"
+done
+
+echo
+half=$(printf '%.0f' "$(echo "$peak / 2" | bc -l)")
+echo "4. latency, publish to handled, at $half msg/s (half the per-message peak at 16 in flight), 16 in flight"
+printf '%-8s %10s %10s %10s %10s\n' "batch" "msg/s" "p50 ms" "p99 ms" "max ms"
+for batch in 1 16 64; do
+  report=$(bench_json end-to-end 16 "$batch" --rate "$half" --messages $(( half * 10 )))
+  printf '%-8s %10.0f %10.1f %10.1f %10.1f\n' "$batch" "$(jq .messages_per_second <<<"$report")" \
+    "$(jq .latency.p50_ms <<<"$report")" "$(jq .latency.p99_ms <<<"$report")" "$(jq .latency.max_ms <<<"$report")"
 done

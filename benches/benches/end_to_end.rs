@@ -4,8 +4,8 @@
 //!
 //! Each iteration is a whole run of `inventory bench end-to-end` (fresh database, own stream,
 //! publish, then consume until every message is acked); criterion times the consuming part,
-//! which the run measures itself. Needs PostgreSQL (DATABASE_URL or the local server) and NATS
-//! (NATS_URL or the local server).
+//! which the run measures itself. Needs PostgreSQL (DATABASE_URL when it names a PostgreSQL
+//! server, else the local one) and NATS (NATS_URL or the local server).
 #![expect(clippy::unwrap_used, reason = "a benchmark fails by panicking")]
 
 use std::time::Duration;
@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::Parser;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use inventory_benches::bench_e2e::{self, EndToEndArgs};
+use inventory_benches::workload;
 use tokio::runtime::Runtime;
 
 /// Orders per run: enough that start-up is a small share of a run.
@@ -27,12 +28,17 @@ struct Wrapper {
 fn arguments(in_flight: usize) -> EndToEndArgs {
     let concurrency = in_flight.to_string();
     let orders = ORDERS.to_string();
+    // The PostgreSQL server as the other groups find it: a DATABASE_URL naming SQLite (the
+    // service's default) would otherwise make every run fail.
+    let server = workload::postgres_server();
     Wrapper::parse_from([
         "end_to_end",
         "--messages",
         orders.as_str(),
         "--concurrency",
         concurrency.as_str(),
+        "--database-url",
+        server.as_str(),
     ])
     .args
 }

@@ -48,6 +48,10 @@ pub enum BenchCommand {
     /// OrderPlaced through JetStream into PostgreSQL by the real consumer loop, acked after
     /// commit: messages per second.
     EndToEnd(Box<bench_e2e::EndToEndArgs>),
+    /// The same workload and report as `end-to-end`, consumed by a hand-written tokio-postgres
+    /// and async-nats loop running the same statement: the bound of the service's CPU per
+    /// message (one statement per message only).
+    HandWritten(Box<bench_e2e::EndToEndArgs>),
     /// Prints the pgbench script (the one-statement handler's SQL, or one of the statements
     /// that bound it) and the SQL that seeds its books, for scripts/bench-vs-pgbench.sh and
     /// scripts/bench-cancel-guard.sh.
@@ -58,6 +62,10 @@ pub enum BenchCommand {
         #[arg(long, default_value = "reserve",
               value_parser = clap::builder::PossibleValuesParser::new(guard_cost::STATEMENTS))]
         statement: String,
+        /// Runs the batch statement (`RESERVE_BATCH_SQL`) with arrays of this many placements
+        /// instead of `--statement`; pgbench's transactions are then batches.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        batch_size: Option<u64>,
         /// Prints the seeding SQL instead of the script.
         #[arg(long)]
         seed: bool,
@@ -150,14 +158,22 @@ pub struct ChartArgs {
 
 pub async fn run(command: BenchCommand) -> Result<bool> {
     match command {
-        BenchCommand::EndToEnd(args) => end_to_end(&args).await.map(|()| true),
+        BenchCommand::EndToEnd(args) => end_to_end(&args, bench_e2e::Consumer::Service)
+            .await
+            .map(|()| true),
+        BenchCommand::HandWritten(args) => end_to_end(&args, bench_e2e::Consumer::HandWritten)
+            .await
+            .map(|()| true),
         BenchCommand::PgbenchScript {
             books,
             statement,
+            batch_size,
             seed,
         } => {
             if seed {
                 println!("{}", bench_e2e::pgbench_seed_sql(books));
+            } else if let Some(batch_size) = batch_size {
+                print!("{}", bench_e2e::pgbench_batch_script(books, batch_size));
             } else {
                 let statement = guard_cost::statement(&statement)
                     .with_context(|| format!("no statement {statement}"))?;
@@ -280,21 +296,41 @@ async fn purge_under_flow(args: &PurgeArgs, conn: &DatabaseConnection) -> Result
     Ok(())
 }
 
-async fn end_to_end(args: &bench_e2e::EndToEndArgs) -> Result<()> {
-    let report = bench_e2e::run(args).await?;
+async fn end_to_end(args: &bench_e2e::EndToEndArgs, consumer: bench_e2e::Consumer) -> Result<()> {
+    let report = bench_e2e::run_with(args, consumer).await?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
-    } else {
+        return Ok(());
+    }
+    println!(
+        "{} messages ({} processed, {} duplicates) through {} lanes, batch {}, {} handler, {} consumer: {:.2} s, {:.0} messages/s; CPU {:.1} µs per message ({:.2} s user, {:.2} s system)",
+        report.messages,
+        report.processed,
+        report.duplicates,
+        report.concurrency,
+        report.batch_size,
+        report.handler,
+        report.consumer,
+        report.seconds,
+        report.messages_per_second,
+        report.cpu_micros_per_message,
+        report.cpu_user_seconds,
+        report.cpu_system_seconds,
+    );
+    if let Some(latency) = &report.latency {
         println!(
-            "{} messages ({} processed, {} duplicates) through {} lanes, batch {}, {} handler: {:.2} s, {:.0} messages/s",
-            report.messages,
-            report.processed,
-            report.duplicates,
-            report.concurrency,
-            report.batch_size,
-            report.handler,
-            report.seconds,
-            report.messages_per_second
+            "publish to handled, {} messages: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            latency.samples, latency.p50_ms, latency.p90_ms, latency.p99_ms, latency.max_ms
+        );
+    }
+    if let Some(rss) = &report.rss {
+        println!(
+            "VmRSS over {} samples: min {} KiB, max {} KiB, last {} KiB; VmHWM {} KiB",
+            rss.samples.len(),
+            rss.min_kib,
+            rss.max_kib,
+            rss.last_kib,
+            rss.peak_kib
         );
     }
     Ok(())

@@ -2,19 +2,23 @@
 //! service loop into PostgreSQL, acked after commit; messages per second from the first fetch
 //! to the last ack.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
 use futures::StreamExt;
-use inventory_domain::{BookId, Message, OrderId, Quantity, StockItem};
+use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
 use inventory_infra::db::FreshDatabase;
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
-use inventory_infra::{HandlerKind, NaturalKeyPath, StockRepository};
+use inventory_infra::{HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
 use serde::Serialize;
 
+use crate::bench_hand::{self, HandWritten};
+use inventory_infra::delivery::PullConsumer;
 use inventory_service::args::{NatsArgs, natural_key_path};
-use inventory_service::runtime::{ConsumerRuntime, RuntimeSettings, Shutdown};
+use inventory_service::runtime::{ConsumerRuntime, Running, RuntimeSettings, Shutdown};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EndToEndArgs {
@@ -47,6 +51,13 @@ pub struct EndToEndArgs {
     pub database_url: String,
     #[command(flatten)]
     pub nats: NatsArgs,
+    /// Publishes at this many messages per second while consuming, instead of everything
+    /// before, and reports the latency from each publish to its handling.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rate: Option<u64>,
+    /// Samples this process's resident memory (VmRSS) every N messages handled.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rss_every: Option<u64>,
     /// Prints JSON instead of a line of text.
     #[arg(long)]
     pub json: bool,
@@ -54,6 +65,8 @@ pub struct EndToEndArgs {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EndToEndReport {
+    /// `service` (the real consumer loop) or `hand-written` ([`crate::bench_hand`]).
+    pub consumer: &'static str,
     pub handler: String,
     pub concurrency: usize,
     pub batch_size: usize,
@@ -62,13 +75,65 @@ pub struct EndToEndReport {
     pub duplicates: u64,
     pub seconds: f64,
     pub messages_per_second: f64,
+    /// CPU time of this whole process from the consumer's start to the last ack, user and
+    /// system: the consumer, its NATS client and, with `--rate`, the publisher as well.
+    pub cpu_user_seconds: f64,
+    pub cpu_system_seconds: f64,
+    pub cpu_micros_per_message: f64,
+    /// With `--rate`: from each message's publish to its handling's end (its commit; the ack
+    /// follows at once).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency: Option<Latency>,
+    /// With `--rss-every`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rss: Option<RssReport>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    pub samples: usize,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+/// The process's resident memory (VmRSS) while consuming, in KiB.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssReport {
+    pub min_kib: u64,
+    pub max_kib: u64,
+    pub last_kib: u64,
+    /// VmHWM at the end: the peak over the process's life, publishing included.
+    pub peak_kib: u64,
+    /// `[messages handled, VmRSS KiB]`, from before the first message on.
+    pub samples: Vec<(u64, u64)>,
+}
+
+/// Who consumes the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumer {
+    /// The service's runtime, as `serve` runs it.
+    Service,
+    /// [`crate::bench_hand`]: the loop one would write by hand around the same statement.
+    HandWritten,
 }
 
 pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
+    run_with(args, Consumer::Service).await
+}
+
+pub async fn run_with(args: &EndToEndArgs, consumer: Consumer) -> Result<EndToEndReport> {
     ensure!(
         inventory_infra::db::is_postgres(&args.database_url),
         "the end-to-end benchmark runs on PostgreSQL"
     );
+    if consumer == Consumer::HandWritten {
+        ensure!(
+            args.batch_size <= 1 && args.handler == NaturalKeyPath::OneStatement,
+            "the hand-written consumer runs the one statement, one message at a time"
+        );
+    }
     let lanes = args.concurrency.max(1);
     let fresh = FreshDatabase::create(
         Some(&args.database_url),
@@ -77,13 +142,14 @@ pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
     )
     .await
     .context("creating the benchmark database")?;
-    let result = measure(args, lanes, &fresh).await;
+    let result = measure(args, consumer, lanes, &fresh).await;
     fresh.remove().await?;
     result
 }
 
 async fn measure(
     args: &EndToEndArgs,
+    consumer: Consumer,
     lanes: usize,
     fresh: &FreshDatabase,
 ) -> Result<EndToEndReport> {
@@ -114,97 +180,406 @@ async fn measure(
     let client = jetstream::connect(&args.nats.nats_url, "inventory bench").await?;
     let js = jetstream::context(client.clone());
     jetstream::ensure_streams(&js, &topology).await?;
-    let outcome = publish_and_consume(args, lanes, fresh, &books, &js, &topology).await;
+    let outcome = publish_and_consume(args, consumer, lanes, fresh, &books, &js, &topology).await;
     for name in [&topology.stream, &topology.dlq_stream] {
         let _ = js.delete_stream(name).await;
     }
     outcome
 }
 
+/// The orders of a run, in publishing order, made as they are published, so that a run of a
+/// million orders holds none of them in memory: `messages` orders spread over `books`, every
+/// `resend_every`-th resent under a new id first (duplicates spread evenly).
+struct Orders<'a> {
+    books: &'a [BookId],
+    messages: usize,
+    resend_every: usize,
+}
+
+impl Orders<'_> {
+    fn quantity(index: usize) -> i64 {
+        1 + (index % 3) as i64
+    }
+
+    /// Every message delivered and acked, copies included.
+    fn total(&self) -> u64 {
+        (self.messages + self.messages / self.resend_every) as u64
+    }
+
+    /// The copies the run must reserve in all.
+    fn reserved(&self) -> i64 {
+        (0..self.messages).map(Self::quantity).sum()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Result<Message>> + '_ {
+        (0..self.messages).flat_map(move |index| {
+            let message = Quantity::new(Self::quantity(index)).map(|quantity| {
+                Message::placed(
+                    OrderId::new_v7(),
+                    self.books[index % self.books.len()],
+                    quantity,
+                )
+            });
+            let resent = (index % self.resend_every == self.resend_every - 1)
+                .then(|| message.as_ref().ok().map(Message::resent_with_new_id))
+                .flatten();
+            resent
+                .into_iter()
+                .map(Ok)
+                .chain(std::iter::once(message.map_err(anyhow::Error::from)))
+        })
+    }
+}
+
+/// When each message was published and how long each took from then to its handling.
+#[derive(Debug, Default)]
+pub struct PublishClock {
+    sent: Mutex<HashMap<String, Instant>>,
+    took: Mutex<Vec<Duration>>,
+}
+
+impl PublishClock {
+    fn sent(&self, key: String) {
+        lock(&self.sent).insert(key, Instant::now());
+    }
+
+    /// The message of dedup key `key` was handled `at`: counted once, at its first handling.
+    pub(crate) fn handled(&self, key: &str, at: Instant) {
+        if let Some(sent) = lock(&self.sent).remove(key) {
+            lock(&self.took).push(at.saturating_duration_since(sent));
+        }
+    }
+
+    fn latency(&self) -> Option<Latency> {
+        let mut took = std::mem::take(&mut *lock(&self.took));
+        took.sort_unstable();
+        let last = took.len().checked_sub(1)?;
+        let at = |q: f64| took[(last as f64 * q).round() as usize].as_secs_f64() * 1e3;
+        Some(Latency {
+            samples: took.len(),
+            p50_ms: at(0.5),
+            p90_ms: at(0.9),
+            p99_ms: at(0.99),
+            max_ms: at(1.0),
+        })
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The service's handler, telling the clock when each message's handling ended.
+#[derive(Clone)]
+struct Timed<H> {
+    handler: H,
+    clock: Arc<PublishClock>,
+}
+
+impl<H: MessageHandler> MessageHandler for Timed<H> {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let result = self.handler.handle(message).await;
+        self.clock
+            .handled(&message.key.storage_key(), Instant::now());
+        result
+    }
+
+    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let results = self.handler.handle_batch(messages).await;
+        let now = Instant::now();
+        for message in messages {
+            self.clock.handled(&message.key.storage_key(), now);
+        }
+        results
+    }
+}
+
+/// A consumer of either kind, set up on the server, not yet consuming.
+enum Prepared {
+    Service(Box<ConsumerRuntime>),
+    HandWritten(Box<PullConsumer>),
+}
+
+impl Prepared {
+    async fn new(
+        args: &EndToEndArgs,
+        consumer: Consumer,
+        lanes: usize,
+        fresh: &FreshDatabase,
+        js: &Context,
+        topology: &Topology,
+    ) -> Result<Self> {
+        if consumer == Consumer::HandWritten {
+            let consumer = bench_hand::prepare(js, topology).await?;
+            return Ok(Self::HandWritten(Box::new(consumer)));
+        }
+        let handler = HandlerKind::natural_key(args.handler, args.batch_size);
+        let mut settings = RuntimeSettings::new(topology.clone(), handler, lanes);
+        settings.consumer.durable_name = "inventory-bench".into();
+        settings.consumer.max_ack_pending = 20_000;
+        settings.batch_size = args.batch_size.max(1);
+        settings.retry_delay = Duration::from_millis(100);
+        settings.max_retry_delay = Duration::from_secs(5);
+        let runtime = ConsumerRuntime::prepare(js, fresh.conn.clone(), settings).await?;
+        Ok(Self::Service(Box::new(runtime)))
+    }
+
+    /// Starts consuming; `clock` is told when each message's handling ends.
+    async fn start(
+        self,
+        lanes: usize,
+        fresh: &FreshDatabase,
+        clock: Option<Arc<PublishClock>>,
+    ) -> Result<Consuming> {
+        Ok(match self {
+            Self::Service(runtime) => {
+                let handler = runtime.handler(None)?;
+                Consuming::Service(match clock {
+                    Some(clock) => {
+                        runtime.start(Timed { handler, clock }, None, Shutdown::default())
+                    }
+                    None => runtime.start(handler, None, Shutdown::default()),
+                })
+            }
+            Self::HandWritten(consumer) => Consuming::HandWritten(
+                HandWritten::start(&fresh.url, *consumer, lanes, clock).await?,
+            ),
+        })
+    }
+}
+
+/// A consumer of either kind, running.
+enum Consuming {
+    Service(Running),
+    HandWritten(HandWritten),
+}
+
+impl Consuming {
+    /// Acked so far, not as duplicates, and as duplicates.
+    fn counts(&self) -> (u64, u64) {
+        match self {
+            Self::Service(running) => (
+                running.stats.acked.load(Relaxed),
+                running.stats.duplicates.load(Relaxed),
+            ),
+            Self::HandWritten(lanes) => (
+                lanes.counts.acked.load(Relaxed),
+                lanes.counts.duplicates.load(Relaxed),
+            ),
+        }
+    }
+
+    /// The server confirms: nothing pending, nothing unacked.
+    async fn drained(&self) -> Result<bool> {
+        let state = match self {
+            Self::Service(running) => running.consumer_state().await?,
+            Self::HandWritten(lanes) => {
+                jetstream::consumer_state(&mut lanes.consumer.clone()).await?
+            }
+        };
+        Ok(state.pending == 0 && state.ack_pending == 0)
+    }
+
+    fn is_finished(&self) -> bool {
+        match self {
+            Self::Service(running) => running.is_finished(),
+            Self::HandWritten(lanes) => lanes.is_finished(),
+        }
+    }
+
+    async fn stop(self) -> Result<()> {
+        match self {
+            Self::Service(running) => running.stop().await.map(drop),
+            Self::HandWritten(lanes) => lanes.stop().await,
+        }
+    }
+}
+
+/// Publishes `orders`, at `rate` per second if given, telling `clock` when each left.
+async fn publish(
+    js: &Context,
+    topology: &Topology,
+    orders: &Orders<'_>,
+    rate: Option<u64>,
+    clock: Option<&PublishClock>,
+) -> Result<()> {
+    let publisher = OrderPublisher::new(js.clone(), topology.clone());
+    let ticks = rate.map(|rate| {
+        let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(1) as f64));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        ticks
+    });
+    let paced = futures::stream::unfold(
+        (orders.iter(), ticks),
+        |(mut messages, mut ticks)| async move {
+            let message = messages.next()?;
+            if let Some(ticks) = ticks.as_mut() {
+                ticks.tick().await;
+            }
+            Some((message, (messages, ticks)))
+        },
+    );
+    let publisher = &publisher;
+    let published = paced
+        .map(|message| async move {
+            let message = message?;
+            if let Some(clock) = clock {
+                clock.sent(message.key.storage_key());
+            }
+            publisher.publish(&message).await?;
+            anyhow::Ok(())
+        })
+        .buffer_unordered(256);
+    let mut published = std::pin::pin!(published);
+    while let Some(receipt) = published.next().await {
+        receipt?;
+    }
+    Ok(())
+}
+
 async fn publish_and_consume(
     args: &EndToEndArgs,
+    consumer: Consumer,
     lanes: usize,
     fresh: &FreshDatabase,
     books: &[BookId],
     js: &Context,
     topology: &Topology,
 ) -> Result<EndToEndReport> {
-    // Every tenth order (by default) resent under a new id: duplicates spread evenly.
-    let resend_every = if args.duplicates > 0.0 {
-        (1.0 / args.duplicates).round().max(1.0) as usize
-    } else {
-        usize::MAX
+    let orders = Orders {
+        books,
+        messages: args.messages,
+        resend_every: if args.duplicates > 0.0 {
+            (1.0 / args.duplicates).round().max(1.0) as usize
+        } else {
+            usize::MAX
+        },
     };
-    let mut messages = Vec::with_capacity(args.messages + args.messages / resend_every.max(1));
-    let mut expected_reserved = 0_i64;
-    for index in 0..args.messages {
-        let quantity = 1 + (index % 3) as i64;
-        expected_reserved += quantity;
-        let message = Message::placed(
-            OrderId::new_v7(),
-            books[index % books.len()],
-            Quantity::new(quantity)?,
-        );
-        if index % resend_every == resend_every - 1 {
-            messages.push(message.resent_with_new_id());
-        }
-        messages.push(message);
+    let total = orders.total();
+    let clock = args.rate.map(|_| Arc::new(PublishClock::default()));
+    if args.rate.is_none() {
+        publish(js, topology, &orders, None, None).await?;
     }
-    let publisher = OrderPublisher::new(js.clone(), topology.clone());
-    let mut published = futures::stream::iter(&messages)
-        .map(|message| publisher.publish(message))
-        .buffer_unordered(256);
-    while let Some(receipt) = published.next().await {
-        receipt?;
-    }
-    let total = messages.len() as u64;
 
-    let handler = HandlerKind::natural_key(args.handler, args.batch_size);
-    let mut settings = RuntimeSettings::new(topology.clone(), handler, lanes);
-    settings.consumer.durable_name = "inventory-bench".into();
-    settings.consumer.max_ack_pending = 20_000;
-    settings.batch_size = args.batch_size.max(1);
-    settings.retry_delay = Duration::from_millis(100);
-    settings.max_retry_delay = Duration::from_secs(5);
-    let runtime = ConsumerRuntime::prepare(js, fresh.conn.clone(), settings).await?;
-    let handler = runtime.handler(None)?;
+    let prepared = Prepared::new(args, consumer, lanes, fresh, js, topology).await?;
+    let cpu_before = cpu_times()?;
     let started = Instant::now();
-    let running = runtime.start(handler, None, Shutdown::default());
+    let consuming = prepared.start(lanes, fresh, clock.clone()).await?;
+    let mut rss = Vec::new();
     // Done when every message was acked: counted by the loop, confirmed by the server.
-    let stats = running.stats.clone();
-    loop {
-        let handled = stats.acked.load(Relaxed) + stats.duplicates.load(Relaxed);
-        if handled >= total {
-            let state = running.consumer_state().await?;
-            if state.pending == 0 && state.ack_pending == 0 {
-                break;
+    let consumed = async {
+        let mut next_sample = 0;
+        loop {
+            let (acked, duplicates) = consuming.counts();
+            let handled = acked + duplicates;
+            if let Some(every) = args.rss_every {
+                while handled >= next_sample {
+                    rss.push((handled, status_kib("VmRSS")?));
+                    next_sample += every.max(1);
+                }
             }
+            if handled >= total && consuming.drained().await? {
+                return anyhow::Ok(());
+            }
+            ensure!(!consuming.is_finished(), "the consumer stopped early");
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        ensure!(!running.is_finished(), "the consumer loop stopped early");
-        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    match args.rate {
+        Some(rate) => {
+            let published = publish(js, topology, &orders, Some(rate), clock.as_deref());
+            tokio::try_join!(published, consumed)?;
+        }
+        None => consumed.await?,
     }
     let seconds = started.elapsed().as_secs_f64();
-    running.stop().await?;
+    let cpu = cpu_times()?;
+    let (acked, duplicates) = consuming.counts();
+    consuming.stop().await?;
     let reserved: i64 = StockRepository::new(fresh.conn.clone())
         .list()
         .await?
         .iter()
         .map(|item| item.reserved)
         .sum();
+    let expected_reserved = orders.reserved();
     ensure!(
         reserved == expected_reserved,
         "reserved {reserved} copies where {expected_reserved} were ordered"
     );
+    let (user, system) = (cpu.0 - cpu_before.0, cpu.1 - cpu_before.1);
+    let rss = match rss.as_slice() {
+        [] => None,
+        samples => Some(RssReport {
+            min_kib: samples
+                .iter()
+                .map(|(_, kib)| *kib)
+                .min()
+                .unwrap_or_default(),
+            max_kib: samples
+                .iter()
+                .map(|(_, kib)| *kib)
+                .max()
+                .unwrap_or_default(),
+            last_kib: samples.last().map(|(_, kib)| *kib).unwrap_or_default(),
+            peak_kib: status_kib("VmHWM")?,
+            samples: rss,
+        }),
+    };
     Ok(EndToEndReport {
+        consumer: match consumer {
+            Consumer::Service => "service",
+            Consumer::HandWritten => "hand-written",
+        },
         handler: format!("{:?}", args.handler),
         concurrency: lanes,
         batch_size: args.batch_size.max(1),
         messages: total,
-        processed: stats.acked.load(Relaxed),
-        duplicates: stats.duplicates.load(Relaxed),
+        processed: acked,
+        duplicates,
         seconds,
         messages_per_second: total as f64 / seconds,
+        cpu_user_seconds: user,
+        cpu_system_seconds: system,
+        cpu_micros_per_message: (user + system) * 1e6 / total as f64,
+        latency: clock.and_then(|clock| clock.latency()),
+        rss,
     })
+}
+
+/// This process's CPU time so far, user and system, in seconds: `utime` and `stime` of
+/// /proc/self/stat, in clock ticks of USER_HZ, which is 100 on Linux.
+fn cpu_times() -> Result<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+    // The command name, in parentheses, may hold spaces: the fields after it are counted from
+    // the third (state), so utime, the 14th, is the 12th of them.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("no command name in /proc/self/stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks = |index: usize| -> Result<f64> {
+        let value: u64 = fields
+            .get(index)
+            .context("/proc/self/stat is short")?
+            .parse()?;
+        Ok(value as f64 / 100.0)
+    };
+    Ok((ticks(11)?, ticks(12)?))
+}
+
+/// A `kB` line of /proc/self/status (`VmRSS`, `VmHWM`), in KiB.
+fn status_kib(field: &str) -> Result<u64> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let value = status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .with_context(|| format!("no {field} in /proc/self/status"))?;
+    Ok(value.trim().trim_end_matches("kB").trim().parse()?)
 }
 
 /// The pgbench script that runs `statement` (the one-statement handler's own SQL, `RESERVE_SQL`,
@@ -240,10 +615,92 @@ fn without_comments(sql: &str) -> String {
     kept
 }
 
+/// The pgbench script that runs the batch statement (`RESERVE_BATCH_SQL`) on `batch` fresh
+/// placements at a time. As the lanes of the end-to-end run take consecutive messages, so
+/// consecutive books, and never lock each other's books, each pgbench client orders consecutive
+/// books, from a random one, in a slice of the books of its own (`books / 16`: for up to 16
+/// clients). Each array is built in the statement from pgbench's variables, so the text around
+/// the parameters is the handler's own (comments dropped, as above). A pgbench transaction is a
+/// batch.
+pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
+    let slice = (books / 16).max(1);
+    let array = |element: &str| {
+        format!("(SELECT array_agg({element} ORDER BY i) FROM generate_series(1, {batch}) i)")
+    };
+    let statement = without_comments(inventory_infra::consumers::natural_pg::RESERVE_BATCH_SQL)
+        .replace("$1", &array("md5('o' || :n::text || '-' || i)::uuid"))
+        .replace(
+            "$2",
+            &array(&format!(
+                "md5('b' || (1 + :client_id * {slice} + (:b::bigint + i) % {slice})::text)::uuid"
+            )),
+        )
+        .replace("$3", &array("(1 + (:n::bigint + i) % 3)::int4"))
+        .replace("$4", &array("'pgbench-' || :n::text || '-' || i"))
+        .replace("$5", &array("(i - 1)::int4"))
+        .replace("$6", &array("md5('e' || :n::text || '-' || i)::uuid"))
+        .replace("$7", &array("((:n::bigint + i) % 16)::int2"));
+    format!(
+        "\\set n random(1, 1000000000000)\n\\set b random(0, {slice} - 1)\n{};\n",
+        statement.replace('\n', " ")
+    )
+}
+
 /// The books the pgbench script orders from, with stock that never runs out.
 pub fn pgbench_seed_sql(books: usize) -> String {
     format!(
         "INSERT INTO stock_items (book_id, title, on_hand, reserved) \
          SELECT md5('b' || g)::uuid, 'Book ' || g, 1000000000, 0 FROM generate_series(1, {books}) g;"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #![expect(clippy::unwrap_used, reason = "a test fails by panicking")]
+
+    use super::{Orders, pgbench_batch_script};
+    use inventory_domain::{BookId, Event};
+
+    #[test]
+    fn the_orders_are_each_sent_once_and_every_tenth_resent_under_a_new_id_first() {
+        let books = [BookId::new_v7(), BookId::new_v7()];
+        let orders = Orders {
+            books: &books,
+            messages: 25,
+            resend_every: 10,
+        };
+        let messages: Vec<_> = orders.iter().map(Result::unwrap).collect();
+        assert_eq!(messages.len() as u64, orders.total());
+        assert_eq!(messages.len(), 27);
+        // Index 9 is the tenth order: its resend comes first, then the order, same event.
+        assert_eq!(messages[9].event, messages[10].event);
+        assert_ne!(messages[9].key, messages[10].key);
+        let reserved: i64 = messages
+            .iter()
+            .enumerate()
+            .filter(|(at, _)| ![9, 20].contains(at))
+            .map(|(_, message)| match &message.event {
+                Event::Placed(placed) => i64::from(placed.quantity.get()),
+                other => panic!("not a placement: {other:?}"),
+            })
+            .sum();
+        assert_eq!(reserved, orders.reserved());
+    }
+
+    #[test]
+    fn the_batch_script_binds_every_parameter_of_the_batch_statement_to_an_array() {
+        let script = pgbench_batch_script(1_000, 16);
+        let statement = script.lines().nth(2).unwrap();
+        assert!(
+            !statement
+                .as_bytes()
+                .windows(2)
+                .any(|pair| pair[0] == b'$' && pair[1].is_ascii_digit()),
+            "a parameter left: {statement}"
+        );
+        assert_eq!(
+            statement.matches("FROM generate_series(1, 16) i)").count(),
+            7
+        );
+    }
 }

@@ -8,8 +8,10 @@
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
 //! - [`compare`]: every strategy end to end through JetStream on one workload.
 //! - [`bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
-//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench script beside it;
-//!   [`guard_cost`]: the placement statement and the statements that bound it, for pgbench.
+//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench scripts beside it;
+//!   [`guard_cost`]: the placement statement and the statements that bound it, for pgbench;
+//!   `bench_hand`: the hand-written consumer of the same statement the service is measured
+//!   against.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
@@ -22,6 +24,7 @@
 
 pub mod bench;
 pub mod bench_e2e;
+mod bench_hand;
 pub mod bench_relay;
 pub mod chart;
 pub mod cli;

@@ -1,0 +1,171 @@
+//! `inventory bench hand-written`: the consumer one would write by hand around the service's
+//! statement, as the bound of what the service's own loop costs per message. tokio-postgres and
+//! async-nats, nothing else: N lanes, each with its own connection and the statement prepared
+//! once, take the next message of one JetStream pull stream, decode the OrderPlaced body, run
+//! [`RESERVE_SQL`] and ack after it returned. No retry policy, dead letters, spans, metrics or
+//! outage handling: a failure ends the run. Cancellations are not part of the workload.
+//!
+//! The workload, the report and the wait for the last ack are `inventory bench end-to-end`'s
+//! ([`crate::bench_e2e`]); this module only consumes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use futures::StreamExt;
+use inventory_domain::OrderId;
+use inventory_domain::outbox::partition;
+use inventory_infra::consumers::natural_pg::RESERVE_SQL;
+use inventory_infra::jetstream::{Context, Topology};
+use serde::Deserialize;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::bench_e2e::PublishClock;
+
+/// The fields of a plain OrderPlaced body the statement needs.
+#[derive(Deserialize)]
+struct Placed {
+    message_id: String,
+    order_id: Uuid,
+    book_id: Uuid,
+    quantity: i32,
+}
+
+/// What the lanes counted.
+#[derive(Debug, Default)]
+pub(crate) struct Counts {
+    pub(crate) acked: AtomicU64,
+    /// Acked, the statement having found the order's reservation already there.
+    pub(crate) duplicates: AtomicU64,
+}
+
+/// The lanes, running.
+pub(crate) struct HandWritten {
+    pub(crate) counts: Arc<Counts>,
+    pub(crate) consumer: PullConsumer,
+    stop: CancellationToken,
+    lanes: JoinSet<Result<()>>,
+}
+
+/// Creates the durable pull consumer on the orders stream; [`HandWritten::start`] consumes.
+pub(crate) async fn prepare(js: &Context, topology: &Topology) -> Result<PullConsumer> {
+    let stream = js.get_stream(&topology.stream).await?;
+    let name = "inventory-bench-hand-written";
+    let config = pull::Config {
+        durable_name: Some(name.into()),
+        filter_subject: format!("{}.>", topology.subject_prefix),
+        ack_policy: AckPolicy::Explicit,
+        max_ack_pending: 20_000,
+        ..Default::default()
+    };
+    Ok(stream.get_or_create_consumer(name, config).await?)
+}
+
+impl HandWritten {
+    /// Starts `lanes` lanes on `consumer`; each opens its connection and prepares the statement
+    /// first, as the service's lanes open theirs on their first message.
+    pub(crate) async fn start(
+        database_url: &str,
+        consumer: PullConsumer,
+        lanes: usize,
+        clock: Option<Arc<PublishClock>>,
+    ) -> Result<Self> {
+        // As the service pulls: twice what the lanes hold, asked again when half is used.
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch((2 * lanes).max(32))
+            .heartbeat(Duration::from_secs(5))
+            .expires(Duration::from_secs(30))
+            .messages()
+            .await?;
+        let messages = Arc::new(tokio::sync::Mutex::new(messages));
+        let counts = Arc::new(Counts::default());
+        let stop = CancellationToken::new();
+        let mut running = JoinSet::new();
+        for _ in 0..lanes {
+            let failed = stop.clone();
+            let (messages, counts, stop, clock) = (
+                messages.clone(),
+                counts.clone(),
+                stop.clone(),
+                clock.clone(),
+            );
+            let database_url = database_url.to_owned();
+            let lane = async move {
+                let (client, connection) =
+                    tokio_postgres::connect(&database_url, tokio_postgres::NoTls)
+                        .await
+                        .context("connecting a lane")?;
+                // Ends when the lane drops its client.
+                tokio::spawn(connection);
+                let statement = client.prepare(RESERVE_SQL).await?;
+                loop {
+                    let next = {
+                        let mut messages = messages.lock().await;
+                        tokio::select! {
+                            () = stop.cancelled() => return Ok(()),
+                            next = messages.next() => next,
+                        }
+                    };
+                    let message = next.context("the pull stream ended")??;
+                    let placed: Placed = serde_json::from_slice(&message.payload)?;
+                    let row = client
+                        .query_one(
+                            &statement,
+                            &[
+                                &placed.order_id,
+                                &placed.book_id,
+                                &placed.quantity,
+                                &placed.message_id,
+                                &Uuid::now_v7(),
+                                &partition(OrderId::from(placed.order_id)),
+                            ],
+                        )
+                        .await?;
+                    message.ack().await.map_err(anyhow::Error::from_boxed)?;
+                    if let Some(clock) = &clock {
+                        clock.handled(&placed.message_id, Instant::now());
+                    }
+                    let inserted: Option<&str> = row.try_get("inserted_status")?;
+                    let counter = if inserted.is_some() {
+                        &counts.acked
+                    } else {
+                        &counts.duplicates
+                    };
+                    counter.fetch_add(1, Relaxed);
+                }
+            };
+            running.spawn(async move {
+                let result: Result<()> = lane.await;
+                if result.is_err() {
+                    failed.cancel();
+                }
+                result
+            });
+        }
+        Ok(Self {
+            counts,
+            consumer,
+            stop,
+            lanes: running,
+        })
+    }
+
+    /// A lane failed, and the others were told to stop (the error is [`stop`](Self::stop)'s).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.stop.is_cancelled()
+    }
+
+    /// Stops the lanes and returns the first lane's error, if one failed.
+    pub(crate) async fn stop(mut self) -> Result<()> {
+        self.stop.cancel();
+        while let Some(lane) = self.lanes.join_next().await {
+            lane??;
+        }
+        Ok(())
+    }
+}
