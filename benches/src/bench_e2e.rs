@@ -1,6 +1,6 @@
 //! `inventory bench end-to-end`: OrderPlaced published to JetStream and consumed by the real
-//! service loop into PostgreSQL, acked after commit; messages per second from the first fetch
-//! to the last ack.
+//! service loop into PostgreSQL or SQLite, acked after commit; messages per second from the
+//! first fetch to the last ack.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -37,7 +37,7 @@ pub struct EndToEndArgs {
     /// or orm.
     #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
     pub handler: NaturalKeyPath,
-    /// PostgreSQL server for the fresh database.
+    /// PostgreSQL server for the fresh database; sqlite:// for a fresh SQLite file.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -65,10 +65,6 @@ pub struct EndToEndReport {
 }
 
 pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
-    ensure!(
-        inventory_infra::db::is_postgres(&args.database_url),
-        "the end-to-end benchmark runs on PostgreSQL"
-    );
     let lanes = args.concurrency.max(1);
     let fresh = FreshDatabase::create(
         Some(&args.database_url),
@@ -129,27 +125,7 @@ async fn publish_and_consume(
     js: &Context,
     topology: &Topology,
 ) -> Result<EndToEndReport> {
-    // Every tenth order (by default) resent under a new id: duplicates spread evenly.
-    let resend_every = if args.duplicates > 0.0 {
-        (1.0 / args.duplicates).round().max(1.0) as usize
-    } else {
-        usize::MAX
-    };
-    let mut messages = Vec::with_capacity(args.messages + args.messages / resend_every.max(1));
-    let mut expected_reserved = 0_i64;
-    for index in 0..args.messages {
-        let quantity = 1 + (index % 3) as i64;
-        expected_reserved += quantity;
-        let message = Message::placed(
-            OrderId::new_v7(),
-            books[index % books.len()],
-            Quantity::new(quantity)?,
-        );
-        if index % resend_every == resend_every - 1 {
-            messages.push(message.resent_with_new_id());
-        }
-        messages.push(message);
-    }
+    let (messages, expected_reserved) = placements(args.messages, args.duplicates, books)?;
     let publisher = OrderPublisher::new(js.clone(), topology.clone());
     let mut published = futures::stream::iter(&messages)
         .map(|message| publisher.publish(message))
@@ -205,6 +181,37 @@ async fn publish_and_consume(
         seconds,
         messages_per_second: total as f64 / seconds,
     })
+}
+
+/// `count` fresh orders spread over `books`, a `duplicates` fraction of them resent under a new
+/// message id just before the original, and the copies they reserve between them.
+pub fn placements(
+    count: usize,
+    duplicates: f64,
+    books: &[BookId],
+) -> Result<(Vec<Message>, i64)> {
+    // Every tenth order (by default) resent under a new id: duplicates spread evenly.
+    let resend_every = if duplicates > 0.0 {
+        (1.0 / duplicates).round().max(1.0) as usize
+    } else {
+        usize::MAX
+    };
+    let mut messages = Vec::with_capacity(count + count / resend_every.max(1));
+    let mut expected_reserved = 0_i64;
+    for index in 0..count {
+        let quantity = 1 + (index % 3) as i64;
+        expected_reserved += quantity;
+        let message = Message::placed(
+            OrderId::new_v7(),
+            books[index % books.len()],
+            Quantity::new(quantity)?,
+        );
+        if index % resend_every == resend_every - 1 {
+            messages.push(message.resent_with_new_id());
+        }
+        messages.push(message);
+    }
+    Ok((messages, expected_reserved))
 }
 
 /// The pgbench script that runs the one-statement handler's own SQL (`RESERVE_SQL`) with fresh

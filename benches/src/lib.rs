@@ -8,7 +8,8 @@
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
 //! - [`compare`]: every strategy end to end through JetStream on one workload.
 //! - [`bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
-//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench script beside it.
+//!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench script beside it;
+//!   [`bench_sqlite`]: SQLite's own bound, the SQLite handler's statements without NATS.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
@@ -22,6 +23,7 @@
 pub mod bench;
 pub mod bench_e2e;
 pub mod bench_relay;
+pub mod bench_sqlite;
 pub mod chart;
 pub mod cli;
 pub mod compare;
