@@ -185,11 +185,7 @@ async fn publish_and_consume(
 
 /// `count` fresh orders spread over `books`, a `duplicates` fraction of them resent under a new
 /// message id just before the original, and the copies they reserve between them.
-pub fn placements(
-    count: usize,
-    duplicates: f64,
-    books: &[BookId],
-) -> Result<(Vec<Message>, i64)> {
+pub fn placements(count: usize, duplicates: f64, books: &[BookId]) -> Result<(Vec<Message>, i64)> {
     // Every tenth order (by default) resent under a new id: duplicates spread evenly.
     let resend_every = if duplicates > 0.0 {
         (1.0 / duplicates).round().max(1.0) as usize

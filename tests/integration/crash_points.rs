@@ -445,5 +445,9 @@ async fn sqlite_writer_crash_at_every_point_is_redelivered_and_reserves_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_writer_batch_crash_at_every_point_is_redelivered_and_reserves_once() {
-    statement_path_crashes(Backend::Sqlite, HandlerKind::NaturalKey(NaturalKeyPath::Batch)).await;
+    statement_path_crashes(
+        Backend::Sqlite,
+        HandlerKind::NaturalKey(NaturalKeyPath::Batch),
+    )
+    .await;
 }

@@ -55,7 +55,11 @@ async fn a_batch_keeps_copies_resends_and_a_cancellation_between_placements_of_i
             reserved(2),
         ]
     );
-    assert_eq!(db.reserved(dune).await, 2, "only the other order holds Dune");
+    assert_eq!(
+        db.reserved(dune).await,
+        2,
+        "only the other order holds Dune"
+    );
     assert_eq!(db.reserved(emma).await, 0);
     for (message, book, status) in [
         (&first, dune, ReservationStatus::Released),
@@ -69,7 +73,11 @@ async fn a_batch_keeps_copies_resends_and_a_cancellation_between_placements_of_i
             .unwrap()
             .expect("a reservation row");
         assert_eq!(row.status, status);
-        assert_eq!(row.message_id, message.key.storage_key(), "the first copy's key");
+        assert_eq!(
+            row.message_id,
+            message.key.storage_key(),
+            "the first copy's key"
+        );
     }
     // One event per decision, in the batch's order: none for a copy, a resend or the
     // placement after the cancellation.
