@@ -21,7 +21,8 @@ pub struct EndToEndArgs {
     /// Orders published (each once, plus the duplicates).
     #[arg(long, default_value_t = 20_000)]
     pub messages: usize,
-    /// Messages in flight: consumer lanes, each with its own connection.
+    /// Messages in flight: consumer lanes, each with its own connection on PostgreSQL, sharing
+    /// the one writer on SQLite.
     #[arg(long, default_value_t = 16)]
     pub concurrency: usize,
     /// Messages committed together per lane (1: one statement per message).

@@ -50,17 +50,19 @@ SELECT (SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id 
            AS cancelled
 FROM (SELECT 1) LEFT JOIN stock_items ON stock_items.book_id = $2";
 
-const INSERT_RESERVATION_SQL: &str = "\
+/// What a placement writes, in one call (each statement a round trip to sqlx's worker thread
+/// otherwise): the reservation unless its key is taken; the decision's event ($8: its subject,
+/// NULL when there is none) only if that insert won; the stock row ($7: `reserved` after, NULL
+/// when no stock moves) only if the event was written. `changes()` is the rows the statement
+/// before wrote, so each step runs only if the one before wrote its row, and the rows affected
+/// add up to 0 exactly when the key was taken.
+const WRITE_SQL: &str = "\
 INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
 VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (order_id, book_id) DO NOTHING";
-
-const SET_RESERVED_SQL: &str = "UPDATE stock_items SET reserved = $1 WHERE book_id = $2";
-
-/// `outbox::record`'s row.
-const OUTBOX_SQL: &str = "\
+ON CONFLICT (order_id, book_id) DO NOTHING;
 INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
-VALUES ($1, $2, $3, $4, $5, $6)";
+SELECT $9, $10, $1, $8, $11, $6 WHERE $8 IS NOT NULL AND changes() = 1;
+UPDATE stock_items SET reserved = $7 WHERE book_id = $2 AND $7 IS NOT NULL AND changes() = 1";
 
 /// The natural-key handler on SQLite. Clones share the writer.
 #[derive(Clone)]
@@ -244,17 +246,38 @@ pub async fn reserve(
     let status = decision
         .as_ref()
         .map_or(ReservationStatus::Released, ReservationDecision::status);
-    let inserted = sqlx::query(INSERT_RESERVATION_SQL)
+    // The event as `outbox::record` writes it, and the stock row as it will be.
+    let (event, reserved_after) = match &decision {
+        None => (None, None),
+        Some(ReservationDecision::Reserve { reserved_after }) => (
+            Some(StockEventKind::Reserved),
+            Some(int_column("reserved", *reserved_after)?),
+        ),
+        Some(ReservationDecision::Reject { available, .. }) => (
+            Some(StockEventKind::Rejected {
+                available: *available,
+            }),
+            None,
+        ),
+    };
+    let event = event
+        .map(|kind| StockEvent::new(kind, placed.order_id, placed.book_id, placed.quantity, key));
+    let written = sqlx::query(WRITE_SQL)
         .bind(order)
         .bind(book)
         .bind(quantity_column(placed.quantity.get())?)
         .bind(status.as_str())
         .bind(key)
         .bind(Utc::now())
+        .bind(reserved_after)
+        .bind(event.as_ref().map(StockEvent::subject_token))
+        .bind(event.as_ref().map(|event| event.event_id))
+        .bind(partition(placed.order_id))
+        .bind(event.as_ref().map(StockEvent::body))
         .execute(&mut *connection)
         .await
         .map_err(database_error)?;
-    if inserted.rows_affected() == 0 {
+    if written.rows_affected() == 0 {
         // Under the write lock nothing can take the key after READ_SQL looked; the reference
         // handler's answer all the same, should the table hold what that read missed.
         let existing: Option<i32> = sqlx::query(READ_SQL)
@@ -269,35 +292,10 @@ pub async fn reserve(
         })?;
         return Ok(second_request(quantity_from(existing)?, placed.quantity));
     }
-    let Some(decision) = decision else {
-        return Ok(Outcome::Processed(Effect::ArrivedAfterCancellation));
-    };
-    let kind = match &decision {
-        ReservationDecision::Reserve { reserved_after } => {
-            sqlx::query(SET_RESERVED_SQL)
-                .bind(int_column("reserved", *reserved_after)?)
-                .bind(book)
-                .execute(&mut *connection)
-                .await
-                .map_err(database_error)?;
-            StockEventKind::Reserved
-        }
-        ReservationDecision::Reject { available, .. } => StockEventKind::Rejected {
-            available: *available,
-        },
-    };
-    let event = StockEvent::new(kind, placed.order_id, placed.book_id, placed.quantity, key);
-    sqlx::query(OUTBOX_SQL)
-        .bind(event.event_id)
-        .bind(partition(placed.order_id))
-        .bind(order)
-        .bind(event.subject_token())
-        .bind(event.body())
-        .bind(Utc::now())
-        .execute(&mut *connection)
-        .await
-        .map_err(database_error)?;
-    Ok(Outcome::Processed(decision.effect(placed.quantity)))
+    Ok(Outcome::Processed(match decision {
+        Some(decision) => decision.effect(placed.quantity),
+        None => Effect::ArrivedAfterCancellation,
+    }))
 }
 
 /// Placements one after another in the caller's transaction, so a copy of a key later in the
