@@ -341,3 +341,52 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+    use inventory_infra::db::DbBackend;
+    use inventory_infra::{HandlerKind, NaturalKeyPath};
+
+    use crate::cli::{Cli, Command};
+
+    fn serve(flags: &[&str]) -> super::ServeArgs {
+        let args = ["inventory", "serve", "--strategy", "natural"];
+        match Cli::try_parse_from(args.iter().chain(flags)).map(|cli| cli.command) {
+            Ok(Command::Serve(args)) => *args,
+            other => panic!("not serve: {other:?}"),
+        }
+    }
+
+    /// `(handler, lanes, batch size)` the flags come to on `backend`.
+    fn shape(flags: &[&str], backend: DbBackend) -> (HandlerKind, usize, usize) {
+        let settings = serve(flags).runtime_settings(backend);
+        (settings.handler, settings.concurrency, settings.batch_size)
+    }
+
+    #[test]
+    fn sqlite_serves_the_natural_key_on_its_writer_with_two_lanes_and_batches() {
+        let natural = HandlerKind::NaturalKey;
+        assert_eq!(
+            shape(&[], DbBackend::Sqlite),
+            (natural(NaturalKeyPath::Batch), 2, 64)
+        );
+        assert_eq!(
+            shape(&["--batch-size", "1"], DbBackend::Sqlite),
+            (natural(NaturalKeyPath::OneStatement), 2, 1)
+        );
+        assert_eq!(
+            shape(
+                &["--natural-handler", "orm", "--concurrency", "10"],
+                DbBackend::Sqlite
+            )
+            .0,
+            natural(NaturalKeyPath::Orm)
+        );
+        // PostgreSQL keeps its defaults: a lane per pooled connection, no batching.
+        assert_eq!(
+            shape(&[], DbBackend::Postgres),
+            (natural(NaturalKeyPath::OneStatement), 10, 1)
+        );
+    }
+}
