@@ -78,9 +78,6 @@ fn group(c: &mut Criterion, runtime: &Runtime, name: &str, server: Option<&str>)
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(1));
     for mode in workload::DEDUP {
-        if server.is_none() && mode.postgres_only() {
-            continue;
-        }
         for percent in RATIOS {
             let mut fixture: Option<Fixture> = None;
             group.bench_with_input(

@@ -94,9 +94,6 @@ fn group(c: &mut Criterion, runtime: &Runtime, name: &str, server: Option<&str>)
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(1));
     for mode in workload::STRATEGIES {
-        if server.is_none() && mode.postgres_only() {
-            continue;
-        }
         for &count in connections {
             let mut fixture: Option<Fixture> = None;
             group.bench_with_input(

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::chart::{self, Labels};
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
-use crate::{bench_e2e, bench_relay, guard_cost};
+use crate::{bench_e2e, bench_relay, bench_sqlite, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::HandlerKind;
@@ -45,13 +45,16 @@ use serde::Serialize;
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// OrderPlaced through JetStream into PostgreSQL by the real consumer loop, acked after
-    /// commit: messages per second.
+    /// OrderPlaced through JetStream into PostgreSQL (or a fresh SQLite file) by the real
+    /// consumer loop, acked after commit: messages per second.
     EndToEnd(Box<bench_e2e::EndToEndArgs>),
     /// The same workload and report as `end-to-end`, consumed by a hand-written tokio-postgres
     /// and async-nats loop running the same statement: the bound of the service's CPU per
     /// message (one statement per message only).
     HandWritten(Box<bench_e2e::EndToEndArgs>),
+    /// SQLite's own bound for the natural key: the SQLite handler's statements in a tight loop
+    /// on a fresh file, no NATS, a commit per message and per batch: messages per second.
+    SqliteBound(bench_sqlite::SqliteBoundArgs),
     /// Prints the pgbench script (the one-statement handler's SQL, or one of the statements
     /// that bound it) and the SQL that seeds its books, for scripts/bench-vs-pgbench.sh and
     /// scripts/bench-cancel-guard.sh.
@@ -185,6 +188,7 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         BenchCommand::Chart(args) => draw_chart(&args).map(|()| true),
         BenchCommand::Purge(args) => purge(&args).await.map(|()| true),
         BenchCommand::Relay(args) => bench_relay::run(&args).await.map(|()| true),
+        BenchCommand::SqliteBound(args) => bench_sqlite::run(&args).await.map(|()| true),
     }
 }
 

@@ -1,6 +1,6 @@
 //! `inventory bench end-to-end`: OrderPlaced published to JetStream and consumed by the real
-//! service loop into PostgreSQL, acked after commit; messages per second from the first fetch
-//! to the last ack.
+//! service loop into PostgreSQL or SQLite, acked after commit; messages per second from the
+//! first fetch to the last ack.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -25,7 +25,8 @@ pub struct EndToEndArgs {
     /// Orders published (each once, plus the duplicates).
     #[arg(long, default_value_t = 20_000)]
     pub messages: usize,
-    /// Messages in flight: consumer lanes, each with its own connection.
+    /// Messages in flight: consumer lanes, each with its own connection on PostgreSQL, sharing
+    /// the one writer on SQLite.
     #[arg(long, default_value_t = 16)]
     pub concurrency: usize,
     /// Messages committed together per lane (1: one statement per message).
@@ -41,7 +42,7 @@ pub struct EndToEndArgs {
     /// or orm.
     #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
     pub handler: NaturalKeyPath,
-    /// PostgreSQL server for the fresh database.
+    /// PostgreSQL server for the fresh database; sqlite:// for a fresh SQLite file.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -124,11 +125,11 @@ pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
 }
 
 pub async fn run_with(args: &EndToEndArgs, consumer: Consumer) -> Result<EndToEndReport> {
-    ensure!(
-        inventory_infra::db::is_postgres(&args.database_url),
-        "the end-to-end benchmark runs on PostgreSQL"
-    );
     if consumer == Consumer::HandWritten {
+        ensure!(
+            inventory_infra::db::is_postgres(&args.database_url),
+            "the hand-written consumer runs on PostgreSQL"
+        );
         ensure!(
             args.batch_size <= 1 && args.handler == NaturalKeyPath::OneStatement,
             "the hand-written consumer runs the one statement, one message at a time"
@@ -196,7 +197,22 @@ struct Orders<'a> {
     resend_every: usize,
 }
 
-impl Orders<'_> {
+impl<'a> Orders<'a> {
+    /// `messages` fresh orders over `books`, a `duplicates` fraction of them (every tenth, by
+    /// default, spread evenly) resent under a new message id just before the original.
+    fn new(books: &'a [BookId], messages: usize, duplicates: f64) -> Self {
+        let resend_every = if duplicates > 0.0 {
+            (1.0 / duplicates).round().max(1.0) as usize
+        } else {
+            usize::MAX
+        };
+        Self {
+            books,
+            messages,
+            resend_every,
+        }
+    }
+
     fn quantity(index: usize) -> i64 {
         1 + (index % 3) as i64
     }
@@ -229,6 +245,13 @@ impl Orders<'_> {
                 .chain(std::iter::once(message.map_err(anyhow::Error::from)))
         })
     }
+}
+
+/// The end-to-end workload all at once, for SQLite's bound: `count` orders over `books` as
+/// [`Orders`] makes them, and the copies they reserve between them.
+pub fn placements(count: usize, duplicates: f64, books: &[BookId]) -> Result<(Vec<Message>, i64)> {
+    let orders = Orders::new(books, count, duplicates);
+    Ok((orders.iter().collect::<Result<_>>()?, orders.reserved()))
 }
 
 /// When each message was published and how long each took from then to its handling.
@@ -448,15 +471,7 @@ async fn publish_and_consume(
     js: &Context,
     topology: &Topology,
 ) -> Result<EndToEndReport> {
-    let orders = Orders {
-        books,
-        messages: args.messages,
-        resend_every: if args.duplicates > 0.0 {
-            (1.0 / args.duplicates).round().max(1.0) as usize
-        } else {
-            usize::MAX
-        },
-    };
+    let orders = Orders::new(books, args.messages, args.duplicates);
     let total = orders.total();
     let clock = args.rate.map(|_| Arc::new(PublishClock::default()));
     if args.rate.is_none() {

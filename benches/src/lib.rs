@@ -11,7 +11,8 @@
 //!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench scripts beside it;
 //!   [`guard_cost`]: the placement statement and the statements that bound it, for pgbench;
 //!   `bench_hand`: the hand-written consumer of the same statement the service is measured
-//!   against.
+//!   against; [`bench_sqlite`]: SQLite's own bound, the SQLite handler's statements without
+//!   NATS.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
@@ -26,6 +27,7 @@ pub mod bench;
 pub mod bench_e2e;
 mod bench_hand;
 pub mod bench_relay;
+pub mod bench_sqlite;
 pub mod chart;
 pub mod cli;
 pub mod compare;

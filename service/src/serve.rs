@@ -41,8 +41,9 @@ pub struct ServeArgs {
     /// Durable consumer name; the contract's name for the strategy by default.
     #[arg(long)]
     pub consumer: Option<String>,
-    /// The natural-key handler on PostgreSQL: one statement per message on a connection each
-    /// lane holds, or the sea-orm entity transaction (SQLite always runs the latter).
+    /// The natural-key handler: the backend's fast path (on PostgreSQL one statement per
+    /// message on a connection each lane holds, on SQLite the one writer connection every lane
+    /// shares), or the sea-orm entity transaction on the pool, the reference.
     #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
     pub natural_handler: NaturalKeyPath,
     /// Duplicate detection of the inbox strategy.
@@ -64,13 +65,15 @@ pub struct ServeArgs {
     /// The outbox relay `--strategy natural` runs beside its lanes.
     #[command(flatten)]
     pub relay: RelayArgs,
-    /// Messages a lane hands the handler at once. The natural key on PostgreSQL commits each run
-    /// of placements in a batch in one statement (a cancellation between them is handled in its
-    /// place) and acks each message after its commit; other handlers take them one by one. 1 (no
-    /// batching) by default.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
-    pub batch_size: u16,
-    /// Messages handled at once; the pool size by default.
+    /// Messages a lane hands the handler at once, of those already fetched (a batch never
+    /// waits for more). The natural key commits each run of placements in a batch together (a
+    /// cancellation between them is handled in its place) and acks each message after the
+    /// commit; other handlers take them one by one. By default 1 (no batching) on PostgreSQL,
+    /// 64 on SQLite.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub batch_size: Option<u16>,
+    /// Messages (or batches) handled at once; by default the pool size on PostgreSQL, 2 on
+    /// SQLite.
     #[arg(long)]
     pub concurrency: Option<usize>,
     /// How long JetStream waits for an ack before redelivering (when it creates the consumer).
@@ -122,20 +125,33 @@ pub struct ServeArgs {
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
+/// SQLite's defaults, shaped for its one writer. Two lanes: one in the writer while the other
+/// acks its last messages and takes the next, so the writer never waits on NATS, and more would
+/// only queue for it. Batches of 64: the commit (an fsync in WAL with synchronous FULL) is most
+/// of a message's cost on SQLite, and a batch is only what is already fetched, so at a low rate
+/// the batches are of one and add no wait.
+const SQLITE_LANES: usize = 2;
+const SQLITE_BATCH_SIZE: u16 = 64;
+
 impl ServeArgs {
-    /// The handler these flags choose on `backend`: SQLite runs the natural key through the
-    /// ORM, and `--batch-size` above 1 makes the one statement the batch statement.
+    /// The handler these flags choose on `backend`: `--batch-size` above 1 makes the natural
+    /// key's fast path its batch path.
     pub fn handler(&self, backend: DbBackend) -> HandlerKind {
         match self.strategy {
-            StrategyArg::Natural if backend != DbBackend::Postgres => {
-                HandlerKind::NaturalKey(NaturalKeyPath::Orm)
-            }
             StrategyArg::Natural => {
-                HandlerKind::natural_key(self.natural_handler, usize::from(self.batch_size))
+                HandlerKind::natural_key(self.natural_handler, self.batch_size(backend))
             }
             StrategyArg::Inbox => HandlerKind::Inbox(self.inbox_detect),
             StrategyArg::Email => HandlerKind::Email,
         }
+    }
+
+    /// `--batch-size`, or the backend's default.
+    fn batch_size(&self, backend: DbBackend) -> usize {
+        usize::from(self.batch_size.unwrap_or(match backend {
+            DbBackend::Sqlite => SQLITE_BATCH_SIZE,
+            _ => 1,
+        }))
     }
 
     /// The consumer runtime's settings from these flags.
@@ -154,10 +170,11 @@ impl ServeArgs {
                 max_ack_pending: self.max_ack_pending,
                 ..defaults.consumer
             },
-            concurrency: self
-                .concurrency
-                .unwrap_or(usize::try_from(self.db_pool_size).unwrap_or(1)),
-            batch_size: usize::from(self.batch_size),
+            concurrency: self.concurrency.unwrap_or(match backend {
+                DbBackend::Sqlite => SQLITE_LANES,
+                _ => usize::try_from(self.db_pool_size).unwrap_or(1),
+            }),
+            batch_size: self.batch_size(backend),
             max_body_bytes: self.max_body_bytes,
             retry_delay: self.retry_delay,
             max_retry_delay: self.max_retry_delay,
@@ -334,5 +351,54 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             );
             Ok(false)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+    use inventory_infra::db::DbBackend;
+    use inventory_infra::{HandlerKind, NaturalKeyPath};
+
+    use crate::cli::{Cli, Command};
+
+    fn serve(flags: &[&str]) -> super::ServeArgs {
+        let args = ["inventory", "serve", "--strategy", "natural"];
+        match Cli::try_parse_from(args.iter().chain(flags)).map(|cli| cli.command) {
+            Ok(Command::Serve(args)) => *args,
+            other => panic!("not serve: {other:?}"),
+        }
+    }
+
+    /// `(handler, lanes, batch size)` the flags come to on `backend`.
+    fn shape(flags: &[&str], backend: DbBackend) -> (HandlerKind, usize, usize) {
+        let settings = serve(flags).runtime_settings(backend);
+        (settings.handler, settings.concurrency, settings.batch_size)
+    }
+
+    #[test]
+    fn sqlite_serves_the_natural_key_on_its_writer_with_two_lanes_and_batches() {
+        let natural = HandlerKind::NaturalKey;
+        assert_eq!(
+            shape(&[], DbBackend::Sqlite),
+            (natural(NaturalKeyPath::Batch), 2, 64)
+        );
+        assert_eq!(
+            shape(&["--batch-size", "1"], DbBackend::Sqlite),
+            (natural(NaturalKeyPath::OneStatement), 2, 1)
+        );
+        assert_eq!(
+            shape(
+                &["--natural-handler", "orm", "--concurrency", "10"],
+                DbBackend::Sqlite
+            )
+            .0,
+            natural(NaturalKeyPath::Orm)
+        );
+        // PostgreSQL keeps its defaults: a lane per pooled connection, no batching.
+        assert_eq!(
+            shape(&[], DbBackend::Postgres),
+            (natural(NaturalKeyPath::OneStatement), 10, 1)
+        );
     }
 }

@@ -238,6 +238,8 @@ async fn the_corpus_is_dead_lettered_under_every_sqlite_handler_and_changes_noth
     corpus_under(
         Backend::Sqlite,
         &[
+            HandlerKind::NaturalKey(NaturalKeyPath::OneStatement),
+            HandlerKind::NaturalKey(NaturalKeyPath::Batch),
             HandlerKind::NaturalKey(NaturalKeyPath::Orm),
             HandlerKind::Inbox(DetectMode::OnConflict),
         ],

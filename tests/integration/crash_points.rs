@@ -330,12 +330,12 @@ impl<H: MessageHandler> MessageHandler for CrashedOn<H> {
     }
 }
 
-/// `kind` (the one statement, or the batch statement with lanes handing over up to 16
+/// `kind` on `backend` (the fast path, or its batch path with lanes handing over up to 16
 /// messages) dies once at each point in turn, inside the loop, on a stream of two orders and
 /// the cancellation of one of them. One lane keeps the stream's order, so a placement reaches
 /// the statement's points first and only the cancellation reaches the reference's.
-async fn statement_path_crashes(kind: HandlerKind) {
-    let db = TestDb::new(Backend::Postgres).await;
+async fn statement_path_crashes(backend: Backend, kind: HandlerKind) {
+    let db = TestDb::new(backend).await;
     let handler = db.consumer(kind);
     let runs = futures::future::join_all(STATEMENT_PATH_POINTS.map(|point| {
         let kinds = Arc::default();
@@ -367,7 +367,7 @@ async fn statement_path_crashes(kind: HandlerKind) {
     }))
     .await;
     for (point, book, kept, withdrawn, stats, letters, kinds) in runs {
-        let context = format!("{} crashed {}", kind.label(), point.as_str());
+        let context = format!("{} on {backend:?} crashed {}", kind.label(), point.as_str());
         let crashed = stats.left_for_redelivery.load(Ordering::Relaxed);
         // A crash in the batch statement loses the whole batch: every placement in it.
         assert!(crashed >= 1, "{context}: the point was reached");
@@ -418,10 +418,36 @@ async fn statement_path_crashes(kind: HandlerKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_statement_crash_at_every_point_is_redelivered_and_reserves_once() {
-    statement_path_crashes(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement)).await;
+    statement_path_crashes(
+        Backend::Postgres,
+        HandlerKind::NaturalKey(NaturalKeyPath::OneStatement),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_statement_crash_at_every_point_is_redelivered_and_reserves_once() {
-    statement_path_crashes(HandlerKind::NaturalKey(NaturalKeyPath::Batch)).await;
+    statement_path_crashes(
+        Backend::Postgres,
+        HandlerKind::NaturalKey(NaturalKeyPath::Batch),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_writer_crash_at_every_point_is_redelivered_and_reserves_once() {
+    statement_path_crashes(
+        Backend::Sqlite,
+        HandlerKind::NaturalKey(NaturalKeyPath::OneStatement),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_writer_batch_crash_at_every_point_is_redelivered_and_reserves_once() {
+    statement_path_crashes(
+        Backend::Sqlite,
+        HandlerKind::NaturalKey(NaturalKeyPath::Batch),
+    )
+    .await;
 }

@@ -21,6 +21,7 @@ mod migrations;
 mod naive;
 mod natural;
 mod natural_pg;
+mod natural_sqlite;
 mod orders;
 mod outages;
 mod outbox;

@@ -8,6 +8,7 @@ use sea_orm::{DatabaseConnection, DbBackend};
 
 use super::email::{EmailConsumer, InMemoryEmailProvider};
 use super::natural_pg::PgNaturalKey;
+use super::natural_sqlite::SqliteNaturalKey;
 use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
 use crate::faults::Faults;
 use crate::mailbox::FileMailbox;
@@ -29,14 +30,17 @@ pub enum HandlerKind {
 }
 
 /// How the natural key reaches the database. All three keep the same rule and the same
-/// promises; they differ in round trips.
+/// promises; they differ in round trips. The two fast paths are each backend's own: on
+/// PostgreSQL `natural_pg.rs`, on SQLite `natural_sqlite.rs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NaturalKeyPath {
-    /// The sea-orm entity transaction: the reference, and SQLite's.
+    /// The sea-orm entity transaction on a pool: the reference.
     Orm,
-    /// One statement per message on a connection each lane holds (PostgreSQL).
+    /// One transaction per message: on PostgreSQL one statement on a connection each lane
+    /// holds; on SQLite the statements on the one writer connection all lanes share.
     OneStatement,
-    /// The placements a lane already holds, in one statement and one commit (PostgreSQL).
+    /// The placements a lane already holds in one commit: the batch statement on PostgreSQL,
+    /// one `BEGIN IMMEDIATE` transaction on SQLite's writer.
     Batch,
 }
 
@@ -86,14 +90,6 @@ impl HandlerKind {
         })
     }
 
-    /// Whether it runs on PostgreSQL only (its SQL is PostgreSQL's).
-    pub fn postgres_only(self) -> bool {
-        matches!(
-            self,
-            Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch)
-        )
-    }
-
     /// Whether a lane hands it several fetched messages at once, to commit together.
     pub fn takes_batches(self) -> bool {
         self == Self::NaturalKey(NaturalKeyPath::Batch)
@@ -107,9 +103,6 @@ impl HandlerKind {
         consumer: ConsumerName,
         mailbox: Option<Mailbox>,
     ) -> Result<Handler, BuildError> {
-        if self.postgres_only() && db.get_database_backend() != DbBackend::Postgres {
-            return Err(BuildError::PostgresOnly(self));
-        }
         let stock = |strategy| StockConsumer::new(db.clone(), self, strategy, consumer.clone());
         Ok(match self {
             Self::Naive => Handler::Stock(stock(Strategy::Naive)),
@@ -117,7 +110,11 @@ impl HandlerKind {
             Self::Inbox(detect) => Handler::Stock(stock(Strategy::Inbox(detect))),
             Self::NaturalKey(NaturalKeyPath::Orm) => Handler::Stock(stock(Strategy::NaturalKey)),
             Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch) => {
-                Handler::OneStatement(PgNaturalKey::new(stock(Strategy::NaturalKey)))
+                let reference = stock(Strategy::NaturalKey);
+                match db.get_database_backend() {
+                    DbBackend::Sqlite => Handler::SqliteWriter(SqliteNaturalKey::new(reference)),
+                    _ => Handler::OneStatement(PgNaturalKey::new(reference)),
+                }
             }
             Self::Email => Handler::Email(EmailConsumer::new(
                 db.clone(),
@@ -130,8 +127,6 @@ impl HandlerKind {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BuildError {
-    #[error("the {} handler runs on PostgreSQL only", .0.label())]
-    PostgresOnly(HandlerKind),
     #[error("the email handler needs a mailbox for the mail it sends")]
     NeedsMailbox,
 }
@@ -171,6 +166,8 @@ pub enum Handler {
     Stock(StockConsumer),
     /// The natural key's one statement (and its batch statement) on PostgreSQL.
     OneStatement(PgNaturalKey),
+    /// The natural key on SQLite's one writer, a message or a batch per transaction.
+    SqliteWriter(SqliteNaturalKey),
     Email(EmailConsumer<Mailbox>),
 }
 
@@ -180,6 +177,7 @@ impl Handler {
         match self {
             Self::Stock(consumer) => consumer.consumer(),
             Self::OneStatement(handler) => handler.consumer(),
+            Self::SqliteWriter(handler) => handler.consumer(),
             Self::Email(consumer) => consumer.consumer(),
         }
     }
@@ -189,6 +187,7 @@ impl Handler {
         match self {
             Self::Stock(consumer) => Self::Stock(consumer.with_faults(faults)),
             Self::OneStatement(handler) => Self::OneStatement(handler.with_faults(faults)),
+            Self::SqliteWriter(handler) => Self::SqliteWriter(handler.with_faults(faults)),
             Self::Email(consumer) => Self::Email(consumer.with_faults(faults)),
         }
     }
@@ -199,6 +198,7 @@ impl Handler {
         match self {
             Self::Stock(consumer) => consumer.handle(message).await,
             Self::OneStatement(handler) => handler.handle(message).await,
+            Self::SqliteWriter(handler) => handler.handle(message).await,
             Self::Email(consumer) => consumer.handle(message).await,
         }
     }
@@ -212,6 +212,7 @@ impl MessageHandler for Handler {
     async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         match self {
             Self::OneStatement(handler) => handler.handle_batch(messages).await,
+            Self::SqliteWriter(handler) => handler.handle_batch(messages).await,
             _ => self.handle_each(messages).await,
         }
     }

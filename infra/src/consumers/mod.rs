@@ -8,7 +8,8 @@
 //!   unique key is the arbiter between concurrent copies.
 //! - the natural key: the reservation's own key `(order_id, book_id)` refuses a second
 //!   reservation, whatever the message id; through sea-orm (`natural.rs`, the
-//!   reference) or as one statement on PostgreSQL ([`natural_pg`]).
+//!   reference), as one statement on PostgreSQL ([`natural_pg`]), or on SQLite's one writer
+//!   connection ([`natural_sqlite`]).
 //!
 //! The first four run in [`StockConsumer`]; the two-phase email consumer is in [`email`];
 //! deliberately wrong designs the demo contrasts with these are in [`study`]. Why a handler
@@ -20,6 +21,7 @@ pub mod handler;
 mod inbox;
 mod natural;
 pub mod natural_pg;
+pub mod natural_sqlite;
 pub mod study;
 mod work;
 

@@ -1,0 +1,347 @@
+//! The natural key on SQLite through the one writer SQLite has: one connection for every lane
+//! of the process, each placement's statements in `BEGIN IMMEDIATE … COMMIT`, and a batch of
+//! placements in one such transaction, so one commit.
+//!
+//! SQLite lets one transaction write at a time. Lanes that each began one on a pool queued in
+//! SQLite's busy handler, which sleeps between tries, and the writer stood idle while they
+//! slept. Here every clone shares one connection behind a mutex: the lanes queue on the mutex,
+//! and a commit hands the writer straight to the next lane. Cancellations are rare and go
+//! through the reference handler on the pool, holding the same mutex, so this connection holds
+//! no transaction then and the cancellation never waits in the busy handler for it.
+//!
+//! The rule is the reference handler's (`natural.rs`): the reservation key first (a copy or a
+//! new-id resend of a decided placement reads one row and writes nothing), an unknown book
+//! writes nothing, a cancellation that came first wins (the placement finds
+//! `order_states.cancelled_at` set and records a `released` reservation, moving no stock), the
+//! reservation is inserted unless its key is taken, and stock moves only if that insert won.
+//! A placement only reads `order_states`: the writer lock `BEGIN IMMEDIATE` takes (the
+//! reference handler's cancellation begins `IMMEDIATE` too) orders it with every cancellation
+//! of its order, and with the events of that order in the outbox.
+//!
+//! [`writer_options`], [`in_transaction`], [`reserve`] and [`reserve_each`] are public so that
+//! `inventory bench sqlite-bound` runs these very statements, on a connection made the same
+//! way, in a loop without NATS: the bound the service is measured against.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use inventory_domain::outbox::partition;
+use inventory_domain::stock::second_request_for_reservation as second_request;
+use inventory_domain::{
+    CrashPoint, Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome,
+    ReservationDecision, ReservationStatus, StockEvent, StockEventKind, StockItem,
+};
+use sea_orm::sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
+use sea_orm::sqlx::{self, ConnectOptions, Connection, Row};
+use sea_orm::{DatabaseConnection, DbErr, RuntimeErr};
+use tokio::sync::Mutex;
+
+use super::work::unknown_book;
+use super::{HandleError, MessageHandler, StockConsumer};
+use crate::faults::Faults;
+use crate::stock::{DataError, int_column, quantity_column, quantity_from};
+
+/// What a placement reads before it writes: its reservation, the stock row, and whether its
+/// order is cancelled, in one statement.
+const READ_SQL: &str = "\
+SELECT (SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2) AS existing,
+       stock_items.title, stock_items.on_hand, stock_items.reserved,
+       EXISTS (SELECT 1 FROM order_states WHERE order_id = $1 AND cancelled_at IS NOT NULL)
+           AS cancelled
+FROM (SELECT 1) LEFT JOIN stock_items ON stock_items.book_id = $2";
+
+/// What a placement writes, in one call (each statement a round trip to sqlx's worker thread
+/// otherwise): the reservation unless its key is taken; the decision's event ($8: its subject,
+/// NULL when there is none) only if that insert won; the stock row ($7: `reserved` after, NULL
+/// when no stock moves) only if the event was written. `changes()` is the rows the statement
+/// before wrote, so each step runs only if the one before wrote its row, and the rows affected
+/// add up to 0 exactly when the key was taken.
+const WRITE_SQL: &str = "\
+INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (order_id, book_id) DO NOTHING;
+INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
+SELECT $9, $10, $1, $8, $11, $6 WHERE $8 IS NOT NULL AND changes() = 1;
+UPDATE stock_items SET reserved = $7 WHERE book_id = $2 AND $7 IS NOT NULL AND changes() = 1";
+
+/// The natural-key handler on SQLite. Clones share the writer.
+#[derive(Clone)]
+pub struct SqliteNaturalKey {
+    writer: Arc<Writer>,
+    /// Cancellations are rare: they go through the reference handler.
+    reference: StockConsumer,
+    faults: Faults,
+}
+
+/// The one writer connection, opened on first use.
+struct Writer {
+    options: SqliteConnectOptions,
+    connection: Mutex<Option<SqliteConnection>>,
+}
+
+fn database_error(error: sqlx::Error) -> HandleError {
+    HandleError::Database(DbErr::Exec(RuntimeErr::SqlxError(Arc::new(error))))
+}
+
+impl SqliteNaturalKey {
+    /// `reference`: a natural-key [`StockConsumer`] on SQLite ([`HandlerKind::build`] picks
+    /// this handler by the backend). The writer opens the pool's file with the pool's options
+    /// (WAL, busy timeout, synchronous FULL).
+    ///
+    /// [`HandlerKind::build`]: super::HandlerKind::build
+    pub(crate) fn new(reference: StockConsumer) -> Self {
+        Self {
+            writer: Arc::new(Writer {
+                options: writer_options(&reference.db),
+                connection: Mutex::new(None),
+            }),
+            faults: reference.faults.clone(),
+            reference,
+        }
+    }
+
+    pub fn consumer(&self) -> &inventory_domain::ConsumerName {
+        self.reference.consumer()
+    }
+
+    /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
+    /// `AfterCommit`, a cancellation the reference handler's points.
+    pub fn with_faults(&self, faults: Faults) -> Self {
+        Self {
+            reference: self.reference.with_faults(faults.clone()),
+            faults,
+            writer: self.writer.clone(),
+        }
+    }
+
+    /// Runs `work` in one `BEGIN IMMEDIATE` transaction on the writer, opening it first if need
+    /// be; commits when `work` succeeds. A failure rolls back and drops the connection, which
+    /// may be broken; the next call opens a new one.
+    async fn write<T>(
+        &self,
+        work: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T, HandleError>,
+    ) -> Result<T, HandleError> {
+        let mut slot = self.writer.connection.lock().await;
+        let connection = match slot.as_mut() {
+            Some(connection) => connection,
+            None => slot.insert(
+                self.writer
+                    .options
+                    .connect()
+                    .await
+                    .map_err(database_error)?,
+            ),
+        };
+        let result = in_transaction(connection, work).await;
+        if result.is_err() {
+            *slot = None;
+        }
+        result
+    }
+
+    /// A message for the reference handler, while it holds the writer: nothing of this
+    /// handler's is in flight then, so the reference's transaction finds the write lock free.
+    async fn through_reference(&self, message: &Message) -> Result<Outcome, HandleError> {
+        let _writer = self.writer.connection.lock().await;
+        self.reference.handle(message).await
+    }
+
+    /// Placements in one transaction, one result each, in order.
+    async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let placements: Vec<(String, &OrderPlaced)> = messages
+            .iter()
+            .filter_map(|message| match &message.event {
+                Event::Placed(placed) => Some((message.key.storage_key(), placed)),
+                Event::Cancelled(_) | Event::StockReserved(_) => None,
+            })
+            .collect();
+        if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
+            return placements.iter().map(|_| Err(crash.clone())).collect();
+        }
+        let results = match self
+            .write(async |connection| reserve_each(connection, &placements).await)
+            .await
+        {
+            Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
+            // Nothing committed, and a statement was refused for good: possibly for one
+            // placement's sake, so each is decided alone and only its own refusal
+            // dead-letters it.
+            Err(error) if matches!(error.kind(), ErrorKind::Permanent(_)) => {
+                let mut results = Vec::with_capacity(placements.len());
+                for (key, placed) in &placements {
+                    results.push(
+                        self.write(async |connection| reserve(connection, key, placed).await)
+                            .await,
+                    );
+                }
+                results
+            }
+            // Nothing committed: every placement is retried.
+            Err(error) => return placements.iter().map(|_| Err(error.clone())).collect(),
+        };
+        // A crash after the commit loses every result.
+        match self.faults.pass(CrashPoint::AfterCommit).await {
+            Ok(()) => results,
+            Err(crash) => results.iter().map(|_| Err(crash.clone())).collect(),
+        }
+    }
+}
+
+/// How the writer connects: with the options of `db`'s pool (WAL, busy timeout, synchronous
+/// FULL), its statements logged at TRACE since they are the hot path (sea-orm's pool logs
+/// them at DEBUG already).
+pub fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
+    db.get_sqlite_connection_pool()
+        .connect_options()
+        .as_ref()
+        .clone()
+        .log_statements(tracing::log::LevelFilter::Trace)
+}
+
+/// `work` between `BEGIN IMMEDIATE` and `COMMIT`; rolled back if it fails.
+pub async fn in_transaction<T>(
+    connection: &mut SqliteConnection,
+    work: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T, HandleError>,
+) -> Result<T, HandleError> {
+    let mut transaction = connection
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .map_err(database_error)?;
+    // Dropped on an error, the transaction rolls back.
+    let value = work(&mut transaction).await?;
+    transaction.commit().await.map_err(database_error)?;
+    Ok(value)
+}
+
+/// One placement's statements, inside the caller's `BEGIN IMMEDIATE` transaction; they write
+/// only what the placement decides (a copy, a resend or an unknown book writes nothing).
+pub async fn reserve(
+    connection: &mut SqliteConnection,
+    key: &str,
+    placed: &OrderPlaced,
+) -> Result<Outcome, HandleError> {
+    let order = placed.order_id.as_uuid();
+    let book = placed.book_id.as_uuid();
+    let row = sqlx::query(READ_SQL)
+        .bind(order)
+        .bind(book)
+        .fetch_one(&mut *connection)
+        .await
+        .map_err(database_error)?;
+    let column = |name: &str| row.try_get::<Option<i32>, _>(name).map_err(database_error);
+    if let Some(existing) = column("existing")? {
+        return Ok(second_request(quantity_from(existing)?, placed.quantity));
+    }
+    let (Some(on_hand), Some(reserved)) = (column("on_hand")?, column("reserved")?) else {
+        return Ok(unknown_book(placed.book_id));
+    };
+    let stock = StockItem {
+        book_id: placed.book_id,
+        title: row.try_get("title").map_err(database_error)?,
+        on_hand: on_hand.into(),
+        reserved: reserved.into(),
+    };
+    let cancelled: bool = row.try_get("cancelled").map_err(database_error)?;
+    let decision = (!cancelled).then(|| stock.decide_reservation(placed.quantity));
+    let status = decision
+        .as_ref()
+        .map_or(ReservationStatus::Released, ReservationDecision::status);
+    // The event as `outbox::record` writes it, and the stock row as it will be.
+    let (event, reserved_after) = match &decision {
+        None => (None, None),
+        Some(ReservationDecision::Reserve { reserved_after }) => (
+            Some(StockEventKind::Reserved),
+            Some(int_column("reserved", *reserved_after)?),
+        ),
+        Some(ReservationDecision::Reject { available, .. }) => (
+            Some(StockEventKind::Rejected {
+                available: *available,
+            }),
+            None,
+        ),
+    };
+    let event = event
+        .map(|kind| StockEvent::new(kind, placed.order_id, placed.book_id, placed.quantity, key));
+    let written = sqlx::query(WRITE_SQL)
+        .bind(order)
+        .bind(book)
+        .bind(quantity_column(placed.quantity.get())?)
+        .bind(status.as_str())
+        .bind(key)
+        .bind(Utc::now())
+        .bind(reserved_after)
+        .bind(event.as_ref().map(StockEvent::subject_token))
+        .bind(event.as_ref().map(|event| event.event_id))
+        .bind(partition(placed.order_id))
+        .bind(event.as_ref().map(StockEvent::body))
+        .execute(&mut *connection)
+        .await
+        .map_err(database_error)?;
+    if written.rows_affected() == 0 {
+        // Under the write lock nothing can take the key after READ_SQL looked; the reference
+        // handler's answer all the same, should the table hold what that read missed.
+        let existing: Option<i32> = sqlx::query(READ_SQL)
+            .bind(order)
+            .bind(book)
+            .fetch_one(&mut *connection)
+            .await
+            .and_then(|row| row.try_get("existing"))
+            .map_err(database_error)?;
+        let existing = existing.ok_or(DataError::Vanished {
+            table: "stock_reservations",
+        })?;
+        return Ok(second_request(quantity_from(existing)?, placed.quantity));
+    }
+    Ok(Outcome::Processed(match decision {
+        Some(decision) => decision.effect(placed.quantity),
+        None => Effect::ArrivedAfterCancellation,
+    }))
+}
+
+/// Placements one after another in the caller's transaction, so a copy of a key later in the
+/// batch reads what an earlier one wrote and is a second request. The first error ends it:
+/// the caller rolls back, and nothing of the batch is written.
+pub async fn reserve_each(
+    connection: &mut SqliteConnection,
+    placements: &[(String, &OrderPlaced)],
+) -> Result<Vec<Outcome>, HandleError> {
+    let mut outcomes = Vec::with_capacity(placements.len());
+    for (key, placed) in placements {
+        outcomes.push(reserve(connection, key, placed).await?);
+    }
+    Ok(outcomes)
+}
+
+impl MessageHandler for SqliteNaturalKey {
+    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
+        match &message.event {
+            Event::Placed(placed) => {
+                self.faults.pass(CrashPoint::BeforeStatement).await?;
+                let key = message.key.storage_key();
+                let outcome = self
+                    .write(async |connection| reserve(connection, &key, placed).await)
+                    .await?;
+                self.faults.pass(CrashPoint::AfterCommit).await?;
+                Ok(outcome)
+            }
+            Event::Cancelled(_) | Event::StockReserved(_) => self.through_reference(message).await,
+        }
+    }
+
+    /// Each run of placements in one transaction, each cancellation in its place between them
+    /// (as `natural_pg.rs` does): a cancellation decides what a later placement of its order
+    /// comes to, and frees copies a later placement of another order may take.
+    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let mut results = Vec::with_capacity(messages.len());
+        for run in messages.chunk_by(|a, b| a.event.kind() == b.event.kind()) {
+            if run[0].event.kind() == EventKind::Placed {
+                results.extend(self.handle_placements(run).await);
+            } else {
+                for message in run {
+                    results.push(self.through_reference(message).await);
+                }
+            }
+        }
+        results
+    }
+}
