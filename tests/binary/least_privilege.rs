@@ -9,7 +9,7 @@ use inventory_domain::BookId;
 use inventory_infra::db::SchemaPolicy;
 use inventory_migrations::{Migrator, MigratorTrait};
 use inventory_tests::binary::{BinaryRun, ended, stop};
-use sea_orm::{ConnectionTrait, DbBackend, Statement};
+use sea_orm::ConnectionTrait;
 use uuid::Uuid;
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
@@ -64,22 +64,11 @@ impl Role {
     }
 }
 
-async fn scalar(run: &BinaryRun, sql: &str) -> i64 {
-    let row = run
-        .db
-        .conn
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-        .unwrap()
-        .unwrap();
-    row.try_get_by_index::<i64>(0).unwrap()
-}
-
 /// Waits until `sql` reads `expected`, up to 30 s.
 async fn eventually_scalar(run: &BinaryRun, sql: &str, expected: i64) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let value = scalar(run, sql).await;
+        let value = run.scalar(sql).await;
         if value == expected {
             return;
         }
@@ -112,14 +101,12 @@ async fn a_role_with_exactly_the_granted_privileges_serves_without_ddl() {
     run.put_stock(BOOK, "Dune", 10);
     let role = Role::granted(&run).await;
     // The point of the role: it could not run DDL if the service tried.
-    let may_create = scalar(
-        &run,
-        &format!(
+    let may_create = run
+        .scalar(&format!(
             "SELECT has_schema_privilege('{}', 'public', 'CREATE')::int::int8",
             role.name
-        ),
-    )
-    .await;
+        ))
+        .await;
     assert_eq!(may_create, 0);
     run.database_url = role.url.clone();
 

@@ -8,7 +8,7 @@ use inventory_domain::BookId;
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::binary::{BinaryRun, ended, free_port, http_get, sample, stop};
 use inventory_tests::nats;
-use sea_orm::{ConnectionTrait, DbBackend, Statement};
+use sea_orm::ConnectionTrait;
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb";
 const UNKNOWN_BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-cccccccccccc";
@@ -39,17 +39,6 @@ impl Setup {
         let mut all = vec!["serve"];
         all.extend_from_slice(args);
         self.spawn(&all)
-    }
-
-    async fn scalar(&self, sql: &str) -> i64 {
-        let row = self
-            .db
-            .conn
-            .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-            .await
-            .unwrap()
-            .unwrap();
-        row.try_get_by_index::<i64>(0).unwrap()
     }
 }
 

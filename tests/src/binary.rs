@@ -8,6 +8,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use inventory_infra::jetstream;
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 use crate::nats::{TestNames, unique_names};
 use crate::{Backend, TestDb, run_to_end_from_drop};
@@ -121,6 +122,18 @@ impl BinaryRun {
             "--on-hand",
             &on_hand,
         ])
+    }
+
+    /// The one `int8` `sql` reads from the test's database.
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        let row = self
+            .db
+            .conn
+            .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get_by_index::<i64>(0).unwrap()
     }
 
     /// Starts a command with its output captured, e.g. `serve`.
