@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use anyhow::{Context as _, Result, ensure};
-use inventory_domain::{Event, OrderPlaced};
+use inventory_infra::consumers::keyed_placements;
 use inventory_infra::consumers::natural_sqlite::{in_transaction, reserve_each, writer_options};
 use inventory_infra::db::FreshDatabase;
 use sea_orm::sqlx::{ConnectOptions as _, Connection as _};
@@ -75,13 +75,7 @@ async fn measure(
 ) -> Result<BoundReport> {
     let books = workload::stock_books(&fresh.conn, args.books.max(1)).await?;
     let (messages, expected_reserved) = placements(args.messages, args.duplicates, &books)?;
-    let placements: Vec<(String, &OrderPlaced)> = messages
-        .iter()
-        .filter_map(|message| match &message.event {
-            Event::Placed(placed) => Some((message.key.storage_key(), placed)),
-            Event::Cancelled(_) | Event::StockReserved(_) => None,
-        })
-        .collect();
+    let placements = keyed_placements(&messages);
     let mut connection = writer_options(&fresh.conn).connect().await?;
     let started = Instant::now();
     for batch in placements.chunks(batch_size) {

@@ -62,6 +62,11 @@ fn is_stream_not_found(error: &jetstream::Error) -> bool {
     error.error_code() == ErrorCode::STREAM_NOT_FOUND
 }
 
+/// A stream lookup that failed because the server has no such stream.
+fn is_missing_stream(error: &GetStreamError) -> bool {
+    matches!(error.kind(), GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js))
+}
+
 impl Classified for PublishError {
     fn nats_kind(&self) -> NatsErrorKind {
         match self.kind() {
@@ -357,12 +362,7 @@ async fn ensure_stream(
     let doing = format!("setting up stream {}", wanted.name);
     let mut stream = match js.get_stream(&wanted.name).await {
         Ok(stream) => stream,
-        Err(error)
-            if matches!(
-                error.kind(),
-                GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js)
-            ) =>
-        {
+        Err(error) if is_missing_stream(&error) => {
             match js.create_stream(wanted.clone()).await {
                 Ok(stream) => return Ok(stream),
                 // Another instance created it in between: use theirs.
@@ -435,14 +435,7 @@ pub async fn find_consumer(
         let doing = format!("looking up consumer {name} on stream {stream_name}");
         let stream = match js.get_stream(stream_name).await {
             Ok(stream) => stream,
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js)
-                ) =>
-            {
-                continue;
-            }
+            Err(error) if is_missing_stream(&error) => continue,
             Err(error) => return Err(nats_error(doing)(error)),
         };
         match stream.consumer_info(name).await {

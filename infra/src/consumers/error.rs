@@ -33,6 +33,14 @@ fn code_note(error: &DbErr) -> String {
 }
 
 impl HandleError {
+    /// A failure of a statement the raw sqlx paths (natural_pg.rs, natural_sqlite.rs) ran
+    /// themselves, as sea-orm would have reported it, so it is judged as any other.
+    pub(crate) fn from_sqlx(error: sea_orm::sqlx::Error) -> Self {
+        Self::Database(DbErr::Exec(sea_orm::RuntimeErr::SqlxError(
+            std::sync::Arc::new(error),
+        )))
+    }
+
     /// What becomes of the delivery. A permanent failure is dead-lettered as
     /// `needs-reconciliation`: the stored data or a constraint stands in its way, and a person
     /// has to settle that before a replay can succeed.

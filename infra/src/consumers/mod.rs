@@ -28,7 +28,8 @@ mod work;
 use std::future::Future;
 
 use inventory_domain::{
-    ConsumerName, CrashPoint, DeadLetterReason, EmailProvider, Message, Outcome, PayloadHash,
+    ConsumerName, CrashPoint, DeadLetterReason, EmailProvider, Event, Message, OrderPlaced,
+    Outcome, PayloadHash,
 };
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbErr, SqliteTransactionMode, TransactionOptions,
@@ -39,6 +40,18 @@ use crate::faults::Faults;
 pub use handler::{BuildError, Handler, HandlerKind, Mailbox, NaturalKeyPath};
 
 pub use error::HandleError;
+
+/// The placements among `messages`, each with its dedup key as stored: what the batch paths
+/// of the natural key (and SQLite's bound) commit together.
+pub fn keyed_placements(messages: &[Message]) -> Vec<(String, &OrderPlaced)> {
+    messages
+        .iter()
+        .filter_map(|message| match &message.event {
+            Event::Placed(placed) => Some((message.key.storage_key(), placed)),
+            Event::Cancelled(_) | Event::StockReserved(_) => None,
+        })
+        .collect()
+}
 
 /// What the consumer loop needs of a handler: one message in, one outcome out.
 pub trait MessageHandler: Clone + Send + Sync + 'static {

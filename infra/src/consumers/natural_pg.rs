@@ -17,9 +17,9 @@ use inventory_domain::{
     CrashPoint, Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
     ReservationStatus,
 };
+use sea_orm::DbErr;
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
 use sea_orm::sqlx::{self, ConnectOptions, Row};
-use sea_orm::{DbErr, RuntimeErr};
 use tokio::sync::Mutex;
 
 use inventory_domain::outbox::partition;
@@ -27,7 +27,7 @@ use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
 use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer};
+use super::{HandleError, MessageHandler, StockConsumer, keyed_placements};
 use crate::faults::Faults;
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
@@ -215,10 +215,6 @@ impl Clone for PgNaturalKey {
     }
 }
 
-fn database_error(error: sqlx::Error) -> HandleError {
-    HandleError::Database(DbErr::Exec(RuntimeErr::SqlxError(Arc::new(error))))
-}
-
 impl PgNaturalKey {
     /// `reference`: a natural-key [`StockConsumer`] on PostgreSQL ([`HandlerKind::build`]
     /// checks the backend).
@@ -262,7 +258,12 @@ impl PgNaturalKey {
         let mut slot = self.connection.lock().await;
         let connection = match slot.as_mut() {
             Some(connection) => connection,
-            None => slot.insert(self.options.connect().await.map_err(database_error)?),
+            None => slot.insert(
+                self.options
+                    .connect()
+                    .await
+                    .map_err(HandleError::from_sqlx)?,
+            ),
         };
         let result = work(connection).await;
         if result.is_err() {
@@ -305,7 +306,7 @@ impl PgNaturalKey {
                 .bind(&partitions)
                 .fetch_all(&mut *connection)
                 .await
-                .map_err(database_error)?;
+                .map_err(HandleError::from_sqlx)?;
             let mut results: Vec<Result<Outcome, HandleError>> =
                 Vec::with_capacity(placements.len());
             for ((key, placed), row) in placements.iter().zip(&rows) {
@@ -361,9 +362,13 @@ async fn batch_outcome(
     placed: &OrderPlaced,
     earlier_in_batch: Option<Quantity>,
 ) -> Result<Outcome, HandleError> {
-    let book_found: bool = row.try_get("book_found").map_err(database_error)?;
-    let inserted: Option<String> = row.try_get("inserted_status").map_err(database_error)?;
-    let existing: Option<i32> = row.try_get("existing_quantity").map_err(database_error)?;
+    let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
+    let inserted: Option<String> = row
+        .try_get("inserted_status")
+        .map_err(HandleError::from_sqlx)?;
+    let existing: Option<i32> = row
+        .try_get("existing_quantity")
+        .map_err(HandleError::from_sqlx)?;
     if !book_found {
         Ok(unknown_book(placed.book_id))
     } else if let Some(status) = inserted {
@@ -414,11 +419,15 @@ async fn decide(
         .bind(partition(placed.order_id))
         .fetch_one(&mut *connection)
         .await
-        .map_err(database_error)?;
-    let book_found: bool = row.try_get("book_found").map_err(database_error)?;
-    let inserted: Option<String> = row.try_get("inserted_status").map_err(database_error)?;
-    let available: Option<i32> = row.try_get("available").map_err(database_error)?;
-    let mut existing: Option<i32> = row.try_get("existing_quantity").map_err(database_error)?;
+        .map_err(HandleError::from_sqlx)?;
+    let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
+    let inserted: Option<String> = row
+        .try_get("inserted_status")
+        .map_err(HandleError::from_sqlx)?;
+    let available: Option<i32> = row.try_get("available").map_err(HandleError::from_sqlx)?;
+    let mut existing: Option<i32> = row
+        .try_get("existing_quantity")
+        .map_err(HandleError::from_sqlx)?;
     if !book_found {
         return Ok(unknown_book(placed.book_id));
     }
@@ -431,10 +440,10 @@ async fn decide(
             .bind(book)
             .fetch_optional(&mut *connection)
             .await
-            .map_err(database_error)?
+            .map_err(HandleError::from_sqlx)?
             .map(|row| row.try_get("quantity"))
             .transpose()
-            .map_err(database_error)?;
+            .map_err(HandleError::from_sqlx)?;
     }
     let existing = existing.ok_or(DataError::Vanished {
         table: "stock_reservations",
@@ -479,13 +488,7 @@ impl MessageHandler for PgNaturalKey {
 impl PgNaturalKey {
     /// Placements in one statement, one result each, in order.
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        let placements: Vec<(String, &OrderPlaced)> = messages
-            .iter()
-            .filter_map(|message| match &message.event {
-                Event::Placed(placed) => Some((message.key.storage_key(), placed)),
-                Event::Cancelled(_) | Event::StockReserved(_) => None,
-            })
-            .collect();
+        let placements = keyed_placements(messages);
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
             return placements.iter().map(|_| Err(crash.clone())).collect();
         }

@@ -31,13 +31,13 @@ use inventory_domain::{
     CrashPoint, Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome,
     ReservationDecision, ReservationStatus, StockEvent, StockEventKind, StockItem,
 };
+use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 use sea_orm::sqlx::{self, ConnectOptions, Connection, Row};
-use sea_orm::{DatabaseConnection, DbErr, RuntimeErr};
 use tokio::sync::Mutex;
 
 use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer};
+use super::{HandleError, MessageHandler, StockConsumer, keyed_placements};
 use crate::faults::Faults;
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
@@ -77,10 +77,6 @@ pub struct SqliteNaturalKey {
 struct Writer {
     options: SqliteConnectOptions,
     connection: Mutex<Option<SqliteConnection>>,
-}
-
-fn database_error(error: sqlx::Error) -> HandleError {
-    HandleError::Database(DbErr::Exec(RuntimeErr::SqlxError(Arc::new(error))))
 }
 
 impl SqliteNaturalKey {
@@ -129,7 +125,7 @@ impl SqliteNaturalKey {
                     .options
                     .connect()
                     .await
-                    .map_err(database_error)?,
+                    .map_err(HandleError::from_sqlx)?,
             ),
         };
         let result = in_transaction(connection, work).await;
@@ -148,13 +144,7 @@ impl SqliteNaturalKey {
 
     /// Placements in one transaction, one result each, in order.
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        let placements: Vec<(String, &OrderPlaced)> = messages
-            .iter()
-            .filter_map(|message| match &message.event {
-                Event::Placed(placed) => Some((message.key.storage_key(), placed)),
-                Event::Cancelled(_) | Event::StockReserved(_) => None,
-            })
-            .collect();
+        let placements = keyed_placements(messages);
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
             return placements.iter().map(|_| Err(crash.clone())).collect();
         }
@@ -206,10 +196,10 @@ pub async fn in_transaction<T>(
     let mut transaction = connection
         .begin_with("BEGIN IMMEDIATE")
         .await
-        .map_err(database_error)?;
+        .map_err(HandleError::from_sqlx)?;
     // Dropped on an error, the transaction rolls back.
     let value = work(&mut transaction).await?;
-    transaction.commit().await.map_err(database_error)?;
+    transaction.commit().await.map_err(HandleError::from_sqlx)?;
     Ok(value)
 }
 
@@ -227,8 +217,11 @@ pub async fn reserve(
         .bind(book)
         .fetch_one(&mut *connection)
         .await
-        .map_err(database_error)?;
-    let column = |name: &str| row.try_get::<Option<i32>, _>(name).map_err(database_error);
+        .map_err(HandleError::from_sqlx)?;
+    let column = |name: &str| {
+        row.try_get::<Option<i32>, _>(name)
+            .map_err(HandleError::from_sqlx)
+    };
     if let Some(existing) = column("existing")? {
         return Ok(second_request(quantity_from(existing)?, placed.quantity));
     }
@@ -237,11 +230,11 @@ pub async fn reserve(
     };
     let stock = StockItem {
         book_id: placed.book_id,
-        title: row.try_get("title").map_err(database_error)?,
+        title: row.try_get("title").map_err(HandleError::from_sqlx)?,
         on_hand: on_hand.into(),
         reserved: reserved.into(),
     };
-    let cancelled: bool = row.try_get("cancelled").map_err(database_error)?;
+    let cancelled: bool = row.try_get("cancelled").map_err(HandleError::from_sqlx)?;
     let decision = (!cancelled).then(|| stock.decide_reservation(placed.quantity));
     let status = decision
         .as_ref()
@@ -276,7 +269,7 @@ pub async fn reserve(
         .bind(event.as_ref().map(StockEvent::body))
         .execute(&mut *connection)
         .await
-        .map_err(database_error)?;
+        .map_err(HandleError::from_sqlx)?;
     if written.rows_affected() == 0 {
         // Under the write lock nothing can take the key after READ_SQL looked; the reference
         // handler's answer all the same, should the table hold what that read missed.
@@ -286,7 +279,7 @@ pub async fn reserve(
             .fetch_one(&mut *connection)
             .await
             .and_then(|row| row.try_get("existing"))
-            .map_err(database_error)?;
+            .map_err(HandleError::from_sqlx)?;
         let existing = existing.ok_or(DataError::Vanished {
             table: "stock_reservations",
         })?;
