@@ -31,7 +31,7 @@ pub enum Command {
     /// Runs one workload with every kind of duplicate through JetStream into each strategy and
     /// prints expected versus actual reserved copies. Exits 0 only if the inbox and the natural
     /// key came out as the workload predicts.
-    Compare(compare::CompareArgs),
+    Compare(Box<compare::CompareArgs>),
     /// Measurements: end to end through JetStream, what each dedup mode costs PostgreSQL,
     /// criterion's results as a chart.
     Bench {
@@ -51,7 +51,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
             }
             Ok(ok)
         }
-        Command::Compare(args) => compare::start(args).await,
+        Command::Compare(args) => compare::start(*args).await,
         Command::Bench { command } => bench::run(command).await,
     }
 }

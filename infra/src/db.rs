@@ -14,14 +14,85 @@ use inventory_migrations::{Migrator, MigratorTrait};
 pub use probe::{Probe, ProbeError};
 pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
-use sea_orm::{ConnectOptions, ConnectionTrait, DbErr};
-pub use sea_orm::{DatabaseConnection, DbBackend};
+use sea_orm::{ConnectOptions, ConnectionTrait};
+pub use sea_orm::{DatabaseConnection, DbBackend, DbErr};
 
 /// The embedded default: a SQLite file in the working directory.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://inventory.db?mode=rwc";
 
 /// How long a SQLite writer waits for another writer's transaction before giving up.
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the database may take before the client gives up on it. A server that stops
+/// answering without closing the connection (a host gone, a link dropped silently) is noticed
+/// only by the client's own clock: the server's `statement_timeout` never fires for a statement
+/// it never received, or whose answer is lost on the way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DbTimeouts {
+    /// Opening a connection: TCP, TLS, start-up and authentication.
+    pub connect: Duration,
+    /// One statement, as PostgreSQL's `statement_timeout` on every connection; the client
+    /// bounds a message's database work at this plus [`CLIENT_GRACE`] ([`Self::work`]).
+    /// Zero: no bound (the server's default, and no client-side bound either).
+    pub statement: Duration,
+}
+
+/// The margin the client's bound leaves the server's `statement_timeout`, so that while the
+/// server answers, its cancel (a clean error on a connection that stays usable) comes first.
+pub const CLIENT_GRACE: Duration = Duration::from_secs(1);
+
+impl Default for DbTimeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(5),
+            statement: Duration::from_secs(15),
+        }
+    }
+}
+
+impl DbTimeouts {
+    /// No statement bound: for the migrations, whose DDL may rightly run long.
+    pub fn unbounded_statements() -> Self {
+        Self {
+            statement: Duration::ZERO,
+            ..Self::default()
+        }
+    }
+
+    /// The client-side bound on one unit of database work (a message's transaction, a
+    /// relay's statement); `None` when statements are unbounded.
+    pub fn work(&self) -> Option<Duration> {
+        (!self.statement.is_zero()).then_some(self.statement + CLIENT_GRACE)
+    }
+
+    /// A wait for a pooled connection: a connect, after the connections in use had the
+    /// time of a connect to come back.
+    fn acquire(&self) -> Duration {
+        self.connect * 2
+    }
+}
+
+/// `work` on the database, abandoned (dropped, with the connection it held) if `bound` passes
+/// first; `None`: unbounded.
+pub async fn bounded<T>(
+    bound: Option<Duration>,
+    work: impl Future<Output = Result<T, DbErr>>,
+) -> Result<T, DbErr> {
+    match bound {
+        Some(bound) => tokio::time::timeout(bound, work).await.unwrap_or_else(|_| {
+            Err(DbErr::Custom(format!(
+                "no answer from the database within {bound:?}; abandoned"
+            )))
+        }),
+        None => work.await,
+    }
+}
+
+/// Opens a pool of at most `max_connections` whose statements are not bounded: for the tools,
+/// benchmarks and tests. The commands take their [`DbTimeouts`] from their flags.
+pub async fn connect(url: &str, max_connections: u32) -> Result<DatabaseConnection, DbErr> {
+    connect_with(url, max_connections, DbTimeouts::unbounded_statements()).await
+}
 
 /// Opens a pool of at most `max_connections`.
 ///
@@ -32,21 +103,45 @@ const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// PostgreSQL over TLS is opt-in through the URL (`?sslmode=verify-full&sslrootcert=ca.pem`):
 /// a URL that names no `sslmode` (and no `PGSSLMODE` in the environment) gets `disable`, not the
 /// driver's `prefer`, which would quietly negotiate TLS with any local server that offers it.
-pub async fn connect(url: &str, max_connections: u32) -> Result<DatabaseConnection, DbErr> {
+///
+/// A connection coming back to the pool is pinged by sqlx before it is reused, without a
+/// bound: one whose work was abandoned on a silent network would hang that ping and hold its
+/// pool slot for good. The pool pings it first within `timeouts.connect` and closes it,
+/// without a word to the server, if no answer comes.
+pub async fn connect_with(
+    url: &str,
+    max_connections: u32,
+    timeouts: DbTimeouts,
+) -> Result<DatabaseConnection, DbErr> {
     let url = with_default_sslmode(url, std::env::var_os("PGSSLMODE").is_some());
+    let postgres = is_postgres(&url);
     let mut options = ConnectOptions::new(url);
     options
         .max_connections(max_connections)
         .min_connections(1)
-        .connect_timeout(Duration::from_secs(5))
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(timeouts.acquire())
         .sqlx_logging_level(tracing::log::LevelFilter::Debug)
+        .map_sqlx_postgres_pool_opts(move |pool| {
+            pool.after_release(move |connection, _| {
+                Box::pin(async move {
+                    use sea_orm::sqlx::Connection as _;
+                    match tokio::time::timeout(timeouts.connect, connection.ping()).await {
+                        Ok(answered) => answered.map(|()| true),
+                        // Err closes it hard: no goodbye on a connection that does not answer.
+                        Err(_) => Err(sea_orm::sqlx::Error::PoolTimedOut),
+                    }
+                })
+            })
+        })
         .map_sqlx_sqlite_opts(|sqlite| {
             sqlite
                 .journal_mode(SqliteJournalMode::Wal)
                 .busy_timeout(SQLITE_BUSY_TIMEOUT)
                 .foreign_keys(true)
         });
+    if postgres && !timeouts.statement.is_zero() {
+        options.statement_timeout(timeouts.statement);
+    }
     sea_orm::Database::connect(options).await
 }
 
@@ -55,30 +150,36 @@ pub async fn migrate(db: &DatabaseConnection) -> Result<(), DbErr> {
     Migrator::up(db, None).await
 }
 
-/// [`connect`] then [`migrate`]: what every command that needs the schema does first.
+/// [`connect_with`] then [`migrate`], statements unbounded: for `inventory migrate` and the
+/// tools and tests that make a database of their own.
 pub async fn connect_and_migrate(
     url: &str,
     max_connections: u32,
 ) -> Result<DatabaseConnection, DbErr> {
-    let db = connect(url, max_connections).await?;
+    let db = connect_with(url, max_connections, DbTimeouts::unbounded_statements()).await?;
     migrate(&db).await?;
     Ok(db)
 }
 
-/// [`connect`], then the schema as `policy` says: the migrations applied, or (run by a role
-/// that changes no schema) checked current and the role's grants checked, changing nothing.
+/// [`connect_with`], then the schema as `policy` says: the migrations applied, or (run by a
+/// role that changes no schema) checked current and the role's grants checked, changing
+/// nothing. The migrations run on a connection of their own without the statement bound, which
+/// is for serving, not for DDL.
 pub async fn open(
     url: &str,
     max_connections: u32,
     policy: SchemaPolicy,
+    timeouts: DbTimeouts,
 ) -> Result<DatabaseConnection, SchemaError> {
-    let db = connect(url, max_connections).await?;
-    match policy {
-        SchemaPolicy::Migrate => migrate(&db).await?,
-        SchemaPolicy::Check => {
-            schema::check_current(&db).await?;
-            schema::check_privileges(&db).await?;
-        }
+    if policy == SchemaPolicy::Migrate {
+        let migrator = connect_with(url, 1, DbTimeouts::unbounded_statements()).await?;
+        migrate(&migrator).await?;
+        migrator.close().await?;
+    }
+    let db = connect_with(url, max_connections, timeouts).await?;
+    if policy == SchemaPolicy::Check {
+        schema::check_current(&db).await?;
+        schema::check_privileges(&db).await?;
     }
     Ok(db)
 }

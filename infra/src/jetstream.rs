@@ -706,17 +706,41 @@ impl std::fmt::Debug for NatsSecurity {
     }
 }
 
+/// How long NATS may stay silent before the client acts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NatsTimeouts {
+    /// Dialling a server until it answered the handshake, at start and on each reconnect.
+    pub connect: Duration,
+    /// The client pings the server this often; after two pings unanswered it drops the
+    /// connection and reconnects. A connection that went silent without closing is noticed
+    /// after two to three of these.
+    pub ping_interval: Duration,
+    /// A request's (JetStream API calls, the PubAck of a publish) wait for its answer.
+    pub request: Duration,
+}
+
+impl Default for NatsTimeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(5),
+            ping_interval: Duration::from_secs(10),
+            request: Duration::from_secs(10),
+        }
+    }
+}
+
 /// Connects to NATS under `name`, reconnecting for as long as the process runs; connection
 /// events are logged. `url` may list several servers of a cluster, comma separated.
 pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
-    connect_with(url, name, &NatsSecurity::default()).await
+    connect_with(url, name, &NatsSecurity::default(), NatsTimeouts::default()).await
 }
 
-/// [`connect`] with credentials and TLS.
+/// [`connect`] with credentials, TLS and timeouts.
 pub async fn connect_with(
     url: &str,
     name: &str,
     security: &NatsSecurity,
+    timeouts: NatsTimeouts,
 ) -> Result<async_nats::Client, NatsError> {
     let reading_url = || format!("reading the NATS URL {}", crate::redact::redact_url(url));
     let parsed: Vec<async_nats::ServerAddr> = url
@@ -780,7 +804,9 @@ pub async fn connect_with(
     options
         .name(name)
         .max_reconnects(None)
-        .connection_timeout(Duration::from_secs(5))
+        .connection_timeout(timeouts.connect)
+        .ping_interval(timeouts.ping_interval)
+        .request_timeout(Some(timeouts.request))
         .event_callback(|event| async move {
             match event {
                 async_nats::Event::Connected => tracing::info!("NATS connected"),

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
-use inventory_infra::db::{DEFAULT_DATABASE_URL, SchemaPolicy};
-use inventory_infra::jetstream::{self, NatsSecurity, Topology};
+use inventory_infra::db::{DEFAULT_DATABASE_URL, DbTimeouts, SchemaPolicy};
+use inventory_infra::jetstream::{self, NatsSecurity, NatsTimeouts, Topology};
 use inventory_infra::{DetectMode, NaturalKeyPath};
 
 /// `Debug` masks the URL's password.
@@ -19,9 +19,26 @@ pub struct DatabaseArgs {
     /// schema; `inventory migrate` applies them).
     #[arg(long, env = "INVENTORY_SKIP_MIGRATIONS", value_parser = clap::builder::BoolishValueParser::new())]
     pub skip_migrations: bool,
+    /// How long opening a database connection may take (TCP, TLS, start-up, authentication);
+    /// a connection from the pool is waited for twice as long.
+    #[arg(long, env = "DB_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub db_connect_timeout: Duration,
+    /// PostgreSQL's statement_timeout on every connection, and the client's own bound (this
+    /// plus 1 s) on a message's database work, which alone catches a server that went silent:
+    /// past it the work is abandoned, its connection closed, and the message retried. 0s: no
+    /// bound. Migrations are never bounded.
+    #[arg(long, env = "DB_STATEMENT_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub db_statement_timeout: Duration,
 }
 
 impl DatabaseArgs {
+    pub fn timeouts(&self) -> DbTimeouts {
+        DbTimeouts {
+            connect: self.db_connect_timeout,
+            statement: self.db_statement_timeout,
+        }
+    }
+
     pub fn schema(&self) -> SchemaPolicy {
         if self.skip_migrations {
             SchemaPolicy::Check
@@ -108,6 +125,16 @@ pub struct NatsArgs {
     /// Refuse to connect to NATS without TLS.
     #[arg(long, env = "NATS_REQUIRE_TLS", hide_env_values = true)]
     pub nats_require_tls: bool,
+    /// How long dialling a NATS server may take, at start and on each reconnect.
+    #[arg(long, env = "NATS_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub nats_connect_timeout: Duration,
+    /// How often the client pings the NATS server; two pings unanswered and it reconnects, so
+    /// a connection gone silent without closing is given up after two to three of these.
+    #[arg(long, env = "NATS_PING_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub nats_ping_interval: Duration,
+    /// How long a JetStream API request or a publish waits for its answer.
+    #[arg(long, env = "NATS_REQUEST_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub nats_request_timeout: Duration,
 }
 
 impl NatsArgs {
@@ -123,9 +150,17 @@ impl NatsArgs {
         }
     }
 
-    /// Connects with these flags' URL, credentials and TLS.
+    pub fn timeouts(&self) -> NatsTimeouts {
+        NatsTimeouts {
+            connect: self.nats_connect_timeout,
+            ping_interval: self.nats_ping_interval,
+            request: self.nats_request_timeout,
+        }
+    }
+
+    /// Connects with these flags' URL, credentials, TLS and timeouts.
     pub async fn connect(&self, name: &str) -> Result<jetstream::Client, jetstream::NatsError> {
-        jetstream::connect_with(&self.nats_url, name, &self.security()).await
+        jetstream::connect_with(&self.nats_url, name, &self.security(), self.timeouts()).await
     }
 }
 
@@ -182,6 +217,7 @@ impl std::fmt::Debug for NatsArgs {
                 &inventory_infra::redact::redact_url(&self.nats_url),
             )
             .field("security", &self.security())
+            .field("timeouts", &self.timeouts())
             .finish()
     }
 }
@@ -209,6 +245,7 @@ impl std::fmt::Debug for DatabaseArgs {
                 &inventory_infra::redact::redact_url(&self.database_url),
             )
             .field("skip_migrations", &self.skip_migrations)
+            .field("timeouts", &self.timeouts())
             .finish()
     }
 }

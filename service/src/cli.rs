@@ -226,9 +226,13 @@ pub async fn run(cli: Cli) -> Result<bool> {
     match cli.command {
         Command::Demo(args) => study::forward("demo", args),
         Command::Migrate { database } => {
-            let conn = db::connect(&database.database_url, COMMAND_POOL)
-                .await
-                .context("connecting to the database")?;
+            let conn = db::connect_with(
+                &database.database_url,
+                COMMAND_POOL,
+                db::DbTimeouts::unbounded_statements(),
+            )
+            .await
+            .context("connecting to the database")?;
             db::migrate(&conn).await.context("applying migrations")?;
             println!("migrations applied");
             Ok(true)
@@ -250,9 +254,14 @@ pub async fn run(cli: Cli) -> Result<bool> {
 
 async fn run_orders(command: OrdersCommand) -> Result<()> {
     let (OrdersCommand::Place { database, .. } | OrdersCommand::Cancel { database, .. }) = &command;
-    let conn = db::open(database.url(), COMMAND_POOL, database.database.schema())
-        .await
-        .context("opening the orders database")?;
+    let conn = db::open(
+        database.url(),
+        COMMAND_POOL,
+        database.database.schema(),
+        database.database.timeouts(),
+    )
+    .await
+    .context("opening the orders database")?;
     let orders = OrdersRepository::new(conn);
     match command {
         OrdersCommand::Place {
@@ -292,9 +301,14 @@ struct StockRow {
 }
 
 async fn repository(database: &DatabaseArgs) -> Result<StockRepository> {
-    let conn = db::open(&database.database_url, COMMAND_POOL, database.schema())
-        .await
-        .context("opening the database")?;
+    let conn = db::open(
+        &database.database_url,
+        COMMAND_POOL,
+        database.schema(),
+        database.timeouts(),
+    )
+    .await
+    .context("opening the database")?;
     Ok(StockRepository::new(conn))
 }
 
@@ -432,6 +446,7 @@ async fn purge_inbox(args: PurgeArgs) -> Result<()> {
         &args.database.database_url,
         COMMAND_POOL,
         args.database.schema(),
+        args.database.timeouts(),
     )
     .await
     .context("opening the database")?;

@@ -8,9 +8,11 @@
 //! an outbox relay runs, `"relay"` says `"publishing"`, or `"failing"` (503) once it has failed
 //! for longer than its `--relay-unhealthy-after` to publish rows that wait.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use axum::Router;
@@ -38,6 +40,9 @@ pub struct Metrics {
     dead_letters: IntCounterVec,
     handling: HistogramVec,
     in_flight: IntGaugeVec,
+    oldest_in_flight: GaugeVec,
+    /// When each delivery in flight started, by consumer: read at each scrape.
+    in_flight_since: Arc<Mutex<BTreeMap<String, InFlightSince>>>,
     pending: IntGaugeVec,
     ack_pending: IntGaugeVec,
     purged: IntCounter,
@@ -207,6 +212,14 @@ impl Metrics {
             ),
             &["consumer"],
         )?;
+        let oldest_in_flight = GaugeVec::new(
+            Opts::new(
+                "inventory_oldest_in_flight_seconds",
+                "How long the oldest delivery being handled now has been in its lane (0 when \
+                 none): a lane stuck on one message shows here.",
+            ),
+            &["consumer"],
+        )?;
         let pending = IntGaugeVec::new(
             Opts::new(
                 "inventory_consumer_pending_messages",
@@ -236,6 +249,7 @@ impl Metrics {
         registry.register(Box::new(dead_letters.clone()))?;
         registry.register(Box::new(handling.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
+        registry.register(Box::new(oldest_in_flight.clone()))?;
         registry.register(Box::new(pending.clone()))?;
         registry.register(Box::new(ack_pending.clone()))?;
         registry.register(Box::new(purged.clone()))?;
@@ -249,6 +263,8 @@ impl Metrics {
             dead_letters,
             handling,
             in_flight,
+            oldest_in_flight,
+            in_flight_since: Arc::default(),
             pending,
             ack_pending,
             purged,
@@ -264,6 +280,10 @@ impl Metrics {
             dead_letters: self.dead_letters.clone(),
             handling: self.handling.with_label_values(&[consumer]),
             in_flight: self.in_flight.with_label_values(&[consumer]),
+            since: lock(&self.in_flight_since)
+                .entry(consumer.to_owned())
+                .or_default()
+                .clone(),
             pending: self.pending.with_label_values(&[consumer]),
             ack_pending: self.ack_pending.with_label_values(&[consumer]),
         }
@@ -284,17 +304,22 @@ impl Metrics {
             status,
             unhealthy_after,
         };
-        *self.relay.lock().unwrap_or_else(|p| p.into_inner()) = Some(watched);
+        *lock(&self.relay) = Some(watched);
     }
 
     fn watched_relay(&self) -> Option<WatchedRelay> {
-        self.relay.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.relay).clone()
     }
 
     /// The text exposition format.
     pub fn render(&self) -> Result<String, prometheus::Error> {
         if let Some(relay) = self.watched_relay() {
             self.outbox.sync(&relay);
+        }
+        for (consumer, since) in lock(&self.in_flight_since).iter() {
+            self.oldest_in_flight
+                .with_label_values(&[consumer])
+                .set(since.oldest_age().as_secs_f64());
         }
         let mut text = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut text)?;
@@ -310,16 +335,40 @@ pub struct ConsumerMetrics {
     dead_letters: IntCounterVec,
     handling: Histogram,
     in_flight: IntGauge,
+    since: InFlightSince,
     pending: IntGauge,
     ack_pending: IntGauge,
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The start of each delivery in flight of one consumer, oldest first.
+#[derive(Clone, Default)]
+struct InFlightSince(Arc<Mutex<BTreeSet<(Instant, u64)>>>);
+
+impl InFlightSince {
+    fn oldest_age(&self) -> Duration {
+        lock(&self.0)
+            .first()
+            .map_or(Duration::ZERO, |(started, _)| started.elapsed())
+    }
+}
+
 /// Counts a delivery in flight until dropped, so a handler that panics is not counted forever.
-pub struct InFlight(IntGauge);
+pub struct InFlight {
+    gauge: IntGauge,
+    since: InFlightSince,
+    key: (Instant, u64),
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.dec();
+        self.gauge.dec();
+        lock(&self.since.0).remove(&self.key);
     }
 }
 
@@ -333,8 +382,15 @@ impl ConsumerMetrics {
     }
 
     pub fn start(&self) -> InFlight {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
         self.in_flight.inc();
-        InFlight(self.in_flight.clone())
+        let key = (Instant::now(), NEXT.fetch_add(1, Ordering::Relaxed));
+        lock(&self.since.0).insert(key);
+        InFlight {
+            gauge: self.in_flight.clone(),
+            since: self.since.clone(),
+            key,
+        }
     }
 
     pub fn record(&self, disposition: &Disposition, elapsed: Duration) {

@@ -178,13 +178,22 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     crate::serve::listen_for_signals(shutdown.clone())?;
     let url = database_url(args.source, &args.databases);
-    let db = db::open(url, args.db_pool_size, args.databases.database.schema())
-        .await
-        .with_context(|| format!("opening the database at {}", redact_url(url)))?;
+    let db = db::open(
+        url,
+        args.db_pool_size,
+        args.databases.database.schema(),
+        args.databases.database.timeouts(),
+    )
+    .await
+    .with_context(|| format!("opening the database at {}", redact_url(url)))?;
     let client = args.nats.connect("inventory relay").await?;
     let js = jetstream::context(client.clone());
     let (source, stream) = args.source.source(&args.topology.topology());
-    let relay = prepare(&js, db.clone(), source, &stream, args.relay.settings()).await?;
+    let settings = RelaySettings {
+        db_timeout: args.databases.database.timeouts().work(),
+        ..args.relay.settings()
+    };
+    let relay = prepare(&js, db.clone(), source, &stream, settings).await?;
     let background = CancellationToken::new();
     let _stop_background = background.clone().drop_guard();
     if let Some(addr) = args.metrics_addr {
@@ -248,9 +257,14 @@ pub struct OutboxTarget {
 impl OutboxTarget {
     async fn open(&self) -> anyhow::Result<(DatabaseConnection, OutboxSource)> {
         let url = database_url(self.source, &self.databases);
-        let conn = db::open(url, 2, self.databases.database.schema())
-            .await
-            .with_context(|| format!("opening the database at {}", redact_url(url)))?;
+        let conn = db::open(
+            url,
+            2,
+            self.databases.database.schema(),
+            self.databases.database.timeouts(),
+        )
+        .await
+        .with_context(|| format!("opening the database at {}", redact_url(url)))?;
         // Only the table matters here; the stream names do not.
         let (source, _) = self.source.source(&Topology::default());
         Ok((conn, source))

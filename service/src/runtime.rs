@@ -17,7 +17,7 @@ use futures::{FutureExt, StreamExt};
 use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
 };
-use inventory_infra::db::DatabaseConnection;
+use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer, PullError};
 use inventory_infra::jetstream::{
     self, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError, Origin, Topology,
@@ -51,6 +51,10 @@ pub struct RuntimeSettings {
     pub max_retry_delay: Duration,
     /// How long a graceful stop waits for in-flight messages.
     pub shutdown_timeout: Duration,
+    /// The client's bound on a handler's database work for one message or batch (and on a
+    /// lane's check that the database answers): past it the work is abandoned and the
+    /// message nak'ed as a transient failure. `None`: unbounded.
+    pub work_timeout: Option<Duration>,
 }
 
 impl RuntimeSettings {
@@ -84,6 +88,7 @@ impl RuntimeSettings {
             retry_delay: Duration::from_millis(500),
             max_retry_delay: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
+            work_timeout: None,
         }
     }
 }
@@ -219,6 +224,7 @@ impl ConsumerRuntime {
                 concurrency: self.settings.concurrency.max(1),
                 batch_size,
                 max_body_bytes: self.settings.max_body_bytes,
+                work_timeout: self.settings.work_timeout,
                 retry: RetryPolicy {
                     max_deliver: self.server_consumer.max_deliver,
                     retry_delay: self.settings.retry_delay,
@@ -330,8 +336,17 @@ struct LaneSettings {
     concurrency: usize,
     batch_size: usize,
     max_body_bytes: usize,
+    work_timeout: Option<Duration>,
     /// With the consumer's `max_deliver` as the server has it.
     retry: RetryPolicy,
+}
+
+/// `work`, abandoned (dropped, with whatever connection it held) if `bound` passes first.
+async fn within<T>(bound: Option<Duration>, work: impl Future<Output = T>) -> Result<T, Duration> {
+    match bound {
+        Some(bound) => tokio::time::timeout(bound, work).await.map_err(|_| bound),
+        None => Ok(work.await),
+    }
 }
 
 /// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
@@ -396,7 +411,7 @@ async fn lane<H: MessageHandler, S>(
         // Every lane holds while the database is suspect, not only the first to notice: a lane
         // that fetched on would burn its message's deliveries on an outage.
         if worker.database_suspect.load(Ordering::Relaxed) {
-            if !wait_for_database(&db, &stop).await {
+            if !wait_for_database(&db, worker.lanes.work_timeout, &stop).await {
                 return;
             }
             worker.database_suspect.store(false, Ordering::Relaxed);
@@ -443,11 +458,16 @@ async fn lane<H: MessageHandler, S>(
 
 /// Waits until the database answers again; false if shutdown came first. While it is down
 /// nothing is fetched, so messages are not burned through their delivery attempts.
-async fn wait_for_database(db: &DatabaseConnection, shutdown: &CancellationToken) -> bool {
+/// Each look is bounded by `bound`: a ping on a connection gone silent would wait forever.
+async fn wait_for_database(
+    db: &DatabaseConnection,
+    bound: Option<Duration>,
+    shutdown: &CancellationToken,
+) -> bool {
     let mut delay = Duration::from_millis(200);
     let mut was_down = false;
     loop {
-        match db.ping().await {
+        match db::bounded(bound, db.ping()).await {
             Ok(()) => {
                 if was_down {
                     tracing::info!("database reachable; consuming");
@@ -567,7 +587,9 @@ impl<H: MessageHandler> Worker<H> {
         let disposition = match self.admit(message).await {
             Admitted::Settled(disposition) => disposition,
             Admitted::Decoded(origin, decoded) => {
-                let result = self.handler.handle(&decoded).await;
+                let result = within(self.lanes.work_timeout, self.handler.handle(&decoded))
+                    .await
+                    .unwrap_or_else(|bound| Err(HandleError::TimedOut(bound)));
                 self.settle(message, &origin, result).await
             }
         };
@@ -606,7 +628,10 @@ impl<H: MessageHandler> Worker<H> {
                 }
             }
         }
-        let mut results = self.handler.handle_batch(&decoded).await.into_iter();
+        let mut results = within(self.lanes.work_timeout, self.handler.handle_batch(&decoded))
+            .await
+            .unwrap_or_else(|bound| vec![Err(HandleError::TimedOut(bound)); decoded.len()])
+            .into_iter();
         let mut origins = origins.into_iter();
         let mut settled = Vec::with_capacity(messages.len());
         for (message, disposition) in messages.iter().zip(dispositions) {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use inventory_infra::db::{self, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings};
-use inventory_infra::outbox::OutboxSource;
+use inventory_infra::outbox::{OutboxSource, RelaySettings};
 use inventory_infra::redact::redact_url;
 use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
@@ -179,6 +179,12 @@ impl ServeArgs {
             retry_delay: self.retry_delay,
             max_retry_delay: self.max_retry_delay,
             shutdown_timeout: self.shutdown_timeout,
+            // SQLite has no network to go silent, and its writer is shared by the lanes: no
+            // lane abandons its work there.
+            work_timeout: match backend {
+                DbBackend::Postgres => self.database.timeouts().work(),
+                _ => None,
+            },
             ..defaults
         }
     }
@@ -214,6 +220,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         &args.database.database_url,
         args.db_pool_size,
         args.database.schema(),
+        args.database.timeouts(),
     )
     .await
     .with_context(|| {
@@ -258,7 +265,10 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
                 db.clone(),
                 OutboxSource::inventory(&topology),
                 &topology.events_stream(),
-                args.relay.settings(),
+                RelaySettings {
+                    db_timeout: args.database.timeouts().work(),
+                    ..args.relay.settings()
+                },
             )
             .await?;
             runtime.wake_relay_on_events(relay.wake());

@@ -226,7 +226,7 @@ async fn a_role_missing_a_grant_or_a_migration_is_refused_at_start_naming_it() {
     assert_eq!(status.code(), Some(1), "{output}");
 
     // The check itself, as the library gives it to any caller.
-    let refused = inventory_infra::db::open(&role.url, 1, SchemaPolicy::Check)
+    let refused = inventory_infra::db::open(&role.url, 1, SchemaPolicy::Check, Default::default())
         .await
         .err()
         .unwrap();

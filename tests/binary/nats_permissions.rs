@@ -25,9 +25,14 @@ fn user(name: &str, password: &str) -> NatsSecurity {
 }
 
 async fn connect(server: &NatsServer, security: &NatsSecurity) -> Context {
-    let client = jetstream::connect_with(&server.url(), "permissions test", security)
-        .await
-        .unwrap();
+    let client = jetstream::connect_with(
+        &server.url(),
+        "permissions test",
+        security,
+        Default::default(),
+    )
+    .await
+    .unwrap();
     jetstream::context(client)
 }
 

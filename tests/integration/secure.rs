@@ -12,9 +12,10 @@ use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 /// Connects with `security` and creates streams: the whole path serve takes at start-up.
 async fn jetstream_works(url: &str, security: &NatsSecurity) -> Result<(), String> {
-    let client = jetstream::connect_with(url, "inventory secure test", security)
-        .await
-        .map_err(|error| error.to_string())?;
+    let client =
+        jetstream::connect_with(url, "inventory secure test", security, Default::default())
+            .await
+            .map_err(|error| error.to_string())?;
     let names = unique_names("secure");
     let topology = Topology {
         stream: names.stream,

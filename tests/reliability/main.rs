@@ -11,6 +11,8 @@
 //!   key (one statement, and batches of 16), the inbox, the email.
 //! - `outages`: PostgreSQL and NATS stopped or killed and restarted mid-stream, under the
 //!   natural key, the inbox and the email.
+//! - `network`: a fault-injecting proxy between two natural-key instances and PostgreSQL and
+//!   NATS: latency, connections cut mid-statement and right after a commit, blackholes.
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
@@ -27,6 +29,7 @@ mod chain;
 mod cluster;
 mod kill9;
 mod load;
+mod network;
 mod outages;
 mod relay_outage;
 mod support;

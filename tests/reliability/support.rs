@@ -239,6 +239,11 @@ impl Scenario {
     /// Starts `inventory serve` with the scenario's strategy on its consumer. `label` names
     /// the log; its part before a `-` is the instance's slot, which keeps its mailbox.
     pub(crate) fn spawn(&self, label: &str) -> Instance {
+        self.spawn_with(label, &[])
+    }
+
+    /// [`Self::spawn`] with `extra` flags for this instance alone.
+    pub(crate) fn spawn_with(&self, label: &str, extra: &[&str]) -> Instance {
         let slot = label.split('-').next().unwrap_or(label);
         let mailbox = self.mailbox(slot);
         let mut args: Vec<String> = ["serve", "--strategy", self.served.flag(), "--mailbox"]
@@ -248,6 +253,7 @@ impl Scenario {
         args.extend(["--consumer".to_owned(), self.names.consumer.clone()]);
         args.extend(serve_fault_args());
         args.extend(self.serve_args.iter().cloned());
+        args.extend(extra.iter().map(|flag| (*flag).to_owned()));
         self.start(label, &args, &self.names.consumer)
     }
 
@@ -337,6 +343,16 @@ impl Drop for Scenario {
     }
 }
 
+/// What an instance's `/metrics` says of its consumer.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Gauges {
+    pub(crate) in_flight: f64,
+    /// Seconds the oldest delivery in its lanes has been handled.
+    pub(crate) oldest_in_flight: f64,
+    /// Deliveries finished, whatever their outcome.
+    pub(crate) handled: f64,
+}
+
 /// One `inventory serve` process.
 pub(crate) struct Instance {
     child: Option<Child>,
@@ -360,14 +376,30 @@ impl Instance {
     /// Messages its handlers hold now, from its own `/metrics`; `None` while it does not
     /// answer (starting up).
     pub(crate) fn in_flight(&self) -> Option<f64> {
+        self.gauges().map(|gauges| gauges.in_flight)
+    }
+
+    /// Its consumer's gauges and counts, from its own `/metrics`; `None` while it does not
+    /// answer.
+    pub(crate) fn gauges(&self) -> Option<Gauges> {
         let (_, scrape) = http_get(self.metrics_port, "/metrics")?;
-        Some(sample(
-            &scrape,
-            &format!(
-                "inventory_messages_in_flight{{consumer=\"{}\"}}",
-                self.consumer
+        let labels = format!("{{consumer=\"{}\"}}", self.consumer);
+        let handled_prefix = format!(
+            "inventory_messages_total{{consumer=\"{}\",outcome=",
+            self.consumer
+        );
+        Some(Gauges {
+            in_flight: sample(&scrape, &format!("inventory_messages_in_flight{labels}")),
+            oldest_in_flight: sample(
+                &scrape,
+                &format!("inventory_oldest_in_flight_seconds{labels}"),
             ),
-        ))
+            handled: scrape
+                .lines()
+                .filter(|line| line.starts_with(&handled_prefix))
+                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+        })
     }
 
     /// SIGKILL and reap: no drain, no ack, nothing flushed.

@@ -8,6 +8,8 @@
 //! - [`nats`]: NATS servers of the test's own (one, or a cluster of three) to stop, kill and
 //!   restart; the shared NATS server; per-test stream and subject names.
 //! - [`binary`]: the `inventory` binary run as a process on a test's database and streams.
+//! - [`fault_proxy`]: a TCP proxy between the service and a server that adds latency, cuts
+//!   connections (all at once, or right after a commit) and blackholes them.
 //! - [`broker`]: a test's own streams on a shared NATS server, and the service loop running
 //!   in-process on them.
 //! - [`tls`]: a throwaway CA and server certificates for TLS tests.
@@ -26,6 +28,7 @@
 pub mod binary;
 pub mod broker;
 pub mod corpus;
+pub mod fault_proxy;
 pub mod nats;
 pub mod outbox;
 pub mod pg_server;

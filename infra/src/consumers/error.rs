@@ -25,6 +25,11 @@ pub enum HandleError {
     /// An injected crash: the handler "died" at this point, as a killed process would.
     #[error("crashed at {}", .0.as_str())]
     Crashed(CrashPoint),
+    /// The database work did not finish within the client's bound (a server gone silent, a
+    /// link dropped without a word) and was abandoned, its connection closed. Whether it
+    /// committed is unknown: the retry finds out.
+    #[error("database work abandoned after {0:?} without an answer")]
+    TimedOut(std::time::Duration),
 }
 
 /// The database's code in the message, so a log line says which failure it was.
@@ -51,7 +56,7 @@ impl HandleError {
                 reason: DeadLetterReason::NeedsReconciliation,
                 detail: self.to_string(),
             }),
-            Self::Provider(_) => ErrorKind::Transient,
+            Self::Provider(_) | Self::TimedOut(_) => ErrorKind::Transient,
             Self::Crashed(point) => ErrorKind::Crashed(*point),
         }
     }
@@ -59,7 +64,7 @@ impl HandleError {
     /// A failure of the database, which may be down as a whole: the consumer checks whether
     /// it is reachable before fetching more.
     pub fn is_database(&self) -> bool {
-        matches!(self, Self::Database(_))
+        matches!(self, Self::Database(_) | Self::TimedOut(_))
     }
 }
 
@@ -83,6 +88,9 @@ mod tests {
         let unknown = HandleError::from(DbErr::Custom("anything".into()));
         assert_eq!(unknown.kind(), ErrorKind::Transient);
         assert!(unknown.is_database());
+        let silent = HandleError::TimedOut(std::time::Duration::from_secs(16));
+        assert_eq!(silent.kind(), ErrorKind::Transient);
+        assert!(silent.is_database());
     }
 
     #[test]

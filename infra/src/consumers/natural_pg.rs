@@ -197,6 +197,8 @@ const EXISTING_SQL: &str =
 
 pub struct PgNaturalKey {
     options: Arc<PgConnectOptions>,
+    /// The pool's bound on getting a connection, which opening one here keeps too.
+    connect_timeout: std::time::Duration,
     connection: Mutex<Option<PgConnection>>,
     /// Cancellations are rare: they go through the reference handler.
     reference: StockConsumer,
@@ -208,6 +210,7 @@ impl Clone for PgNaturalKey {
     fn clone(&self) -> Self {
         Self {
             options: self.options.clone(),
+            connect_timeout: self.connect_timeout,
             connection: Mutex::new(None),
             reference: self.reference.clone(),
             faults: self.faults.clone(),
@@ -219,9 +222,9 @@ impl PgNaturalKey {
     /// `reference`: a natural-key [`StockConsumer`] on PostgreSQL ([`HandlerKind::build`]
     /// checks the backend).
     pub(crate) fn new(reference: StockConsumer) -> Self {
-        let options = reference
-            .db
-            .get_postgres_connection_pool()
+        let pool = reference.db.get_postgres_connection_pool();
+        let connect_timeout = pool.options().get_acquire_timeout();
+        let options = pool
             .connect_options()
             .as_ref()
             .clone()
@@ -229,6 +232,7 @@ impl PgNaturalKey {
             .log_statements(tracing::log::LevelFilter::Trace);
         Self {
             options: Arc::new(options),
+            connect_timeout,
             connection: Mutex::new(None),
             faults: reference.faults.clone(),
             reference,
@@ -249,25 +253,26 @@ impl PgNaturalKey {
         }
     }
 
-    /// Runs `work` on this lane's connection, opening it first if need be; a failure drops
-    /// the connection, which may be broken, and the next call opens a new one.
+    /// Runs `work` on this lane's connection, opening it first if need be (within the pool's
+    /// acquire timeout); a failure drops the connection, which may be broken, and the next
+    /// call opens a new one. The connection is out of its slot while in use, so work
+    /// abandoned mid-statement (the lane's bound expired) drops it too: a connection in an
+    /// unknown state is never used again.
     async fn with_connection<T>(
         &self,
         work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, HandleError>,
     ) -> Result<T, HandleError> {
         let mut slot = self.connection.lock().await;
-        let connection = match slot.as_mut() {
+        let mut connection = match slot.take() {
             Some(connection) => connection,
-            None => slot.insert(
-                self.options
-                    .connect()
-                    .await
-                    .map_err(HandleError::from_sqlx)?,
-            ),
+            None => tokio::time::timeout(self.connect_timeout, self.options.connect())
+                .await
+                .map_err(|_| HandleError::TimedOut(self.connect_timeout))?
+                .map_err(HandleError::from_sqlx)?,
         };
-        let result = work(connection).await;
-        if result.is_err() {
-            *slot = None;
+        let result = work(&mut connection).await;
+        if result.is_ok() {
+            *slot = Some(connection);
         }
         result
     }

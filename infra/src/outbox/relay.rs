@@ -73,6 +73,7 @@ use uuid::Uuid;
 
 use super::lease::Leases;
 use super::source::{Backlog, OutboxSource, PendingRow};
+use crate::db::bounded;
 use crate::jetstream::{self, ConfigDrift, Context, NatsError, PrefixStream};
 
 /// How a relay runs. The defaults suit a service; tests shorten the times.
@@ -93,6 +94,10 @@ pub struct RelaySettings {
     pub max_retry_delay: Duration,
     /// Rows per DELETE statement.
     pub delete_chunk: usize,
+    /// The bound on each of its database calls ([`crate::db::DbTimeouts::work`]): a
+    /// connection gone silent would otherwise hold the relay, and the stop waiting for it,
+    /// for good. `None`: unbounded.
+    pub db_timeout: Option<Duration>,
 }
 
 impl Default for RelaySettings {
@@ -106,6 +111,7 @@ impl Default for RelaySettings {
             retry_delay: Duration::from_millis(100),
             max_retry_delay: Duration::from_secs(5),
             delete_chunk: 500,
+            db_timeout: crate::db::DbTimeouts::default().work(),
         }
     }
 }
@@ -485,7 +491,9 @@ impl Relay {
         {
             tracing::warn!(%error, "outbox relay: last pass failed; the rows stay");
         }
-        if let Err(error) = self.leases.release_all(&self.db).await {
+        if let Err(error) =
+            bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await
+        {
             tracing::warn!(%error, "outbox relay: partitions not released; they expire");
         }
         self.status.0.held.store(0, Ordering::Relaxed);
@@ -518,7 +526,7 @@ impl Relay {
     }
 
     async fn lease_round(&mut self) -> Result<(), RelayError> {
-        let round = self.leases.round(&self.db).await?;
+        let round = bounded(self.settings.db_timeout, self.leases.round(&self.db)).await?;
         self.status
             .0
             .held
@@ -535,7 +543,7 @@ impl Relay {
                 "outbox partitions"
             );
         }
-        let backlog = self.source.backlog(&self.db).await?;
+        let backlog = bounded(self.settings.db_timeout, self.source.backlog(&self.db)).await?;
         *lock(&self.status.0.backlog) = Some(backlog);
         Ok(())
     }
@@ -552,10 +560,12 @@ impl Relay {
         if partitions.is_empty() {
             return Ok(Published::default());
         }
-        let rows = self
-            .source
-            .read_pending(&self.db, &partitions, self.settings.batch_size)
-            .await?;
+        let rows = bounded(
+            self.settings.db_timeout,
+            self.source
+                .read_pending(&self.db, &partitions, self.settings.batch_size),
+        )
+        .await?;
         let mut published = Published {
             report: PassReport {
                 read: rows.len(),
@@ -626,10 +636,12 @@ impl Relay {
         if !published.seqs.is_empty() {
             // Rows left here are published again by a later pass: duplicates, dropped by
             // the stream.
-            report.deleted = self
-                .source
-                .delete(&self.db, &published.seqs, self.settings.delete_chunk)
-                .await?;
+            report.deleted = bounded(
+                self.settings.db_timeout,
+                self.source
+                    .delete(&self.db, &published.seqs, self.settings.delete_chunk),
+            )
+            .await?;
         }
         Ok(report)
     }
@@ -656,7 +668,8 @@ impl Relay {
             match self.publish_row(&row).await {
                 Ok(ack) => outcome.acked.push((row.seq, ack.duplicate)),
                 Err(RowFailure::Park(reason)) => {
-                    match self.source.park(&self.db, row.seq, &reason).await {
+                    let parked = self.source.park(&self.db, row.seq, &reason);
+                    match bounded(self.settings.db_timeout, parked).await {
                         Ok(()) => {
                             tracing::error!(
                                 outbox = self.source.table(),

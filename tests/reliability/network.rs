@@ -1,0 +1,259 @@
+//! A flaky network between `inventory serve` and its servers: a [`FaultProxy`] in front of
+//! PostgreSQL and one in front of NATS, each fault applied in turn while orders flow through
+//! two instances of the natural key (one on the one-statement path, one on sea-orm's
+//! transactions, whose commit is a `COMMIT` of its own):
+//!
+//! - PostgreSQL: latency; every connection cut at once, mid-statement; connections cut right
+//!   after a commit reached the server (it commits, the client never hears: the message's
+//!   outcome is unknown to it); a blackhole, whose connections stay silent for good.
+//! - NATS: latency; every connection cut; a blackhole.
+//!
+//! Then the promise holds (every order reserved exactly once, nothing lost, no dead letters),
+//! the instances are still running and stop cleanly on SIGTERM, and at least one message
+//! whose commit was cut off was redelivered and recognised as a duplicate. It prints the
+//! longest time a lane held one message (each instance's `inventory_oldest_in_flight_seconds`,
+//! scraped every 100 ms) and the longest time no delivery finished anywhere.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::Context;
+use inventory_tests::fault_proxy::FaultProxy;
+use inventory_tests::workload::{self, Workload, stream_state};
+use inventory_tests::{Backend, TestDb};
+
+use crate::support::{Instance, Scenario, Served};
+
+const ORDERS: usize = 2_000;
+/// A lane holding one message longer than this is stuck: many times the client's bound on a
+/// message's database work (`--db-statement-timeout` plus 1 s) and its NATS timeouts.
+const STUCK: Duration = Duration::from_secs(30);
+
+/// Short timeouts, so each fault is outlived within seconds.
+fn timeout_flags() -> Vec<String> {
+    [
+        "--db-statement-timeout",
+        "2s",
+        "--db-connect-timeout",
+        "2s",
+        "--nats-connect-timeout",
+        "2s",
+        "--nats-ping-interval",
+        "1s",
+        "--nats-request-timeout",
+        "3s",
+    ]
+    .map(str::to_owned)
+    .into()
+}
+
+/// The longest stalls seen by scraping the instances every 100 ms.
+#[derive(Debug, Default, Clone, Copy)]
+struct Stalls {
+    /// The largest `inventory_oldest_in_flight_seconds` of any instance.
+    longest_lane_hold: f64,
+    /// The longest time no delivery finished on any instance while one was in flight.
+    longest_without_progress: Duration,
+}
+
+/// Scrapes `instances` until `stop`, on a thread of its own (the scrape is blocking); hands
+/// them back with what it saw.
+fn watch(
+    instances: Vec<Instance>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(Vec<Instance>, Stalls)> {
+    std::thread::spawn(move || {
+        let mut stalls = Stalls::default();
+        let mut last_handled = 0.0;
+        let mut progress_at = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            let seen: Vec<_> = instances.iter().filter_map(Instance::gauges).collect();
+            let handled: f64 = seen.iter().map(|gauges| gauges.handled).sum();
+            let in_flight: f64 = seen.iter().map(|gauges| gauges.in_flight).sum();
+            for gauges in &seen {
+                stalls.longest_lane_hold = stalls.longest_lane_hold.max(gauges.oldest_in_flight);
+            }
+            if handled > last_handled || in_flight == 0.0 {
+                last_handled = handled;
+                progress_at = Instant::now();
+            }
+            stalls.longest_without_progress =
+                stalls.longest_without_progress.max(progress_at.elapsed());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        (instances, stalls)
+    })
+}
+
+/// Waits until `fraction` of `total` messages are acked, within two minutes.
+async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
+    let target = (total as f64 * fraction) as u64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(state) = stream_state(js, &scenario.topology, &scenario.names.consumer).await
+            && state.ack_floor >= target
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reached {target} acked\n{}",
+            scenario.log_tails()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The stream sequences of the log lines holding every one of `needles`.
+fn sequences_where(scenario: &Scenario, needles: &[&str]) -> HashSet<u64> {
+    std::fs::read_dir(&scenario.logs)
+        .unwrap()
+        .flatten()
+        .flat_map(|entry| {
+            std::fs::read_to_string(entry.path())
+                .unwrap_or_default()
+                .lines()
+                .filter(|line| needles.iter().all(|needle| line.contains(needle)))
+                .filter_map(|line| {
+                    let after = line.split("stream_seq=").nth(1)?;
+                    after
+                        .split(|c: char| !c.is_ascii_digit())
+                        .next()?
+                        .parse()
+                        .ok()
+                })
+                .collect::<Vec<u64>>()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: run by scripts/test.sh"]
+async fn a_flaky_network_under_two_instances() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let books = [db.dune(1_000_000).await, db.dune(1_000_000).await];
+    let nats = inventory_tests::nats::shared_url().await;
+    let postgres = FaultProxy::in_front_of(&db.url).await;
+    let broker = FaultProxy::in_front_of(&nats).await;
+    // The producer and the checks talk to the servers directly; only the instances go
+    // through the proxies.
+    let mut scenario = Scenario::new("netfault", &db.url, &nats, 1);
+    let (_client, js) = scenario.connect().await;
+    scenario.database_url = postgres.url_for(&db.url);
+    scenario.nats_url = broker.url_for(&nats);
+    scenario.serve_args = timeout_flags();
+    // A duplicate's ack is logged at DEBUG: the evidence for a commit cut off.
+    scenario.rust_log = "info,sqlx=warn,inventory_service::runtime=debug".into();
+    let workload = Workload::new(
+        &books,
+        ORDERS,
+        Served::NaturalKey.new_id_resends(ORDERS),
+        ORDERS / 10,
+        17,
+    );
+    let total = workload.sends.len() as u64;
+    let instances = vec![
+        scenario.spawn("a"),
+        scenario.spawn_with("b", &["--natural-handler", "orm"]),
+    ];
+    // Slow enough to outlast the faults below.
+    let producer = scenario.start_producer(
+        &js,
+        &workload.sends,
+        total as usize / 150,
+        Duration::from_millis(200),
+    );
+    let stop_watching = Arc::new(AtomicBool::new(false));
+    let watcher = watch(instances, stop_watching.clone());
+    let started = Instant::now();
+
+    until_acked(&js, &scenario, total, 0.05).await;
+    postgres.latency(Duration::from_millis(20));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    postgres.pass();
+    let cut = postgres.cut_all();
+    eprintln!("[network] PostgreSQL: {cut} connections cut mid-stream");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // One at a time, so each cut lands on a connection of its own.
+    for made in 1..=8 {
+        postgres.cut_after_commits(1);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while postgres.commit_cuts_made() < made {
+            assert!(
+                Instant::now() < deadline,
+                "no commit to cut after within 20 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    postgres.blackhole();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    postgres.pass();
+    until_acked(&js, &scenario, total, 0.4).await;
+    broker.latency(Duration::from_millis(50));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    broker.pass();
+    let cut = broker.cut_all();
+    eprintln!("[network] NATS: {cut} connections cut mid-stream");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    broker.blackhole();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    broker.pass();
+    let faults_done = started.elapsed();
+    producer.await.unwrap();
+
+    let state = workload::settle(
+        &js,
+        &scenario.topology,
+        &scenario.names.consumer,
+        total,
+        Duration::from_secs(120),
+    )
+    .await;
+    stop_watching.store(true, Ordering::Relaxed);
+    let (instances, stalls) = watcher.join().unwrap();
+    for mut instance in instances {
+        assert!(instance.is_running(), "{}", scenario.log_tails());
+        let status = instance.terminate();
+        assert!(status.success(), "{status}\n{}", scenario.log_tails());
+    }
+    let report = workload::check(&db.conn, &workload, state).await;
+    report.assert_holds();
+
+    // A delivery whose handling failed on the database and whose redelivery was then acked
+    // as a duplicate: its first handling committed, unknown to the lane.
+    let failed = sequences_where(&scenario, &["transient failure"]);
+    let duplicates = sequences_where(&scenario, &["acked", "outcome=\"duplicate\""]);
+    let recognised = failed.intersection(&duplicates).count();
+    let abandoned = scenario.log_lines_with("database work abandoned");
+    let nats_lost = scenario.log_lines_with("NATS disconnected");
+    eprintln!(
+        "[network] faults over after {:.1} s; {} commits cut off, {recognised} of the failed \
+         deliveries came back as duplicates; {abandoned} handlings abandoned at the client's \
+         bound; NATS lost {nats_lost} times; PostgreSQL proxy {} connections, NATS proxy {}; longest a lane held one \
+         message {:.1} s, longest without a delivery finished anywhere {:.1} s; {}",
+        faults_done.as_secs_f64(),
+        postgres.commit_cuts_made(),
+        postgres.accepted(),
+        broker.accepted(),
+        stalls.longest_lane_hold,
+        stalls.longest_without_progress.as_secs_f64(),
+        report.summary()
+    );
+    assert!(
+        recognised > 0,
+        "no delivery cut off after its commit was recognised as a duplicate"
+    );
+    assert!(
+        abandoned > 0,
+        "the blackhole never made a lane give up its work"
+    );
+    assert!(nats_lost > 0, "the instances never noticed NATS going away");
+    assert!(
+        stalls.longest_lane_hold < STUCK.as_secs_f64(),
+        "a lane held one message for {:.1} s",
+        stalls.longest_lane_hold
+    );
+}
