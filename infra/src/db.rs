@@ -31,7 +31,8 @@ const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct DbTimeouts {
     /// Opening a connection: TCP, TLS, start-up and authentication.
     pub connect: Duration,
-    /// One statement, as PostgreSQL's `statement_timeout` on every connection; the client
+    /// One statement, as PostgreSQL's `statement_timeout` on every connection, and a session's
+    /// time idle inside a transaction (`idle_in_transaction_session_timeout`); the client
     /// bounds a message's database work at this plus [`CLIENT_GRACE`] ([`Self::work`]).
     /// Zero: no bound (the server's default, and no client-side bound either).
     pub statement: Duration,
@@ -140,7 +141,17 @@ pub async fn connect_with(
                 .foreign_keys(true)
         });
     if postgres && !timeouts.statement.is_zero() {
-        options.statement_timeout(timeouts.statement);
+        // The server's side of the same bound. A client gone silent inside a transaction
+        // leaves its session idle in it, holding its row locks (a book's stock row: every
+        // placement of that book then waits on it) until the server ends the session, which
+        // nothing else makes it do while the TCP connection looks alive.
+        let millis = timeouts.statement.as_millis().to_string();
+        options.map_sqlx_postgres_opts(move |postgres| {
+            postgres.options([
+                ("statement_timeout", &millis),
+                ("idle_in_transaction_session_timeout", &millis),
+            ])
+        });
     }
     sea_orm::Database::connect(options).await
 }

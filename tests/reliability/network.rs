@@ -8,8 +8,9 @@
 //!   outcome is unknown to it); a blackhole, whose connections stay silent for good.
 //! - NATS: latency; every connection cut; a blackhole.
 //!
-//! Then the promise holds (every order reserved exactly once, nothing lost, no dead letters),
-//! the instances are still running and stop cleanly on SIGTERM, and at least one message
+//! Then 300 more orders: each instance must ack some, so no lane kept a connection gone silent.
+//! The promise holds (every order reserved exactly once, nothing lost, no dead letters), the
+//! instances are still running and stop cleanly on SIGTERM, and at least one message
 //! whose commit was cut off was redelivered and recognised as a duplicate. It prints the
 //! longest time a lane held one message (each instance's `inventory_oldest_in_flight_seconds`,
 //! scraped every 100 ms) and the longest time no delivery finished anywhere.
@@ -24,9 +25,11 @@ use inventory_tests::fault_proxy::FaultProxy;
 use inventory_tests::workload::{self, Workload, stream_state};
 use inventory_tests::{Backend, TestDb};
 
-use crate::support::{Instance, Scenario, Served};
+use crate::support::{MetricsOf, Scenario, Served};
 
 const ORDERS: usize = 2_000;
+/// Orders published once the faults are over: each instance must take its share.
+const ORDERS_AFTER: usize = 300;
 /// A lane holding one message longer than this is stuck: many times the client's bound on a
 /// message's database work (`--db-statement-timeout` plus 1 s) and its NATS timeouts.
 const STUCK: Duration = Duration::from_secs(30);
@@ -58,18 +61,14 @@ struct Stalls {
     longest_without_progress: Duration,
 }
 
-/// Scrapes `instances` until `stop`, on a thread of its own (the scrape is blocking); hands
-/// them back with what it saw.
-fn watch(
-    instances: Vec<Instance>,
-    stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<(Vec<Instance>, Stalls)> {
+/// Scrapes `instances` until `stop`, on a thread of its own (the scrape is blocking).
+fn watch(instances: Vec<MetricsOf>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Stalls> {
     std::thread::spawn(move || {
         let mut stalls = Stalls::default();
         let mut last_handled = 0.0;
         let mut progress_at = Instant::now();
         while !stop.load(Ordering::Relaxed) {
-            let seen: Vec<_> = instances.iter().filter_map(Instance::gauges).collect();
+            let seen: Vec<_> = instances.iter().filter_map(MetricsOf::gauges).collect();
             let handled: f64 = seen.iter().map(|gauges| gauges.handled).sum();
             let in_flight: f64 = seen.iter().map(|gauges| gauges.in_flight).sum();
             for gauges in &seen {
@@ -83,7 +82,7 @@ fn watch(
                 stalls.longest_without_progress.max(progress_at.elapsed());
             std::thread::sleep(Duration::from_millis(100));
         }
-        (instances, stalls)
+        stalls
     })
 }
 
@@ -166,7 +165,11 @@ async fn a_flaky_network_under_two_instances() {
         Duration::from_millis(200),
     );
     let stop_watching = Arc::new(AtomicBool::new(false));
-    let watcher = watch(instances, stop_watching.clone());
+    let metrics: Vec<MetricsOf> = instances
+        .iter()
+        .map(|instance| instance.metrics())
+        .collect();
+    let watcher = watch(metrics.clone(), stop_watching.clone());
     let started = Instant::now();
 
     until_acked(&js, &scenario, total, 0.05).await;
@@ -204,6 +207,26 @@ async fn a_flaky_network_under_two_instances() {
     let faults_done = started.elapsed();
     producer.await.unwrap();
 
+    // Every lane of every instance must be back: a lane that kept a connection gone silent
+    // would fail each message it takes while the other instance did all the work.
+    let acked_before: Vec<f64> = metrics
+        .iter()
+        .map(|metrics| metrics.gauges().unwrap_or_default().acked)
+        .collect();
+    let after = Workload::new(&books, ORDERS_AFTER, 0, 0, 18);
+    workload::publish(
+        &js,
+        &scenario.topology,
+        &after.sends,
+        64,
+        after.sends.len(),
+        Duration::ZERO,
+    )
+    .await;
+    let mut workload = workload;
+    workload.orders.extend(after.orders);
+    workload.sends.extend(after.sends);
+    let total = workload.sends.len() as u64;
     let state = workload::settle(
         &js,
         &scenario.topology,
@@ -213,7 +236,11 @@ async fn a_flaky_network_under_two_instances() {
     )
     .await;
     stop_watching.store(true, Ordering::Relaxed);
-    let (instances, stalls) = watcher.join().unwrap();
+    let stalls = watcher.join().unwrap();
+    let acked_after: Vec<f64> = metrics
+        .iter()
+        .map(|metrics| metrics.gauges().unwrap_or_default().acked)
+        .collect();
     for mut instance in instances {
         assert!(instance.is_running(), "{}", scenario.log_tails());
         let status = instance.terminate();
@@ -232,10 +259,15 @@ async fn a_flaky_network_under_two_instances() {
     eprintln!(
         "[network] faults over after {:.1} s; {} commits cut off, {recognised} of the failed \
          deliveries came back as duplicates; {abandoned} handlings abandoned at the client's \
-         bound; NATS lost {nats_lost} times; PostgreSQL proxy {} connections, NATS proxy {}; longest a lane held one \
+         bound; NATS lost {nats_lost} times; acked after the faults {:?}; PostgreSQL proxy {} connections, NATS proxy {}; longest a lane held one \
          message {:.1} s, longest without a delivery finished anywhere {:.1} s; {}",
         faults_done.as_secs_f64(),
         postgres.commit_cuts_made(),
+        acked_before
+            .iter()
+            .zip(&acked_after)
+            .map(|(before, after)| after - before)
+            .collect::<Vec<_>>(),
         postgres.accepted(),
         broker.accepted(),
         stalls.longest_lane_hold,
@@ -251,6 +283,14 @@ async fn a_flaky_network_under_two_instances() {
         "the blackhole never made a lane give up its work"
     );
     assert!(nats_lost > 0, "the instances never noticed NATS going away");
+    for (instance, (before, after)) in ["a", "b"].iter().zip(acked_before.iter().zip(&acked_after))
+    {
+        assert!(
+            after > before,
+            "instance {instance} acked nothing of the {ORDERS_AFTER} orders published after the \
+             faults ({before} acked before, {after} after)"
+        );
+    }
     assert!(
         stalls.longest_lane_hold < STUCK.as_secs_f64(),
         "a lane held one message for {:.1} s",

@@ -343,12 +343,54 @@ impl Drop for Scenario {
     }
 }
 
+/// An instance's `/metrics` and the consumer it reports.
+#[derive(Debug, Clone)]
+pub(crate) struct MetricsOf {
+    port: u16,
+    consumer: String,
+}
+
+impl MetricsOf {
+    /// The consumer's gauges and counts now; `None` while the instance does not answer.
+    pub(crate) fn gauges(&self) -> Option<Gauges> {
+        let (_, scrape) = http_get(self.port, "/metrics")?;
+        let labels = format!("{{consumer=\"{}\"}}", self.consumer);
+        let outcomes = |wanted: &[&str]| -> f64 {
+            wanted
+                .iter()
+                .map(|outcome| {
+                    sample(
+                        &scrape,
+                        &format!(
+                            "inventory_messages_total{{consumer=\"{}\",outcome=\"{outcome}\"}}",
+                            self.consumer
+                        ),
+                    )
+                })
+                .sum()
+        };
+        let acked = ["processed", "duplicate", "rejected", "reconciled"];
+        let not_acked = ["dead_lettered", "retried", "left_for_redelivery"];
+        Some(Gauges {
+            in_flight: sample(&scrape, &format!("inventory_messages_in_flight{labels}")),
+            oldest_in_flight: sample(
+                &scrape,
+                &format!("inventory_oldest_in_flight_seconds{labels}"),
+            ),
+            acked: outcomes(&acked),
+            handled: outcomes(&acked) + outcomes(&not_acked),
+        })
+    }
+}
+
 /// What an instance's `/metrics` says of its consumer.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Gauges {
     pub(crate) in_flight: f64,
     /// Seconds the oldest delivery in its lanes has been handled.
     pub(crate) oldest_in_flight: f64,
+    /// Deliveries acked: processed, duplicates, rejected, reconciled.
+    pub(crate) acked: f64,
     /// Deliveries finished, whatever their outcome.
     pub(crate) handled: f64,
 }
@@ -376,30 +418,15 @@ impl Instance {
     /// Messages its handlers hold now, from its own `/metrics`; `None` while it does not
     /// answer (starting up).
     pub(crate) fn in_flight(&self) -> Option<f64> {
-        self.gauges().map(|gauges| gauges.in_flight)
+        self.metrics().gauges().map(|gauges| gauges.in_flight)
     }
 
-    /// Its consumer's gauges and counts, from its own `/metrics`; `None` while it does not
-    /// answer.
-    pub(crate) fn gauges(&self) -> Option<Gauges> {
-        let (_, scrape) = http_get(self.metrics_port, "/metrics")?;
-        let labels = format!("{{consumer=\"{}\"}}", self.consumer);
-        let handled_prefix = format!(
-            "inventory_messages_total{{consumer=\"{}\",outcome=",
-            self.consumer
-        );
-        Some(Gauges {
-            in_flight: sample(&scrape, &format!("inventory_messages_in_flight{labels}")),
-            oldest_in_flight: sample(
-                &scrape,
-                &format!("inventory_oldest_in_flight_seconds{labels}"),
-            ),
-            handled: scrape
-                .lines()
-                .filter(|line| line.starts_with(&handled_prefix))
-                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum(),
-        })
+    /// Where its metrics are read, for another thread to read them.
+    pub(crate) fn metrics(&self) -> MetricsOf {
+        MetricsOf {
+            port: self.metrics_port,
+            consumer: self.consumer.clone(),
+        }
     }
 
     /// SIGKILL and reap: no drain, no ack, nothing flushed.
