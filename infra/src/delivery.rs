@@ -34,11 +34,60 @@ pub async fn pull(consumer: &PullConsumer, prefetch: usize) -> Result<Deliveries
     consumer
         .stream()
         .max_messages_per_batch(prefetch)
-        .heartbeat(Duration::from_secs(5))
+        .heartbeat(PULL_HEARTBEAT)
         .expires(Duration::from_secs(30))
         .messages()
         .await
         .map_err(nats_error("pulling from the consumer"))
+}
+
+/// The server's heartbeat on an idle pull; two missed and the pull reports a stall.
+const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// A continuous pull that is renewed when it stalls.
+///
+/// After a reconnect the client asks again only if the consumer has no pull request waiting at
+/// all, and with several instances on one durable consumer the others' always are. Its own old
+/// requests may still be held by the server on the connection that went silent (a blackhole:
+/// no FIN, the server thinks it alive), which swallows what they deliver. The pull then waits
+/// for their expiry; missed heartbeats say so sooner, and a new pull asks again at once.
+pub struct Pull {
+    consumer: PullConsumer,
+    prefetch: usize,
+    messages: Deliveries,
+}
+
+impl Pull {
+    pub async fn start(consumer: &PullConsumer, prefetch: usize) -> Result<Self, NatsError> {
+        Ok(Self {
+            messages: pull(consumer, prefetch).await?,
+            consumer: consumer.clone(),
+            prefetch,
+        })
+    }
+
+    /// The pull's deliveries, as they arrive.
+    pub fn messages(&mut self) -> &mut Deliveries {
+        &mut self.messages
+    }
+
+    /// After `error` from [`Self::messages`]: a stalled pull is dropped and asked anew;
+    /// other errors pass (the client reconnects on its own). True if it was renewed.
+    pub async fn recover(&mut self, error: &PullError) -> bool {
+        if error.kind() != pull::MessagesErrorKind::MissingHeartbeat {
+            return false;
+        }
+        match pull(&self.consumer, self.prefetch).await {
+            Ok(messages) => {
+                self.messages = messages;
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, "pulling anew failed; the stalled pull is kept");
+                false
+            }
+        }
+    }
 }
 
 /// Where a delivery came from; `None` for a message without JetStream metadata.

@@ -18,7 +18,7 @@ use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
 };
 use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer, PullError};
+use inventory_infra::delivery::{self, ConsumerConfig, Delivery, Pull, PullConsumer};
 use inventory_infra::jetstream::{
     self, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError, Origin, Topology,
 };
@@ -367,7 +367,7 @@ async fn run<H: MessageHandler>(
     // The client asks for more once half a pull is used up: pulling twice what the lanes hold
     // keeps the next messages on their way while the lanes work.
     let prefetch = (2 * lanes * worker.lanes.batch_size).max(32);
-    let messages = delivery::pull(consumer, prefetch).await?;
+    let messages = Pull::start(consumer, prefetch).await?;
     let messages = Arc::new(tokio::sync::Mutex::new(messages));
     // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
     let stop = shutdown.graceful.child_token();
@@ -397,15 +397,13 @@ async fn run<H: MessageHandler>(
 }
 
 /// One lane: fetch, handle to the end, repeat, until `stop`.
-async fn lane<H: MessageHandler, S>(
+async fn lane<H: MessageHandler>(
     worker: Worker<H>,
-    messages: Arc<tokio::sync::Mutex<S>>,
+    messages: Arc<tokio::sync::Mutex<Pull>>,
     db: DatabaseConnection,
     stop: CancellationToken,
     stream_ended: Arc<AtomicBool>,
-) where
-    S: futures::Stream<Item = Result<Delivery, PullError>> + Unpin,
-{
+) {
     let batch_size = worker.lanes.batch_size;
     loop {
         // Every lane holds while the database is suspect, not only the first to notice: a lane
@@ -418,10 +416,10 @@ async fn lane<H: MessageHandler, S>(
         }
         let mut batch = Vec::with_capacity(batch_size);
         {
-            let mut stream = messages.lock().await;
+            let mut pull = messages.lock().await;
             let next = tokio::select! {
                 () = stop.cancelled() => return,
-                next = stream.next() => next,
+                next = pull.messages().next() => next,
             };
             let mut next = Some(next);
             // After the first message, take what is already fetched, up to the batch size;
@@ -430,8 +428,10 @@ async fn lane<H: MessageHandler, S>(
                 match item {
                     Some(Ok(message)) => batch.push(message),
                     Some(Err(error)) => {
-                        // Missed heartbeats and the like while NATS reconnects; it goes on.
-                        tracing::warn!(%error, "pulling messages");
+                        // Missed heartbeats and the like while NATS reconnects; it goes on,
+                        // with a new pull if this one stalled.
+                        let renewed = pull.recover(&error).await;
+                        tracing::warn!(%error, renewed, "pulling messages");
                     }
                     None => {
                         stream_ended.store(true, Ordering::Relaxed);
@@ -440,7 +440,7 @@ async fn lane<H: MessageHandler, S>(
                     }
                 }
                 if batch.len() < batch_size {
-                    next = stream.next().now_or_never();
+                    next = pull.messages().next().now_or_never();
                 }
             }
         }

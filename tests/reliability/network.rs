@@ -3,12 +3,14 @@
 //! two instances of the natural key (one on the one-statement path, one on sea-orm's
 //! transactions, whose commit is a `COMMIT` of its own):
 //!
-//! - PostgreSQL: latency; every connection cut at once, mid-statement; connections cut right
-//!   after a commit reached the server (it commits, the client never hears: the message's
-//!   outcome is unknown to it); a blackhole, whose connections stay silent for good.
+//! - PostgreSQL: latency; every connection cut at once, mid-statement; two transactions gone
+//!   silent holding their stock row's lock; connections cut right after a commit reached the
+//!   server (it commits, the client never hears: the message's outcome is unknown to it); a
+//!   blackhole, whose connections stay silent for good.
 //! - NATS: latency; every connection cut; a blackhole.
 //!
-//! Then 300 more orders: each instance must ack some, so no lane kept a connection gone silent.
+//! Then 300 more orders over 15 s: each instance must ack some, so none is left with a lane on a
+//! connection gone silent or a pull that no longer fetches.
 //! The promise holds (every order reserved exactly once, nothing lost, no dead letters), the
 //! instances are still running and stop cleanly on SIGTERM, and at least one message
 //! whose commit was cut off was redelivered and recognised as a duplicate. It prints the
@@ -176,8 +178,20 @@ async fn a_flaky_network_under_two_instances() {
     postgres.latency(Duration::from_millis(20));
     tokio::time::sleep(Duration::from_secs(3)).await;
     postgres.pass();
+    // Instance b's transactions gone silent right after locking their book's stock row: their
+    // sessions sit idle in the transaction, the lock held, until the server ends them. Armed
+    // before the cut, as only a connection's first such query carries its text.
+    postgres.silence_after(br#"FROM "stock_items""#, 2);
     let cut = postgres.cut_all();
     eprintln!("[network] PostgreSQL: {cut} connections cut mid-stream");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while postgres.silences_made() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no transaction to silence within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
     // One at a time, so each cut lands on a connection of its own.
     for made in 1..=8 {
@@ -213,14 +227,15 @@ async fn a_flaky_network_under_two_instances() {
         .iter()
         .map(|metrics| metrics.gauges().unwrap_or_default().acked)
         .collect();
+    // Over 15 s: an instance whose fetching has not recovered by then acks none of them.
     let after = Workload::new(&books, ORDERS_AFTER, 0, 0, 18);
     workload::publish(
         &js,
         &scenario.topology,
         &after.sends,
         64,
-        after.sends.len(),
-        Duration::ZERO,
+        after.sends.len() / 15,
+        Duration::from_secs(1),
     )
     .await;
     let mut workload = workload;
@@ -256,10 +271,11 @@ async fn a_flaky_network_under_two_instances() {
     let recognised = failed.intersection(&duplicates).count();
     let abandoned = scenario.log_lines_with("database work abandoned");
     let nats_lost = scenario.log_lines_with("NATS disconnected");
+    let pulls_renewed = scenario.log_lines_with("renewed=true");
     eprintln!(
         "[network] faults over after {:.1} s; {} commits cut off, {recognised} of the failed \
          deliveries came back as duplicates; {abandoned} handlings abandoned at the client's \
-         bound; NATS lost {nats_lost} times; acked after the faults {:?}; PostgreSQL proxy {} connections, NATS proxy {}; longest a lane held one \
+         bound; NATS lost {nats_lost} times, {pulls_renewed} stalled pulls renewed; acked after the faults {:?}; PostgreSQL proxy {} connections, NATS proxy {}; longest a lane held one \
          message {:.1} s, longest without a delivery finished anywhere {:.1} s; {}",
         faults_done.as_secs_f64(),
         postgres.commit_cuts_made(),

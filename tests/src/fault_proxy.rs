@@ -1,6 +1,7 @@
 //! A TCP proxy that injects network faults between the service and a server (PostgreSQL or
 //! NATS): latency, every connection cut at once, a PostgreSQL connection cut right after it
-//! sent a commit (the server commits, the client never hears), and a blackhole.
+//! sent a commit (the server commits, the client never hears), a connection silenced right
+//! after it sent a given statement, and a blackhole.
 //!
 //! The blackhole is a peer that neither answers nor closes: every connection open when it
 //! starts, and every one made while it lasts, goes silent for good (its bytes are taken and
@@ -49,6 +50,10 @@ struct Shared {
     /// Cuts after a commit still to make.
     commit_cuts_armed: AtomicUsize,
     commit_cuts_made: AtomicUsize,
+    /// What a client sends that silences its connection right after, and how many times more.
+    silence_trigger: Mutex<Vec<u8>>,
+    silences_armed: AtomicUsize,
+    silences_made: AtomicUsize,
     accepted: AtomicUsize,
 }
 
@@ -83,6 +88,9 @@ impl FaultProxy {
             connections: Mutex::new(Vec::new()),
             commit_cuts_armed: AtomicUsize::new(0),
             commit_cuts_made: AtomicUsize::new(0),
+            silence_trigger: Mutex::new(Vec::new()),
+            silences_armed: AtomicUsize::new(0),
+            silences_made: AtomicUsize::new(0),
             accepted: AtomicUsize::new(0),
         });
         let stop = CancellationToken::new();
@@ -150,6 +158,21 @@ impl FaultProxy {
     /// Cuts after a commit made so far.
     pub fn commit_cuts_made(&self) -> usize {
         self.shared.commit_cuts_made.load(Ordering::SeqCst)
+    }
+
+    /// Silences for good the next `count` connections that send `trigger`, right after it
+    /// reached the server: whatever it started there (a transaction holding the locks it
+    /// took) stays as it is, and the client hears nothing more.
+    pub fn silence_after(&self, trigger: &[u8], count: usize) {
+        *self.shared.silence_trigger.lock().unwrap() = trigger.to_vec();
+        self.shared
+            .silences_armed
+            .fetch_add(count, Ordering::SeqCst);
+    }
+
+    /// Connections silenced by [`Self::silence_after`] so far.
+    pub fn silences_made(&self) -> usize {
+        self.shared.silences_made.load(Ordering::SeqCst)
     }
 
     /// Connections accepted so far.
@@ -245,6 +268,10 @@ async fn pump(
         }
         let cut_after =
             client_to_server && sends_a_commit(chunk) && take_one(&shared.commit_cuts_armed);
+        let silence_after = client_to_server
+            && shared.silences_armed.load(Ordering::SeqCst) > 0
+            && contains(chunk, &shared.silence_trigger.lock().unwrap())
+            && take_one(&shared.silences_armed);
         if cut_after {
             connection.deaf.store(true, Ordering::SeqCst);
         }
@@ -253,6 +280,10 @@ async fn pump(
         }
         if to.write_all(chunk).await.is_err() {
             return;
+        }
+        if silence_after {
+            connection.silent.store(true, Ordering::SeqCst);
+            shared.silences_made.fetch_add(1, Ordering::SeqCst);
         }
         if cut_after {
             tokio::time::sleep(COMMIT_SETTLES).await;
@@ -300,8 +331,11 @@ fn take_one(counter: &AtomicUsize) -> bool {
 fn sends_a_commit(chunk: &[u8]) -> bool {
     const EXECUTE_UNNAMED: &[u8] = b"E\0\0\0\x09\0\0\0\0\0";
     const SYNC: &[u8] = b"S\0\0\0\x04";
-    let contains = |needle: &[u8]| chunk.windows(needle.len()).any(|window| window == needle);
-    contains(b"COMMIT") || (chunk.ends_with(SYNC) && contains(EXECUTE_UNNAMED))
+    contains(chunk, b"COMMIT") || (chunk.ends_with(SYNC) && contains(chunk, EXECUTE_UNNAMED))
+}
+
+fn contains(chunk: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && chunk.windows(needle.len()).any(|window| window == needle)
 }
 
 #[cfg(test)]
