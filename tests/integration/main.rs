@@ -31,6 +31,7 @@ mod retention;
 mod retries;
 mod secure;
 mod serve;
+mod silent_network;
 
 use inventory_domain::{CrashPoint, Message, Outcome};
 use inventory_infra::{Faults, HandleError, Handler};
