@@ -22,9 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::context::Context;
 use inventory_tests::fault_proxy::FaultProxy;
-use inventory_tests::workload::{self, Workload, stream_state};
+use inventory_tests::workload::{self, Workload};
 use inventory_tests::{Backend, TestDb};
 
 use crate::support::{MetricsOf, Scenario, Served};
@@ -88,44 +87,18 @@ fn watch(instances: Vec<MetricsOf>, stop: Arc<AtomicBool>) -> std::thread::JoinH
     })
 }
 
-/// Waits until `fraction` of `total` messages are acked, within two minutes.
-async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
-    let target = (total as f64 * fraction) as u64;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(state) = stream_state(js, &scenario.topology, &scenario.names.consumer).await
-            && state.ack_floor >= target
-        {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never reached {target} acked\n{}",
-            scenario.log_tails()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The stream sequences of the log lines holding every one of `needles`.
 fn sequences_where(scenario: &Scenario, needles: &[&str]) -> HashSet<u64> {
-    std::fs::read_dir(&scenario.logs)
-        .unwrap()
-        .flatten()
-        .flat_map(|entry| {
-            std::fs::read_to_string(entry.path())
-                .unwrap_or_default()
-                .lines()
-                .filter(|line| needles.iter().all(|needle| line.contains(needle)))
-                .filter_map(|line| {
-                    let after = line.split("stream_seq=").nth(1)?;
-                    after
-                        .split(|c: char| !c.is_ascii_digit())
-                        .next()?
-                        .parse()
-                        .ok()
-                })
-                .collect::<Vec<u64>>()
+    scenario
+        .lines_with(needles)
+        .iter()
+        .filter_map(|line| {
+            let after = line.split("stream_seq=").nth(1)?;
+            after
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
         })
         .collect()
 }
@@ -174,7 +147,7 @@ async fn a_flaky_network_under_two_instances() {
     let watcher = watch(metrics.clone(), stop_watching.clone());
     let started = Instant::now();
 
-    until_acked(&js, &scenario, total, 0.05).await;
+    scenario.until_acked(&js, total, 0.05).await;
     postgres.latency(Duration::from_millis(20));
     tokio::time::sleep(Duration::from_secs(3)).await;
     postgres.pass();
@@ -208,7 +181,7 @@ async fn a_flaky_network_under_two_instances() {
     postgres.blackhole();
     tokio::time::sleep(Duration::from_secs(5)).await;
     postgres.pass();
-    until_acked(&js, &scenario, total, 0.4).await;
+    scenario.until_acked(&js, total, 0.4).await;
     broker.latency(Duration::from_millis(50));
     tokio::time::sleep(Duration::from_secs(3)).await;
     broker.pass();

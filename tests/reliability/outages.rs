@@ -3,7 +3,7 @@
 //! key with 3,000 orders; the inbox and the email with 1,000 each (their promises in
 //! [`Served`]).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
 use inventory_domain::StockItem;
@@ -11,7 +11,7 @@ use inventory_infra::StockRepository;
 use inventory_infra::db::FreshDatabase;
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
-use inventory_tests::workload::{self, Workload, stream_state};
+use inventory_tests::workload::{self, Workload};
 use inventory_tests::{Backend, TestDb};
 
 use crate::support::{Instance, Scenario, Served};
@@ -37,22 +37,6 @@ fn spawn_instances(scenario: &Scenario) -> Vec<Instance> {
         .iter()
         .map(|label| scenario.spawn(label))
         .collect()
-}
-
-/// Waits until at least `fraction` of `total` messages are acked (or until two minutes pass,
-/// which fails the test).
-async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
-    let target = (total as f64 * fraction) as u64;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(state) = stream_state(js, &scenario.topology, &scenario.names.consumer).await
-            && state.ack_floor >= target
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "never reached {target} acked");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 async fn finish(
@@ -124,11 +108,11 @@ async fn postgres_restarted_twice_mid_stream(served: Served) {
         Duration::from_millis(200),
     );
 
-    until_acked(&js, &scenario, total, 0.2).await;
+    scenario.until_acked(&js, total, 0.2).await;
     server.stop().await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     server.start_again().await;
-    until_acked(&js, &scenario, total, 0.6).await;
+    scenario.until_acked(&js, total, 0.6).await;
     server.stop().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     server.start_again().await;
@@ -171,12 +155,12 @@ async fn nats_stopped_then_killed_mid_stream(served: Served) {
         Duration::from_millis(200),
     );
 
-    until_acked(&js, &scenario, total, 0.2).await;
+    scenario.until_acked(&js, total, 0.2).await;
     // A clean shutdown, then a crash: SIGKILL loses whatever the server had not written.
     server.stop().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     server.start_again().await;
-    until_acked(&js, &scenario, total, 0.6).await;
+    scenario.until_acked(&js, total, 0.6).await;
     server.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     server.start_again().await;

@@ -301,17 +301,44 @@ impl Scenario {
 
     /// Lines of all instances' logs that contain `text`: evidence that a fault was felt.
     pub(crate) fn log_lines_with(&self, text: &str) -> usize {
+        self.lines_with(&[text]).len()
+    }
+
+    /// The lines of all instances' logs that contain every one of `needles`.
+    pub(crate) fn lines_with(&self, needles: &[&str]) -> Vec<String> {
         std::fs::read_dir(&self.logs)
             .unwrap()
             .flatten()
-            .map(|entry| {
+            .flat_map(|entry| {
                 std::fs::read_to_string(entry.path())
                     .unwrap_or_default()
                     .lines()
-                    .filter(|line| line.contains(text))
-                    .count()
+                    .filter(|line| needles.iter().all(|needle| line.contains(needle)))
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
             })
-            .sum()
+            .collect()
+    }
+
+    /// Waits until at least `fraction` of `total` messages are acked (or until two minutes
+    /// pass, which fails the test with the instances' log tails).
+    pub(crate) async fn until_acked(&self, js: &Context, total: u64, fraction: f64) {
+        let target = (total as f64 * fraction) as u64;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(state) =
+                workload::stream_state(js, &self.topology, &self.names.consumer).await
+                && state.ack_floor >= target
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never reached {target} acked\n{}",
+                self.log_tails()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// The tail of every instance's log, for a failure message.
