@@ -41,8 +41,9 @@ pub async fn pull(consumer: &PullConsumer, prefetch: usize) -> Result<Deliveries
         .map_err(nats_error("pulling from the consumer"))
 }
 
-/// The server's heartbeat on an idle pull; two missed and the pull reports a stall.
-const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+/// The server's heartbeat on an idle pull; two missed and the pull reports a stall, which
+/// [`Pull::recover`] answers with a new pull.
+const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// A continuous pull that is renewed when it stalls.
 ///
