@@ -1,4 +1,5 @@
-//! Connecting to PostgreSQL or SQLite with settings fit for a consumer, applying migrations,
+//! Connecting to PostgreSQL or SQLite with settings fit for a consumer (bounded waits on a
+//! database that goes silent: [`DbTimeouts`], [`bounded`]), applying migrations,
 //! what a database error means for a retry ([`DbFailure`]), whether the database answers,
 //! asked outside the pool ([`Probe`]), and the schema checked instead of migrated by a role
 //! that may not change it ([`SchemaPolicy`]).
