@@ -12,6 +12,8 @@
 //! - `outages`: PostgreSQL and NATS stopped or killed and restarted mid-stream, under the
 //!   natural key, the inbox and the email.
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
+//! - `failover`: the PostgreSQL primary SIGKILLed behind HAProxy, its synchronous standby
+//!   promoted and HAProxy switched to it, under two natural-key instances.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
@@ -25,6 +27,7 @@
 
 mod chain;
 mod cluster;
+mod failover;
 mod kill9;
 mod load;
 mod outages;

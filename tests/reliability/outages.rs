@@ -3,7 +3,7 @@
 //! key with 3,000 orders; the inbox and the email with 1,000 each (their promises in
 //! [`Served`]).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
 use inventory_domain::StockItem;
@@ -11,10 +11,10 @@ use inventory_infra::StockRepository;
 use inventory_infra::db::FreshDatabase;
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
-use inventory_tests::workload::{self, Workload, stream_state};
+use inventory_tests::workload::{self, Workload};
 use inventory_tests::{Backend, TestDb};
 
-use crate::support::{Instance, Scenario, Served};
+use crate::support::{Instance, Scenario, Served, stop_all, until_acked};
 
 /// Orders per scenario: fewer for the strategies beside the default one, to keep the slow tier
 /// short.
@@ -39,22 +39,6 @@ fn spawn_instances(scenario: &Scenario) -> Vec<Instance> {
         .collect()
 }
 
-/// Waits until at least `fraction` of `total` messages are acked (or until two minutes pass,
-/// which fails the test).
-async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
-    let target = (total as f64 * fraction) as u64;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(state) = stream_state(js, &scenario.topology, &scenario.names.consumer).await
-            && state.ack_floor >= target
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "never reached {target} acked");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn finish(
     scenario: &Scenario,
     js: &Context,
@@ -73,11 +57,7 @@ async fn finish(
         Duration::from_secs(300),
     )
     .await;
-    for mut instance in instances {
-        assert!(instance.is_running(), "{}", scenario.log_tails());
-        let status = instance.terminate();
-        assert!(status.success(), "{status}\n{}", scenario.log_tails());
-    }
+    stop_all(scenario, instances);
     let summary = scenario
         .served
         .assert_promise(scenario, db, workload, state)
