@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement, TryGetable};
 
@@ -208,23 +208,24 @@ impl PostgresServer {
         }
     }
 
-    /// The host dying: SIGKILL to the postmaster and every backend at once (`pg_ctl` makes
-    /// the postmaster a process group leader), so no session is told anything and nothing is
-    /// flushed. The cluster is not started again.
+    /// The host dying: SIGKILL to the postmaster and every process it started, so no session
+    /// is told anything and nothing more is written or sent. (Each backend leads a process
+    /// group of its own, so the postmaster's group is not enough: its children are found in
+    /// `/proc` while it is stopped and cannot start more.) The cluster is not started again.
     pub fn kill(&mut self) {
         assert!(self.running, "PostgreSQL is not running");
         let pid_file = self.dir.join("data").join("postmaster.pid");
-        let pid: i32 = std::fs::read_to_string(&pid_file)
+        let postmaster: i32 = std::fs::read_to_string(&pid_file)
             .ok()
             .and_then(|text| text.lines().next()?.trim().parse().ok())
             .unwrap_or_else(|| panic!("no postmaster pid in {}", pid_file.display()));
-        let pid = Pid::from_raw(pid);
-        assert_eq!(
-            nix::unistd::getpgid(Some(pid)),
-            Ok(pid),
-            "the postmaster leads its process group"
-        );
-        killpg(pid, Signal::SIGKILL).expect("SIGKILL to the postmaster's group");
+        let postmaster = Pid::from_raw(postmaster);
+        kill(postmaster, Signal::SIGSTOP).expect("SIGSTOP to the postmaster");
+        for child in children_of(postmaster) {
+            // ESRCH: it exited meanwhile.
+            let _ = kill(child, Signal::SIGKILL);
+        }
+        kill(postmaster, Signal::SIGKILL).expect("SIGKILL to the postmaster");
         self.running = false;
     }
 
@@ -421,6 +422,29 @@ fn utf8(path: &Path) -> String {
             )
         })
         .to_owned()
+}
+
+/// The processes whose parent is `parent`, read from `/proc/<pid>/stat`.
+fn children_of(parent: Pid) -> Vec<Pid> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            // `pid (comm) state ppid …`; comm may hold spaces and parentheses.
+            let ppid: i32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == parent.as_raw()).then(|| Pid::from_raw(pid))
+        })
+        .collect()
 }
 
 /// The column `v` of the one row `sql` returns.
