@@ -1,10 +1,13 @@
 //! PostgreSQL failing over under two running instances (issue 14): a primary with a
 //! synchronous standby, HAProxy in front of both, the primary SIGKILLed mid-stream (the host
-//! dying: postmaster and every backend at once), the standby promoted and HAProxy switched to
-//! it. The instances ride it out without a restart, and the natural key's promise holds: every
-//! order reserved exactly once, nothing lost, nothing dead-lettered, each decision's event
-//! stored once. Printed: the timeline, how long the ack floor stood still, and the longest an
-//! order waited from its publication to its reservation.
+//! dying: postmaster and every backend at once), HAProxy switched to the standby and the
+//! standby promoted. The switch comes first on purpose, as from a proxy whose health check only
+//! asks whether a server answers: for a while the service writes to a standby, which refuses
+//! (SQLSTATE 25006, read-only) and must be retried, not dead-lettered. The instances ride it
+//! out without a restart, and the natural key's promise holds: every order reserved exactly
+//! once, nothing lost, nothing dead-lettered, each decision's event stored once. Printed: the
+//! timeline, how long the ack floor stood still, and the longest an order waited from its
+//! publication to its reservation.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -27,9 +30,11 @@ use crate::support::{Instance, Scenario, stop_all, until_acked, wait_until_empty
 /// The standby's `application_name`, which the primary's `synchronous_standby_names` names.
 const STANDBY: &str = "inventory_standby";
 const ORDERS: usize = 3_000;
-/// From the primary's death to the promotion: the time a failover manager (or a person) needs
-/// to notice and decide. The service is without a database all along.
-const DETECTION: Duration = Duration::from_secs(2);
+/// From the primary's death to the switch: the time a failover manager (or a person) needs to
+/// notice. The service has no database meanwhile.
+const DETECTION: Duration = Duration::from_secs(1);
+/// From the switch to the promotion: the service reaches a standby that refuses writes.
+const READ_ONLY: Duration = Duration::from_secs(2);
 const SETTLE: Duration = Duration::from_secs(180);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,10 +78,11 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
     let killed = Instant::now();
     primary.kill();
     tokio::time::sleep(DETECTION).await;
-    standby.promote().await;
-    let promoted = killed.elapsed();
     proxy.switch_to("standby").await;
-    let switched = Instant::now();
+    let switched = killed.elapsed();
+    tokio::time::sleep(READ_ONLY).await;
+    standby.promote().await;
+    let promoted = Instant::now();
     producer.await.unwrap();
 
     let topology = &scenario.topology;
@@ -95,8 +101,11 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
         counters.retried > 0.0,
         "no delivery was retried: the failover was never felt"
     );
+    // Logs are no contract; this only shows the read-only window was met.
+    let read_only = scenario.log_lines_with("SQLSTATE 25006");
+    assert!(read_only > 0, "no write ever reached the standby");
 
-    let stalls = Stalls::of(&samples, killed, switched);
+    let stalls = Stalls::of(&samples, killed, promoted);
     assert!(
         stalls.at_kill.stream_last_seq < total,
         "the kill came after the last publication: {:?}",
@@ -104,14 +113,14 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
     );
     let (longest_wait, waited) = longest_wait(&js, topology, &db).await;
     eprintln!(
-        "[failover] killed with {} of {total} messages published and {} acked; promoted \
-         {promoted:.1?} after the kill, HAProxy switched after \
-         {:.1?}; the ack floor moved again {:.1?} after the kill; longest ack-floor stall \
-         {:.1?}; longest wait publication to reservation {longest_wait:.1?} (order {waited}); \
+        "[failover] killed with {} of {total} messages published and {} acked; HAProxy \
+         switched {switched:.1?} after the kill, the standby promoted after {:.1?} ({read_only} \
+         log lines of writes refused as read-only); the ack floor moved again {:.1?} after the \
+         kill; longest ack-floor stall {:.1?}; longest wait publication to reservation {longest_wait:.1?} (order {waited}); \
          {}; {} events, {} republished (duplicate PubAcks); {}",
         stalls.at_kill.stream_last_seq,
         stalls.at_kill.ack_floor,
-        switched - killed,
+        promoted - killed,
         stalls.first_advance_after_kill,
         stalls.longest,
         counters.describe(),
@@ -184,32 +193,32 @@ impl AckFloorWatch {
 struct Stalls {
     /// The last sample before the kill: how far the producer and the consumer had come.
     at_kill: StreamState,
-    /// From the kill to the first sample after the switch with a higher ack floor than at the
-    /// switch (nothing can commit between the kill and the switch).
+    /// From the kill to the first sample after the promotion with a higher ack floor than at
+    /// the promotion (nothing can commit in between).
     first_advance_after_kill: Duration,
     /// The longest time between two advances of the ack floor with messages waiting.
     longest: Duration,
 }
 
 impl Stalls {
-    fn of(samples: &[(Instant, StreamState)], killed: Instant, switched: Instant) -> Self {
+    fn of(samples: &[(Instant, StreamState)], killed: Instant, promoted: Instant) -> Self {
         let at_kill = samples
             .iter()
             .take_while(|(at, _)| *at <= killed)
             .last()
             .map(|(_, state)| *state)
             .expect("a sample before the kill");
-        let floor_at_switch = samples
+        let floor_at_promotion = samples
             .iter()
-            .take_while(|(at, _)| *at <= switched)
+            .take_while(|(at, _)| *at <= promoted)
             .map(|(_, state)| state.ack_floor)
             .max()
             .unwrap_or(0);
         let first_advance_after_kill = samples
             .iter()
-            .find(|(at, state)| *at > switched && state.ack_floor > floor_at_switch)
+            .find(|(at, state)| *at > promoted && state.ack_floor > floor_at_promotion)
             .map(|(at, _)| *at - killed)
-            .expect("the ack floor never moved after the switch");
+            .expect("the ack floor never moved after the promotion");
         let mut longest = Duration::ZERO;
         let mut last_advance: Option<(Instant, u64)> = None;
         for &(at, state) in samples {
