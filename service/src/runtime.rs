@@ -17,7 +17,7 @@ use futures::{FutureExt, StreamExt};
 use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
 };
-use inventory_infra::db::DatabaseConnection;
+use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer, PullError};
 use inventory_infra::jetstream::{
     self, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError, Origin, Topology,
@@ -441,13 +441,14 @@ async fn lane<H: MessageHandler, S>(
     }
 }
 
-/// Waits until the database answers again; false if shutdown came first. While it is down
-/// nothing is fetched, so messages are not burned through their delivery attempts.
+/// Waits until the database answers again and takes writes (a standby reached during a
+/// failover answers, but refuses every write); false if shutdown came first. Until then nothing
+/// is fetched, so messages are not burned through their delivery attempts.
 async fn wait_for_database(db: &DatabaseConnection, shutdown: &CancellationToken) -> bool {
     let mut delay = Duration::from_millis(200);
     let mut was_down = false;
     loop {
-        match db.ping().await {
+        match db::check_writable(db).await {
             Ok(()) => {
                 if was_down {
                     tracing::info!("database reachable; consuming");

@@ -2,8 +2,9 @@
 //! synchronous standby, HAProxy in front of both, the primary SIGKILLed mid-stream (the host
 //! dying: postmaster and every backend at once), HAProxy switched to the standby and the
 //! standby promoted. The switch comes first on purpose, as from a proxy whose health check only
-//! asks whether a server answers: for a while the service writes to a standby, which refuses
-//! (SQLSTATE 25006, read-only) and must be retried, not dead-lettered. The instances ride it
+//! asks whether a server answers: for a while the service reaches a standby, which answers but
+//! refuses writes; it must hold its lanes (or retry what meets SQLSTATE 25006), never
+//! dead-letter. The instances ride it
 //! out without a restart, and the natural key's promise holds: every order reserved exactly
 //! once, nothing lost, nothing dead-lettered, each decision's event stored once. Printed: the
 //! timeline, how long the ack floor stood still, and the longest an order waited from its
@@ -34,7 +35,7 @@ const ORDERS: usize = 3_000;
 /// notice. The service has no database meanwhile.
 const DETECTION: Duration = Duration::from_secs(1);
 /// From the switch to the promotion: the service reaches a standby that refuses writes.
-const READ_ONLY: Duration = Duration::from_secs(2);
+const READ_ONLY: Duration = Duration::from_secs(3);
 const SETTLE: Duration = Duration::from_secs(180);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,9 +102,11 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
         counters.retried > 0.0,
         "no delivery was retried: the failover was never felt"
     );
-    // Logs are no contract; this only shows the read-only window was met.
-    let read_only = scenario.log_lines_with("SQLSTATE 25006");
-    assert!(read_only > 0, "no write ever reached the standby");
+    // Logs are no contract; they only show the read-only window was met: by the lanes' check
+    // before fetching again, or by a statement that reached the standby.
+    let held = scenario.log_lines_with("the server is read-only");
+    let refused = scenario.log_lines_with("SQLSTATE 25006");
+    assert!(held + refused > 0, "the service never met the standby");
 
     let stalls = Stalls::of(&samples, killed, promoted);
     assert!(
@@ -114,8 +117,8 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
     let (longest_wait, waited) = longest_wait(&js, topology, &db).await;
     eprintln!(
         "[failover] killed with {} of {total} messages published and {} acked; HAProxy \
-         switched {switched:.1?} after the kill, the standby promoted after {:.1?} ({read_only} \
-         log lines of writes refused as read-only); the ack floor moved again {:.1?} after the \
+         switched {switched:.1?} after the kill, the standby promoted after {:.1?} (meanwhile \
+         {held} checks found it read-only, {refused} writes refused as read-only); the ack floor moved again {:.1?} after the \
          kill; longest ack-floor stall {:.1?}; longest wait publication to reservation {longest_wait:.1?} (order {waited}); \
          {}; {} events, {} republished (duplicate PubAcks); {}",
         stalls.at_kill.stream_last_seq,
