@@ -77,7 +77,7 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
 
     until_acked(&js, &scenario, total, 0.3).await;
     let killed = Instant::now();
-    primary.kill();
+    primary.kill().await;
     tokio::time::sleep(DETECTION).await;
     proxy.switch_to("standby").await;
     let switched = killed.elapsed();

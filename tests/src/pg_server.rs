@@ -211,8 +211,9 @@ impl PostgresServer {
     /// The host dying: SIGKILL to the postmaster and every process it started, so no session
     /// is told anything and nothing more is written or sent. (Each backend leads a process
     /// group of its own, so the postmaster's group is not enough: its children are found in
-    /// `/proc` while it is stopped and cannot start more.) The cluster is not started again.
-    pub fn kill(&mut self) {
+    /// `/proc` while it is stopped and cannot start more.) Returns once the port refuses
+    /// connections. The cluster is not started again.
+    pub async fn kill(&mut self) {
         assert!(self.running, "PostgreSQL is not running");
         let pid_file = self.dir.join("data").join("postmaster.pid");
         let postmaster: i32 = std::fs::read_to_string(&pid_file)
@@ -227,6 +228,18 @@ impl PostgresServer {
         }
         kill(postmaster, Signal::SIGKILL).expect("SIGKILL to the postmaster");
         self.running = false;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_ok()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "port {} still accepts 10 s after SIGKILL",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Promotes a standby (`pg_ctl promote`, which waits until it is out of recovery) and
