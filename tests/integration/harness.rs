@@ -166,15 +166,20 @@ async fn own_postgres_keeps_a_table_across_a_restart() {
     let db = Database::connect(server.url())
         .await
         .expect("a connection again");
-    let row = db
-        .query_one_raw(Statement::from_string(
-            DbBackend::Postgres,
-            "SELECT count(*) AS n FROM kept",
-        ))
-        .await
-        .expect("the count")
-        .expect("a row");
-    assert_eq!(row.try_get::<i64>("", "n").expect("a count"), 2);
+    assert_eq!(rows_kept(&db).await, 2);
+}
+
+/// The rows of the table `kept`.
+async fn rows_kept(db: &impl ConnectionTrait) -> i64 {
+    db.query_one_raw(Statement::from_string(
+        DbBackend::Postgres,
+        "SELECT count(*) AS n FROM kept",
+    ))
+    .await
+    .expect("the count")
+    .expect("a row")
+    .try_get("", "n")
+    .expect("a count")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,13 +210,5 @@ async fn own_standby_has_every_commit_and_takes_writes_once_promoted() {
         .execute_unprepared("INSERT INTO kept VALUES (101)")
         .await
         .expect("a write to the promoted standby, which commits alone");
-    let count = replica
-        .query_one_raw(Statement::from_string(
-            DbBackend::Postgres,
-            "SELECT count(*) AS n FROM kept",
-        ))
-        .await
-        .expect("the count")
-        .expect("a row");
-    assert_eq!(count.try_get::<i64>("", "n").expect("a count"), 101);
+    assert_eq!(rows_kept(&replica).await, 101);
 }

@@ -14,9 +14,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::Context;
-use inventory_domain::{BookId, StockItem};
-use inventory_infra::StockRepository;
-use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::Topology;
 use inventory_tests::haproxy::HaProxy;
 use inventory_tests::outbox;
@@ -26,7 +24,9 @@ use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::support::{Instance, Scenario, stop_all, until_acked, wait_until_empty};
+use crate::support::{
+    Instance, Scenario, fresh_with_books, stop_all, until_acked, wait_until_empty,
+};
 
 /// The standby's `application_name`, which the primary's `synchronous_standby_names` names.
 const STANDBY: &str = "inventory_standby";
@@ -46,18 +46,8 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
     primary.wait_for_sync_standby(STANDBY).await;
     let proxy = HaProxy::start(&[("primary", primary.port()), ("standby", standby.port())]).await;
     // Everything, the instances included, reaches PostgreSQL through the proxy only.
-    let fresh = FreshDatabase::create(Some(&proxy.url()), "inventory_failover", 4)
-        .await
-        .unwrap();
+    let (fresh, books) = fresh_with_books(&proxy.url(), "inventory_failover", 4).await;
     let db = fresh.conn.clone();
-    let books: Vec<BookId> = (0..4).map(|_| BookId::new_v7()).collect();
-    let stock = StockRepository::new(db.clone());
-    for &book in &books {
-        stock
-            .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
-            .await
-            .unwrap();
-    }
     let nats = inventory_tests::nats::shared_url().await;
     let scenario = Scenario::new("failover", &fresh.url, &nats, 1);
     let (_client, js) = scenario.connect().await;

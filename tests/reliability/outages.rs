@@ -6,15 +6,12 @@
 use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
-use inventory_domain::StockItem;
-use inventory_infra::StockRepository;
-use inventory_infra::db::FreshDatabase;
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
 use inventory_tests::workload::{self, Workload};
 use inventory_tests::{Backend, TestDb};
 
-use crate::support::{Instance, Scenario, Served, stop_all, until_acked};
+use crate::support::{Instance, Scenario, Served, fresh_with_books, stop_all, until_acked};
 
 /// Orders per scenario: fewer for the strategies beside the default one, to keep the slow tier
 /// short.
@@ -72,17 +69,7 @@ async fn finish(
 
 async fn postgres_restarted_twice_mid_stream(served: Served) {
     let mut server = PostgresServer::start().await;
-    let fresh = FreshDatabase::create(Some(&server.url()), "inventory_pg_outage", 4)
-        .await
-        .unwrap();
-    let books: Vec<_> = (0..4).map(|_| inventory_domain::BookId::new_v7()).collect();
-    let stock = StockRepository::new(fresh.conn.clone());
-    for &book in &books {
-        stock
-            .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
-            .await
-            .unwrap();
-    }
+    let (fresh, books) = fresh_with_books(&server.url(), "inventory_pg_outage", 4).await;
     let nats = inventory_tests::nats::shared_url().await;
     let mut scenario = Scenario::new("pgout", &fresh.url, &nats, 1);
     scenario.serve(served);

@@ -7,7 +7,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::Context;
-use inventory_infra::db::DatabaseConnection;
+use inventory_domain::{BookId, StockItem};
+use inventory_infra::StockRepository;
+use inventory_infra::db::{DatabaseConnection, FreshDatabase};
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::binary::{free_port, http_get, sample};
 use inventory_tests::nats::{TestNames, unique_names};
@@ -464,6 +466,27 @@ pub(crate) async fn until_acked(js: &Context, scenario: &Scenario, total: u64, f
         assert!(Instant::now() < deadline, "never reached {target} acked");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A fresh database on the PostgreSQL server of `server_url`, with `books` books of a million
+/// copies each: enough that no order of a scenario is ever rejected.
+pub(crate) async fn fresh_with_books(
+    server_url: &str,
+    label: &str,
+    books: usize,
+) -> (FreshDatabase, Vec<BookId>) {
+    let fresh = FreshDatabase::create(Some(server_url), label, 4)
+        .await
+        .unwrap();
+    let ids: Vec<BookId> = (0..books).map(|_| BookId::new_v7()).collect();
+    let stock = StockRepository::new(fresh.conn.clone());
+    for &book in &ids {
+        stock
+            .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
+            .await
+            .unwrap();
+    }
+    (fresh, ids)
 }
 
 /// Polls until `table` holds no row (parked ones included); fails after `limit`.
