@@ -4,11 +4,10 @@
 //! standby promoted. The switch comes first on purpose, as from a proxy whose health check only
 //! asks whether a server answers: for a while the service reaches a standby, which answers but
 //! refuses writes; it must hold its lanes (or retry what meets SQLSTATE 25006), never
-//! dead-letter. The instances ride it
-//! out without a restart, and the natural key's promise holds: every order reserved exactly
-//! once, nothing lost, nothing dead-lettered, each decision's event stored once. Printed: the
-//! timeline, how long the ack floor stood still, and the longest an order waited from its
-//! publication to its reservation.
+//! dead-letter. The instances ride it out without a restart, and the natural key's promise
+//! holds: every order reserved exactly once, nothing lost, nothing dead-lettered, each
+//! decision's event stored once. Printed: the timeline, how long the ack floor stood still,
+//! and the longest an order waited from its publication to its reservation.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -112,9 +111,10 @@ async fn primary_killed_and_its_synchronous_standby_promoted_behind_haproxy() {
     eprintln!(
         "[failover] killed with {} of {total} messages published and {} acked; HAProxy \
          switched {switched:.1?} after the kill, the standby promoted after {:.1?} (meanwhile \
-         {held} checks found it read-only, {refused} writes refused as read-only); the ack floor moved again {:.1?} after the \
-         kill; longest ack-floor stall {:.1?}; longest wait publication to reservation {longest_wait:.1?} (order {waited}); \
-         {}; {} events, {} republished (duplicate PubAcks); {}",
+         {held} checks found it read-only, {refused} writes refused as read-only); the ack \
+         floor moved again {:.1?} after the kill; longest ack-floor stall {:.1?}; longest wait \
+         from publication to reservation {longest_wait:.1?} (order {waited}); {}; {} events, \
+         {} republished (duplicate PubAcks); {}",
         stalls.at_kill.stream_last_seq,
         stalls.at_kill.ack_floor,
         promoted - killed,
