@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432
 # and NATS with JetStream on 127.0.0.1:4222, started if they are not running and installed from
-# Debian's packages if absent, and promtool (Debian's prometheus package) for the alert rules. DATABASE_URL / NATS_URL, when set, name other servers instead.
+# Debian's packages if absent, promtool (Debian's prometheus package) for the alert rules, and
+# HAProxy for the failover test. DATABASE_URL / NATS_URL, when set, name other servers instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,9 +69,16 @@ ensure_promtool() {
   command -v promtool >/dev/null || apt_install prometheus
 }
 
+# HAProxy fronts the primary and the standby in the failover test
+# (tests/reliability/failover.rs); the test starts its own, so the package's service is not used.
+ensure_haproxy() {
+  command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || apt_install haproxy
+}
+
 ensure_postgres
 ensure_nats
 ensure_promtool
+ensure_haproxy
 fast=$(mktemp)
 slow=$(mktemp)
 trap 'rm -f "$fast" "$slow"' EXIT

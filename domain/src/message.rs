@@ -166,6 +166,8 @@ struct EventFields {
 /// let a repeated field through.
 #[derive(Deserialize)]
 struct PlainBody {
+    /// Set only in a CloudEvent, which then decodes as one.
+    specversion: Option<IgnoredAny>,
     message_id: String,
     order_id: String,
     book_id: Option<String>,
@@ -271,11 +273,19 @@ impl Message {
         if kind == EventKind::StockReserved {
             return Self::decode_stock_reserved(body);
         }
-        let probe: EnvelopeProbe = serde_json::from_slice(body).map_err(malformed)?;
-        if probe.specversion.is_some() {
-            return Self::decode_cloud_event(kind, body);
-        }
-        let plain: PlainBody = serde_json::from_slice(body).map_err(malformed)?;
+        // The plain body is the common case, so it is parsed first and the envelope probed only
+        // when that fails: one parse per message, the same answers as probing first.
+        let plain = match serde_json::from_slice::<PlainBody>(body) {
+            Ok(plain) if plain.specversion.is_none() => plain,
+            Ok(_) => return Self::decode_cloud_event(kind, body),
+            Err(plain_error) => {
+                let probe: EnvelopeProbe = serde_json::from_slice(body).map_err(malformed)?;
+                if probe.specversion.is_some() {
+                    return Self::decode_cloud_event(kind, body);
+                }
+                return Err(malformed(plain_error));
+            }
+        };
         let key = DedupKey::MessageId(MessageId::parse(plain.message_id)?);
         let fields = EventFields {
             order_id: plain.order_id,
@@ -486,6 +496,28 @@ mod tests {
             }
         );
         assert!(matches!(message.event, Event::Cancelled(_)));
+    }
+
+    #[test]
+    fn a_specversion_makes_a_cloud_event_even_beside_plain_fields() {
+        let body = format!(
+            r#"{{"specversion":"1.0","message_id":"m-1","order_id":"{ORDER}","id":"e-1","source":"/shop","type":"bookstore.order.cancelled","data":{{"order_id":"{ORDER}"}}}}"#
+        );
+        let message = Message::decode(EventKind::Cancelled, body.as_bytes()).expect("valid");
+        assert_eq!(
+            message.key,
+            DedupKey::CloudEvent {
+                source: "/shop".into(),
+                id: "e-1".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_plain_body_with_a_null_specversion_stays_plain() {
+        let message = Message::decode(EventKind::Placed, &placed_body(r#","specversion":null"#))
+            .expect("valid body");
+        assert_eq!(message.key.storage_key(), "m-1");
     }
 
     #[test]

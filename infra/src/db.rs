@@ -15,7 +15,7 @@ use inventory_migrations::{Migrator, MigratorTrait};
 pub use probe::{Probe, ProbeError};
 pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
-use sea_orm::{ConnectOptions, ConnectionTrait};
+use sea_orm::{ConnectOptions, ConnectionTrait, Statement};
 pub use sea_orm::{DatabaseConnection, DbBackend, DbErr};
 
 /// The embedded default: a SQLite file in the working directory.
@@ -155,6 +155,29 @@ pub async fn connect_with(
         });
     }
     sea_orm::Database::connect(options).await
+}
+
+/// Ok when the database answers and takes writes. On PostgreSQL a server that answers but
+/// refuses writes (`transaction_read_only` on: a standby that a proxy leads to during a
+/// failover, or a read-only default) is as good as down for a consumer, so it is an error
+/// here rather than a ping that passes and a write that fails.
+pub async fn check_writable(db: &DatabaseConnection) -> Result<(), DbErr> {
+    if db.get_database_backend() != DbBackend::Postgres {
+        return db.ping().await;
+    }
+    let row = db
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT current_setting('transaction_read_only') = 'on' AS read_only",
+        ))
+        .await?
+        .ok_or_else(|| DbErr::Custom("no answer to the read-only check".into()))?;
+    if row.try_get::<bool>("", "read_only")? {
+        return Err(DbErr::Custom(
+            "the server is read-only (a standby?): writes would be refused".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Applies every pending migration.

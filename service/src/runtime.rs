@@ -456,9 +456,10 @@ async fn lane<H: MessageHandler>(
     }
 }
 
-/// Waits until the database answers again; false if shutdown came first. While it is down
-/// nothing is fetched, so messages are not burned through their delivery attempts.
-/// Each look is bounded by `bound`: a ping on a connection gone silent would wait forever.
+/// Waits until the database answers again and takes writes (a standby reached during a
+/// failover answers, but refuses every write); false if shutdown came first. Until then nothing
+/// is fetched, so messages are not burned through their delivery attempts. Each look is
+/// bounded by `bound`: one on a connection gone silent would wait forever.
 async fn wait_for_database(
     db: &DatabaseConnection,
     bound: Option<Duration>,
@@ -467,7 +468,7 @@ async fn wait_for_database(
     let mut delay = Duration::from_millis(200);
     let mut was_down = false;
     loop {
-        match db::bounded(bound, db.ping()).await {
+        match db::bounded(bound, db::check_writable(db)).await {
             Ok(()) => {
                 if was_down {
                     tracing::info!("database reachable; consuming");

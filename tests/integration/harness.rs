@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::ToServerAddrs;
 use async_nats::jetstream::{self, Context, message::PublishMessage, stream};
+use inventory_infra::db;
 use inventory_tests::nats::{NatsCluster, NatsServer, TestNames, shared_url, unique_names};
 use inventory_tests::pg_server::PostgresServer;
 use sea_orm::{ConnectionTrait, Database, DbBackend, Statement};
@@ -165,13 +166,49 @@ async fn own_postgres_keeps_a_table_across_a_restart() {
     let db = Database::connect(server.url())
         .await
         .expect("a connection again");
-    let row = db
-        .query_one_raw(Statement::from_string(
-            DbBackend::Postgres,
-            "SELECT count(*) AS n FROM kept",
-        ))
+    assert_eq!(rows_kept(&db).await, 2);
+}
+
+/// The rows of the table `kept`.
+async fn rows_kept(db: &impl ConnectionTrait) -> i64 {
+    db.query_one_raw(Statement::from_string(
+        DbBackend::Postgres,
+        "SELECT count(*) AS n FROM kept",
+    ))
+    .await
+    .expect("the count")
+    .expect("a row")
+    .try_get("", "n")
+    .expect("a count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_standby_has_every_commit_and_takes_writes_once_promoted() {
+    let mut primary = PostgresServer::start_primary("harness_standby").await;
+    let mut standby = PostgresServer::start_standby(&primary, "harness_standby").await;
+    primary.wait_for_sync_standby("harness_standby").await;
+    let db = Database::connect(primary.url()).await.expect("the primary");
+    db.execute_unprepared(
+        "CREATE TABLE kept (id int PRIMARY KEY); INSERT INTO kept SELECT generate_series(1, 100)",
+    )
+    .await
+    .expect("a table with 100 rows, committed on both servers");
+    db::check_writable(&db)
         .await
-        .expect("the count")
-        .expect("a row");
-    assert_eq!(row.try_get::<i64>("", "n").expect("a count"), 2);
+        .expect("the primary takes writes");
+    let replica = Database::connect(standby.url()).await.expect("the standby");
+    let refused = db::check_writable(&replica).await;
+    assert!(refused.is_err(), "a standby taken as writable: {refused:?}");
+
+    primary.kill().await;
+    assert!(std::net::TcpStream::connect(("127.0.0.1", primary.port())).is_err());
+    standby.promote().await;
+    db::check_writable(&replica)
+        .await
+        .expect("the promoted standby takes writes");
+    replica
+        .execute_unprepared("INSERT INTO kept VALUES (101)")
+        .await
+        .expect("a write to the promoted standby, which commits alone");
+    assert_eq!(rows_kept(&replica).await, 101);
 }

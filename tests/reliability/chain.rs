@@ -22,7 +22,7 @@ use inventory_tests::{Backend, TestDb};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use uuid::Uuid;
 
-use crate::support::{Instance, Scenario, seed, serve_fault_args};
+use crate::support::{Instance, Scenario, seed, serve_fault_args, wait_until_empty};
 
 const ORDERS: usize = 5_000;
 const CANCELLED: usize = 400;
@@ -137,53 +137,6 @@ impl Role {
 
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|&arg| arg.to_owned()).collect()
-}
-
-/// Polls until `table` holds no row (parked ones included).
-async fn wait_until_empty(db: &TestDb, table: &str, scenario: &Scenario) {
-    let deadline = Instant::now() + SETTLE;
-    loop {
-        let left = outbox::rows(&db.conn, table).await;
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{table} still holds {} rows, e.g. {:?}\n{}",
-            left.len(),
-            left.first(),
-            scenario.log_tails()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Each message in `stored` once by its `Nats-Msg-Id`, and its subjects below `prefix.` per
-/// order (read from the body's `order_id`), in stream order.
-fn subjects_by_order(stored: &[Stored], prefix: &str) -> HashMap<Uuid, Vec<String>> {
-    let mut ids: Vec<&str> = stored.iter().map(|m| m.message_id.as_str()).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    assert_eq!(
-        ids.len(),
-        stored.len(),
-        "a message stored twice in {prefix}"
-    );
-    let mut by_order: HashMap<Uuid, Vec<String>> = HashMap::new();
-    for message in stored {
-        assert!(
-            !message.message_id.is_empty(),
-            "no Nats-Msg-Id: {message:?}"
-        );
-        let body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
-        let order: Uuid = body["order_id"].as_str().unwrap().parse().unwrap();
-        let subject = message
-            .subject
-            .strip_prefix(&format!("{prefix}."))
-            .unwrap_or_else(|| panic!("{} is not below {prefix}", message.subject));
-        by_order.entry(order).or_default().push(subject.to_owned());
-    }
-    by_order
 }
 
 /// The mailbox's lines: (book, quantity) per order.
@@ -352,10 +305,10 @@ async fn kill_9_across_the_chain_mails_each_reserved_order_once() {
     let order_messages = (ORDERS + cancelled) as u64;
     // Hop by hop: everything out of the orders outbox; every order message decided and acked;
     // every decision out of Inventory's outbox; every event handled by the notifier.
-    wait_until_empty(&db, "orders_outbox", &scenario).await;
+    wait_until_empty(&db.conn, "orders_outbox", &scenario, SETTLE).await;
     let natural_state =
         workload::settle(&js, &scenario.topology, &natural, order_messages, SETTLE).await;
-    wait_until_empty(&db, "outbox", &scenario).await;
+    wait_until_empty(&db.conn, "outbox", &scenario, SETTLE).await;
     let events = outbox::stored(&js, &scenario.topology.events_stream).await;
     let email_state = settle_email(&js, &scenario.topology, &email, &events).await;
     let elapsed = started.elapsed();
@@ -434,7 +387,7 @@ impl Check<'_> {
         }
 
         // The orders stream: each placement and cancellation once, the cancellation after.
-        let orders = subjects_by_order(&self.orders_stream, &topology.subject_prefix);
+        let orders = outbox::subjects_by_order(&self.orders_stream, &topology.subject_prefix);
         assert_eq!(
             orders.len(),
             self.planned.len(),
@@ -470,7 +423,8 @@ impl Check<'_> {
             );
         }
         assert_eq!(decided.len(), self.planned.len(), "orders decided");
-        let events = subjects_by_order(&self.events_stream, &topology.events_subject_prefix);
+        let events =
+            outbox::subjects_by_order(&self.events_stream, &topology.events_subject_prefix);
         for stored in &self.events_stream {
             let body: serde_json::Value = serde_json::from_slice(&stored.body).unwrap();
             assert_eq!(body["event_id"], stored.message_id.as_str(), "{stored:?}");

@@ -14,6 +14,8 @@
 //! - `network`: a fault-injecting proxy between two natural-key instances and PostgreSQL and
 //!   NATS: latency, connections cut mid-statement and right after a commit, blackholes.
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
+//! - `failover`: the PostgreSQL primary SIGKILLed behind HAProxy, its synchronous standby
+//!   promoted and HAProxy switched to it, under two natural-key instances.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
@@ -27,6 +29,7 @@
 
 mod chain;
 mod cluster;
+mod failover;
 mod kill9;
 mod load;
 mod network;

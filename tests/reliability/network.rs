@@ -26,7 +26,7 @@ use inventory_tests::fault_proxy::FaultProxy;
 use inventory_tests::workload::{self, Workload};
 use inventory_tests::{Backend, TestDb};
 
-use crate::support::{MetricsOf, Scenario, Served};
+use crate::support::{MetricsOf, Scenario, Served, until_acked};
 
 const ORDERS: usize = 2_000;
 /// Orders published over 20 s once NATS is back.
@@ -151,7 +151,7 @@ async fn a_flaky_network_under_two_instances() {
     let watcher = watch(metrics.clone(), stop_watching.clone());
     let started = Instant::now();
 
-    scenario.until_acked(&js, total, 0.05).await;
+    until_acked(&js, &scenario, total, 0.05).await;
     postgres.latency(Duration::from_millis(20));
     tokio::time::sleep(Duration::from_secs(3)).await;
     postgres.pass();
@@ -185,7 +185,7 @@ async fn a_flaky_network_under_two_instances() {
     postgres.blackhole();
     tokio::time::sleep(Duration::from_secs(5)).await;
     postgres.pass();
-    scenario.until_acked(&js, total, 0.4).await;
+    until_acked(&js, &scenario, total, 0.4).await;
     broker.latency(Duration::from_millis(50));
     tokio::time::sleep(Duration::from_secs(3)).await;
     broker.pass();

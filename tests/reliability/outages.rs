@@ -6,15 +6,12 @@
 use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
-use inventory_domain::StockItem;
-use inventory_infra::StockRepository;
-use inventory_infra::db::FreshDatabase;
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
 use inventory_tests::workload::{self, Workload};
 use inventory_tests::{Backend, TestDb};
 
-use crate::support::{Instance, Scenario, Served};
+use crate::support::{Instance, Scenario, Served, fresh_with_books, stop_all, until_acked};
 
 /// Orders per scenario: fewer for the strategies beside the default one, to keep the slow tier
 /// short.
@@ -57,11 +54,7 @@ async fn finish(
         Duration::from_secs(300),
     )
     .await;
-    for mut instance in instances {
-        assert!(instance.is_running(), "{}", scenario.log_tails());
-        let status = instance.terminate();
-        assert!(status.success(), "{status}\n{}", scenario.log_tails());
-    }
+    stop_all(scenario, instances);
     let summary = scenario
         .served
         .assert_promise(scenario, db, workload, state)
@@ -76,17 +69,7 @@ async fn finish(
 
 async fn postgres_restarted_twice_mid_stream(served: Served) {
     let mut server = PostgresServer::start().await;
-    let fresh = FreshDatabase::create(Some(&server.url()), "inventory_pg_outage", 4)
-        .await
-        .unwrap();
-    let books: Vec<_> = (0..4).map(|_| inventory_domain::BookId::new_v7()).collect();
-    let stock = StockRepository::new(fresh.conn.clone());
-    for &book in &books {
-        stock
-            .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
-            .await
-            .unwrap();
-    }
+    let (fresh, books) = fresh_with_books(&server.url(), "inventory_pg_outage", 4).await;
     let nats = inventory_tests::nats::shared_url().await;
     let mut scenario = Scenario::new("pgout", &fresh.url, &nats, 1);
     scenario.serve(served);
@@ -108,11 +91,11 @@ async fn postgres_restarted_twice_mid_stream(served: Served) {
         Duration::from_millis(200),
     );
 
-    scenario.until_acked(&js, total, 0.2).await;
+    until_acked(&js, &scenario, total, 0.2).await;
     server.stop().await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     server.start_again().await;
-    scenario.until_acked(&js, total, 0.6).await;
+    until_acked(&js, &scenario, total, 0.6).await;
     server.stop().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     server.start_again().await;
@@ -155,12 +138,12 @@ async fn nats_stopped_then_killed_mid_stream(served: Served) {
         Duration::from_millis(200),
     );
 
-    scenario.until_acked(&js, total, 0.2).await;
+    until_acked(&js, &scenario, total, 0.2).await;
     // A clean shutdown, then a crash: SIGKILL loses whatever the server had not written.
     server.stop().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     server.start_again().await;
-    scenario.until_acked(&js, total, 0.6).await;
+    until_acked(&js, &scenario, total, 0.6).await;
     server.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     server.start_again().await;

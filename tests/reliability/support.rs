@@ -7,7 +7,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::Context;
-use inventory_infra::db::DatabaseConnection;
+use inventory_domain::{BookId, StockItem};
+use inventory_infra::StockRepository;
+use inventory_infra::db::{DatabaseConnection, FreshDatabase};
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::binary::{free_port, http_get, sample};
 use inventory_tests::nats::{TestNames, unique_names};
@@ -320,27 +322,6 @@ impl Scenario {
             .collect()
     }
 
-    /// Waits until at least `fraction` of `total` messages are acked (or until two minutes
-    /// pass, which fails the test with the instances' log tails).
-    pub(crate) async fn until_acked(&self, js: &Context, total: u64, fraction: f64) {
-        let target = (total as f64 * fraction) as u64;
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(state) =
-                workload::stream_state(js, &self.topology, &self.names.consumer).await
-                && state.ack_floor >= target
-            {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "never reached {target} acked\n{}",
-                self.log_tails()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
     /// The tail of every instance's log, for a failure message.
     pub(crate) fn log_tails(&self) -> String {
         let mut out = String::new();
@@ -445,7 +426,10 @@ impl Instance {
     /// Messages its handlers hold now, from its own `/metrics`; `None` while it does not
     /// answer (starting up).
     pub(crate) fn in_flight(&self) -> Option<f64> {
-        self.metrics().gauges().map(|gauges| gauges.in_flight)
+        self.metric(&format!(
+            "inventory_messages_in_flight{{consumer=\"{}\"}}",
+            self.consumer
+        ))
     }
 
     /// Where its metrics are read, for another thread to read them.
@@ -454,6 +438,13 @@ impl Instance {
             port: self.metrics_port,
             consumer: self.consumer.clone(),
         }
+    }
+
+    /// The sample `name{labels}` of its own `/metrics` (0 when absent); `None` while it does
+    /// not answer.
+    pub(crate) fn metric(&self, name_and_labels: &str) -> Option<f64> {
+        let (_, scrape) = http_get(self.metrics_port, "/metrics")?;
+        Some(sample(&scrape, name_and_labels))
     }
 
     /// SIGKILL and reap: no drain, no ack, nothing flushed.
@@ -530,6 +521,92 @@ fn catches_sigterm(pid: u32) -> bool {
     proc_status(pid, "SigCgt:")
         .and_then(|mask| u64::from_str_radix(&mask, 16).ok())
         .is_some_and(|mask| mask & (1 << (Signal::SIGTERM as u32 - 1)) != 0)
+}
+
+/// Waits until at least `fraction` of `total` messages are acked (or until two minutes pass,
+/// which fails the test with the instances' log tails).
+pub(crate) async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
+    let target = (total as f64 * fraction) as u64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(state) =
+            workload::stream_state(js, &scenario.topology, &scenario.names.consumer).await
+            && state.ack_floor >= target
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reached {target} acked\n{}",
+            scenario.log_tails()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A fresh database on the PostgreSQL server of `server_url`, with `books` books of a million
+/// copies each: enough that no order of a scenario is ever rejected.
+pub(crate) async fn fresh_with_books(
+    server_url: &str,
+    label: &str,
+    books: usize,
+) -> (FreshDatabase, Vec<BookId>) {
+    let fresh = FreshDatabase::create(Some(server_url), label, 4)
+        .await
+        .unwrap();
+    let ids: Vec<BookId> = (0..books).map(|_| BookId::new_v7()).collect();
+    let stock = StockRepository::new(fresh.conn.clone());
+    for &book in &ids {
+        stock
+            .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
+            .await
+            .unwrap();
+    }
+    (fresh, ids)
+}
+
+/// Polls until `table` holds no row (parked ones included); fails after `limit`.
+pub(crate) async fn wait_until_empty(
+    conn: &DatabaseConnection,
+    table: &str,
+    scenario: &Scenario,
+    limit: Duration,
+) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = inventory_tests::outbox::rows(conn, table).await;
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{table} still holds {} rows, e.g. {:?}\n{}",
+            left.len(),
+            left.first(),
+            scenario.log_tails()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Asserts that every instance is still running (none exited by itself), then stops each
+/// with SIGTERM and asserts a clean exit.
+pub(crate) fn stop_all(scenario: &Scenario, instances: Vec<Instance>) {
+    for mut instance in instances {
+        assert!(
+            instance.is_running(),
+            "instance {} exited\n{}",
+            instance.label,
+            scenario.log_tails()
+        );
+        let label = instance.label.clone();
+        let status = instance.terminate();
+        assert!(
+            status.success(),
+            "instance {label}: {status}\n{}",
+            scenario.log_tails()
+        );
+    }
 }
 
 /// The seed of a randomised scenario: `CHAOS_SEED` to replay one, else a fresh one. Printed so

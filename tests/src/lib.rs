@@ -4,7 +4,9 @@
 //! # Layout
 //! - [`postgres`]: where the shared PostgreSQL server comes from (`DATABASE_URL`, the local
 //!   server, or a testcontainers container where a Docker engine runs).
-//! - [`pg_server`]: a PostgreSQL server of the test's own, to stop and restart mid-stream.
+//! - [`pg_server`]: a PostgreSQL server of the test's own, to stop and restart mid-stream, or a
+//!   primary and its synchronous standby to fail over.
+//! - [`haproxy`]: HAProxy in front of such servers, switched to another over its admin socket.
 //! - [`nats`]: NATS servers of the test's own (one, or a cluster of three) to stop, kill and
 //!   restart; the shared NATS server; per-test stream and subject names.
 //! - [`binary`]: the `inventory` binary run as a process on a test's database and streams.
@@ -29,6 +31,7 @@ pub mod binary;
 pub mod broker;
 pub mod corpus;
 pub mod fault_proxy;
+pub mod haproxy;
 pub mod nats;
 pub mod outbox;
 pub mod pg_server;

@@ -155,6 +155,34 @@ pub fn assert_published_once_in_order(expected: &[Row], stored: &[Stored], prefi
     }
 }
 
+/// Each message in `stored` once by its `Nats-Msg-Id`, and its subjects below `prefix.` per
+/// order (read from the body's `order_id`), in stream order.
+pub fn subjects_by_order(stored: &[Stored], prefix: &str) -> HashMap<Uuid, Vec<String>> {
+    let mut ids: Vec<&str> = stored.iter().map(|m| m.message_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(
+        ids.len(),
+        stored.len(),
+        "a message stored twice in {prefix}"
+    );
+    let mut by_order: HashMap<Uuid, Vec<String>> = HashMap::new();
+    for message in stored {
+        assert!(
+            !message.message_id.is_empty(),
+            "no Nats-Msg-Id: {message:?}"
+        );
+        let body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+        let order: Uuid = body["order_id"].as_str().unwrap().parse().unwrap();
+        let subject = message
+            .subject
+            .strip_prefix(&format!("{prefix}."))
+            .unwrap_or_else(|| panic!("{} is not below {prefix}", message.subject));
+        by_order.entry(order).or_default().push(subject.to_owned());
+    }
+    by_order
+}
+
 /// One order's decisions, as [`decide`] made them: the subjects (below the prefix) of its
 /// events in commit order.
 #[derive(Debug, Clone)]

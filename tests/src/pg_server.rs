@@ -1,5 +1,6 @@
 //! A PostgreSQL cluster of the test's own, for tests that stop and start the database under a
-//! running consumer without disturbing the tests that share the local server.
+//! running consumer without disturbing the tests that share the local server; or a pair of
+//! them, a primary and its synchronous standby, for a failover.
 //!
 //! The server binaries come from `PG_BIN_DIR` if set, else the highest version under
 //! `/usr/lib/postgresql/<version>/bin` (Debian's `postgresql` package), else the directory of
@@ -8,6 +9,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement, TryGetable};
 
 use crate::process::{free_ports, log_tail, on_path, scratch_dir};
 
@@ -28,20 +34,64 @@ pub struct PostgresServer {
 impl PostgresServer {
     /// Creates a new cluster with `initdb` and starts it.
     pub async fn start() -> Self {
-        let mut server = Self {
-            bin_dir: bin_dir(),
-            dir: scratch_dir("inventory-pg"),
-            port: 0,
-            running: false,
-        };
-        if as_root() {
-            let user = nix::unistd::User::from_name("postgres")
-                .ok()
-                .flatten()
-                .expect("an OS user named postgres to run PostgreSQL as (root may not)");
-            nix::unistd::chown(&server.dir, Some(user.uid), Some(user.gid))
-                .expect("the scratch directory handed to the postgres user");
-        }
+        let server = Self::initdb().await;
+        server.start_on_a_free_port().await
+    }
+
+    /// A primary whose every commit waits until the standby that connects as `standby` (its
+    /// `application_name`) has flushed it: streaming replication with `synchronous_commit`
+    /// on, so a commit the client saw succeed is on both servers. `initdb`'s defaults already
+    /// let a local replication connection in (`wal_level = replica`, `max_wal_senders`, the
+    /// `replication` lines of `pg_hba.conf`); they are restated here for the reader.
+    pub async fn start_primary(standby: &str) -> Self {
+        let server = Self::initdb().await;
+        server.append_to_config(&[
+            "# A primary with one synchronous standby.",
+            "wal_level = replica",
+            "max_wal_senders = 4",
+            "synchronous_commit = on",
+            &format!("synchronous_standby_names = '{standby}'"),
+        ]);
+        server.start_on_a_free_port().await
+    }
+
+    /// A hot standby of `primary`, copied with `pg_basebackup -R` (which writes
+    /// `standby.signal` and a `primary_conninfo` naming `name` as the `application_name`) and
+    /// streaming from it. Its configuration is the primary's copy, `synchronous_standby_names`
+    /// included, which matters once it is promoted (see [`Self::promote`]).
+    pub async fn start_standby(primary: &Self, name: &str) -> Self {
+        let server = Self::scratch();
+        let source = format!(
+            "host=127.0.0.1 port={} user=postgres application_name={name}",
+            primary.port
+        );
+        let data = server.data_dir();
+        let output = server
+            .run(
+                "pg_basebackup",
+                &[
+                    "-d",
+                    &source,
+                    "-D",
+                    &data,
+                    "-R",
+                    "-X",
+                    "stream",
+                    "--no-sync",
+                ],
+            )
+            .await;
+        assert!(
+            output.status.success(),
+            "pg_basebackup failed: {}",
+            describe(&output)
+        );
+        server.start_on_a_free_port().await
+    }
+
+    /// An empty cluster, not started.
+    async fn initdb() -> Self {
+        let server = Self::scratch();
         let data = server.data_dir();
         // --no-sync: initdb's closing fsync of every file is most of its time, and a test
         // cluster need not survive a power cut.
@@ -67,16 +117,50 @@ impl PostgresServer {
             "initdb failed: {}",
             describe(&output)
         );
+        server
+    }
+
+    /// A scratch directory the server binaries may write to, no cluster in it yet.
+    fn scratch() -> Self {
+        let server = Self {
+            bin_dir: bin_dir(),
+            dir: scratch_dir("inventory-pg"),
+            port: 0,
+            running: false,
+        };
+        if as_root() {
+            let user = nix::unistd::User::from_name("postgres")
+                .ok()
+                .flatten()
+                .expect("an OS user named postgres to run PostgreSQL as (root may not)");
+            nix::unistd::chown(&server.dir, Some(user.uid), Some(user.gid))
+                .expect("the scratch directory handed to the postgres user");
+        }
+        server
+    }
+
+    async fn start_on_a_free_port(mut self) -> Self {
         let mut failure = String::new();
         for _ in 0..START_ATTEMPTS {
             let [port] = free_ports();
-            server.port = port;
-            match server.pg_ctl_start().await {
-                Ok(()) => return server,
+            self.port = port;
+            match self.pg_ctl_start().await {
+                Ok(()) => return self,
                 Err(message) => failure = message,
             }
         }
         panic!("PostgreSQL did not start in {START_ATTEMPTS} attempts: {failure}");
+    }
+
+    fn append_to_config(&self, lines: &[&str]) {
+        use std::io::Write as _;
+        let path = self.dir.join("data").join("postgresql.conf");
+        let text = format!("\n{}\n", lines.join("\n"));
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .unwrap_or_else(|e| panic!("cannot append to {}: {e}", path.display()));
     }
 
     /// `postgres://postgres@127.0.0.1:<port>/postgres`; the same across restarts.
@@ -122,6 +206,99 @@ impl PostgresServer {
         if let Err(message) = self.pg_ctl_start().await {
             panic!("PostgreSQL did not start again: {message}");
         }
+    }
+
+    /// The host dying: SIGKILL to the postmaster and every process it started, so no session
+    /// is told anything and nothing more is written or sent. (Each backend leads a process
+    /// group of its own, so the postmaster's group is not enough: its children are found in
+    /// `/proc` while it is stopped and cannot start more.) Returns once the port refuses
+    /// connections. The cluster is not started again.
+    pub async fn kill(&mut self) {
+        assert!(self.running, "PostgreSQL is not running");
+        let pid_file = self.dir.join("data").join("postmaster.pid");
+        let postmaster: i32 = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|text| text.lines().next()?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no postmaster pid in {}", pid_file.display()));
+        let postmaster = Pid::from_raw(postmaster);
+        kill(postmaster, Signal::SIGSTOP).expect("SIGSTOP to the postmaster");
+        for child in children_of(postmaster) {
+            // ESRCH: it exited meanwhile.
+            let _ = kill(child, Signal::SIGKILL);
+        }
+        kill(postmaster, Signal::SIGKILL).expect("SIGKILL to the postmaster");
+        self.running = false;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_ok()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "port {} still accepts 10 s after SIGKILL",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Promotes a standby (`pg_ctl promote`, which waits until it is out of recovery) and
+    /// makes it commit alone: its `synchronous_standby_names`, copied from the old primary,
+    /// names a standby that no longer exists, and while it does every commit waits for it
+    /// forever. Until a new standby is attached, commits are on this server only.
+    pub async fn promote(&mut self) {
+        let data = self.data_dir();
+        let output = self
+            .run("pg_ctl", &["-D", &data, "-w", "-t", "30", "promote"])
+            .await;
+        assert!(
+            output.status.success(),
+            "pg_ctl promote failed: {}",
+            describe(&output)
+        );
+        let db = self.connect().await;
+        let in_recovery = scalar::<bool>(&db, "SELECT pg_is_in_recovery() AS v").await;
+        assert!(!in_recovery, "still in recovery after pg_ctl promote");
+        db.execute_unprepared("ALTER SYSTEM SET synchronous_standby_names = ''")
+            .await
+            .expect("synchronous_standby_names cleared");
+        assert!(scalar::<bool>(&db, "SELECT pg_reload_conf() AS v").await);
+        let _ = db.close().await;
+    }
+
+    /// Waits (up to 30 s) until the standby `name` streams from this primary as its
+    /// synchronous standby: before that, a commit would not wait for it.
+    pub async fn wait_for_sync_standby(&self, name: &str) {
+        let db = self.connect().await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let sql = Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "SELECT count(*) AS v FROM pg_stat_replication \
+             WHERE application_name = $1 AND state = 'streaming' AND sync_state = 'sync'",
+            [name.into()],
+        );
+        loop {
+            let row = db
+                .query_one_raw(sql.clone())
+                .await
+                .expect("pg_stat_replication");
+            if row.and_then(|row| row.try_get::<i64>("", "v").ok()) == Some(1) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "standby {name} did not become a synchronous standby within 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = db.close().await;
+    }
+
+    /// One connection to this server's `postgres` database.
+    async fn connect(&self) -> DatabaseConnection {
+        inventory_infra::db::connect(&self.url(), 1)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", self.url()))
     }
 
     async fn pg_ctl_start(&mut self) -> Result<(), String> {
@@ -258,6 +435,39 @@ fn utf8(path: &Path) -> String {
             )
         })
         .to_owned()
+}
+
+/// The processes whose parent is `parent`, read from `/proc/<pid>/stat`.
+fn children_of(parent: Pid) -> Vec<Pid> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            // `pid (comm) state ppid …`; comm may hold spaces and parentheses.
+            let ppid: i32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == parent.as_raw()).then(|| Pid::from_raw(pid))
+        })
+        .collect()
+}
+
+/// The column `v` of the one row `sql` returns.
+async fn scalar<T: TryGetable>(db: &DatabaseConnection, sql: &str) -> T {
+    db.query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .unwrap_or_else(|| panic!("{sql}: no row"))
+        .try_get("", "v")
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
 
 fn describe(output: &Output) -> String {
