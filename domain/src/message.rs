@@ -482,19 +482,21 @@ mod tests {
         assert_eq!(message.key.storage_key(), "m-1");
     }
 
+    /// The key of the CloudEvents below: source `/shop`, id `e-1`.
+    fn shop_event_key() -> DedupKey {
+        DedupKey::CloudEvent {
+            source: "/shop".into(),
+            id: "e-1".into(),
+        }
+    }
+
     #[test]
     fn cloud_event_is_keyed_by_source_and_id() {
         let body = format!(
             r#"{{"specversion":"1.0","id":"e-1","source":"/shop","type":"bookstore.order.cancelled","data":{{"order_id":"{ORDER}"}}}}"#
         );
         let message = Message::decode(EventKind::Cancelled, body.as_bytes()).expect("valid");
-        assert_eq!(
-            message.key,
-            DedupKey::CloudEvent {
-                source: "/shop".into(),
-                id: "e-1".into()
-            }
-        );
+        assert_eq!(message.key, shop_event_key());
         assert!(matches!(message.event, Event::Cancelled(_)));
     }
 
@@ -504,13 +506,7 @@ mod tests {
             r#"{{"specversion":"1.0","message_id":"m-1","order_id":"{ORDER}","id":"e-1","source":"/shop","type":"bookstore.order.cancelled","data":{{"order_id":"{ORDER}"}}}}"#
         );
         let message = Message::decode(EventKind::Cancelled, body.as_bytes()).expect("valid");
-        assert_eq!(
-            message.key,
-            DedupKey::CloudEvent {
-                source: "/shop".into(),
-                id: "e-1".into()
-            }
-        );
+        assert_eq!(message.key, shop_event_key());
     }
 
     #[test]
