@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use inventory_domain::BookId;
 use inventory_tests::binary::{BinaryRun, free_port, http_get, stop};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
@@ -93,15 +92,7 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_exported() {
     // A reservation (messages, handling time, the relay's counts) and a dead letter, so the
     // labelled families have a series to show.
     run.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "1"]);
-    let stranger = BookId::new_v7().to_string();
-    run.run(&[
-        "publish",
-        "placed",
-        "--book-id",
-        &stranger,
-        "--quantity",
-        "1",
-    ]);
+    run.publish_for_unknown_book();
 
     let deadline = Instant::now() + Duration::from_secs(30);
     let missing = loop {

@@ -5,7 +5,6 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use inventory_domain::BookId;
 use inventory_infra::db::SchemaPolicy;
 use inventory_migrations::{Migrator, MigratorTrait};
 use inventory_tests::binary::{BinaryRun, ended, stop};
@@ -128,15 +127,7 @@ async fn a_role_with_exactly_the_granted_privileges_serves_without_ddl() {
     };
     place(&["--message-id", "m-1"]);
     place(&["--message-id", "m-2"]);
-    let stranger = BookId::new_v7().to_string();
-    run.run(&[
-        "publish",
-        "placed",
-        "--book-id",
-        &stranger,
-        "--quantity",
-        "1",
-    ]);
+    run.publish_for_unknown_book();
     eventually_scalar(
         &run,
         &format!("SELECT reserved::int8 FROM stock_items WHERE book_id = '{BOOK}'"),

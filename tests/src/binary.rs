@@ -124,6 +124,19 @@ impl BinaryRun {
         ])
     }
 
+    /// `inventory publish placed` of one copy of a book nobody stocks: a dead letter once served.
+    pub fn publish_for_unknown_book(&self) -> Output {
+        let book_id = inventory_domain::BookId::new_v7().to_string();
+        self.run(&[
+            "publish",
+            "placed",
+            "--book-id",
+            &book_id,
+            "--quantity",
+            "1",
+        ])
+    }
+
     /// The one `int8` `sql` reads from the test's database.
     pub async fn scalar(&self, sql: &str) -> i64 {
         let row = self
