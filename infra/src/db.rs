@@ -74,20 +74,28 @@ impl DbTimeouts {
     }
 }
 
-/// `work` on the database, abandoned (dropped, with the connection it held) if `bound` passes
-/// first; `None`: unbounded.
+/// `work` on the database, abandoned (dropped, with whatever connection it held) if `bound`
+/// passes first, which is then the error; `None`: unbounded.
+pub async fn within<T>(
+    bound: Option<Duration>,
+    work: impl Future<Output = T>,
+) -> Result<T, Duration> {
+    match bound {
+        Some(bound) => tokio::time::timeout(bound, work).await.map_err(|_| bound),
+        None => Ok(work.await),
+    }
+}
+
+/// [`within`], the bound passing as a database error.
 pub async fn bounded<T>(
     bound: Option<Duration>,
     work: impl Future<Output = Result<T, DbErr>>,
 ) -> Result<T, DbErr> {
-    match bound {
-        Some(bound) => tokio::time::timeout(bound, work).await.unwrap_or_else(|_| {
-            Err(DbErr::Custom(format!(
-                "no answer from the database within {bound:?}; abandoned"
-            )))
-        }),
-        None => work.await,
-    }
+    within(bound, work).await.unwrap_or_else(|bound| {
+        Err(DbErr::Custom(format!(
+            "no answer from the database within {bound:?}; abandoned"
+        )))
+    })
 }
 
 /// Opens a pool of at most `max_connections` whose statements are not bounded: for the tools,

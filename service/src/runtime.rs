@@ -341,14 +341,6 @@ struct LaneSettings {
     retry: RetryPolicy,
 }
 
-/// `work`, abandoned (dropped, with whatever connection it held) if `bound` passes first.
-async fn within<T>(bound: Option<Duration>, work: impl Future<Output = T>) -> Result<T, Duration> {
-    match bound {
-        Some(bound) => tokio::time::timeout(bound, work).await.map_err(|_| bound),
-        None => Ok(work.await),
-    }
-}
-
 /// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
 /// in-flight messages.
 ///
@@ -588,7 +580,7 @@ impl<H: MessageHandler> Worker<H> {
         let disposition = match self.admit(message).await {
             Admitted::Settled(disposition) => disposition,
             Admitted::Decoded(origin, decoded) => {
-                let result = within(self.lanes.work_timeout, self.handler.handle(&decoded))
+                let result = db::within(self.lanes.work_timeout, self.handler.handle(&decoded))
                     .await
                     .unwrap_or_else(|bound| Err(HandleError::TimedOut(bound)));
                 self.settle(message, &origin, result).await
@@ -629,7 +621,7 @@ impl<H: MessageHandler> Worker<H> {
                 }
             }
         }
-        let mut results = within(self.lanes.work_timeout, self.handler.handle_batch(&decoded))
+        let mut results = db::within(self.lanes.work_timeout, self.handler.handle_batch(&decoded))
             .await
             .unwrap_or_else(|bound| vec![Err(HandleError::TimedOut(bound)); decoded.len()])
             .into_iter();
