@@ -311,9 +311,7 @@ pub async fn ensure_prefix_stream(
     js: &Context,
     wanted: &PrefixStream,
 ) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
-    let mut drifts = Vec::new();
-    let stream = ensure_stream(js, wanted.config(), &mut drifts).await?;
-    Ok((stream, drifts))
+    ensure_stream(js, wanted.config()).await
 }
 
 /// One setting of an existing stream or consumer that differs from what this process would
@@ -354,17 +352,53 @@ fn compare<T: std::fmt::Debug + PartialEq>(
     }
 }
 
+/// How long setting up a stream or a consumer keeps asking while JetStream does not answer.
+/// A cluster answers no request about a stream while it elects the stream's new leader (a node
+/// lost: seconds), and a process starting then should wait that out, not exit.
+const SET_UP_PATIENCE: Duration = Duration::from_secs(60);
+
+/// `step` again, after a growing pause, while it times out and [`SET_UP_PATIENCE`] lasts. The
+/// set-up steps look before they create, so one whose request reached the server and whose
+/// answer was lost finds its own work the next time.
+pub(crate) async fn patiently<T, Fut>(mut step: impl FnMut() -> Fut) -> Result<T, NatsError>
+where
+    Fut: Future<Output = Result<T, NatsError>>,
+{
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(250);
+    loop {
+        match step().await {
+            Err(error)
+                if error.kind == NatsErrorKind::TimedOut
+                    && started.elapsed() + pause < SET_UP_PATIENCE =>
+            {
+                tracing::warn!(retry_in = ?pause, "{error}; asking again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            result => return result,
+        }
+    }
+}
+
+/// Creates `wanted` if absent; reports how an existing one differs (and keeps it).
 async fn ensure_stream(
     js: &Context,
     wanted: stream::Config,
-    drifts: &mut Vec<ConfigDrift>,
-) -> Result<stream::Stream, NatsError> {
+) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
+    patiently(|| ensure_stream_once(js, &wanted)).await
+}
+
+async fn ensure_stream_once(
+    js: &Context,
+    wanted: &stream::Config,
+) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
     let doing = format!("setting up stream {}", wanted.name);
     let mut stream = match js.get_stream(&wanted.name).await {
         Ok(stream) => stream,
         Err(error) if is_missing_stream(&error) => {
             match js.create_stream(wanted.clone()).await {
-                Ok(stream) => return Ok(stream),
+                Ok(stream) => return Ok((stream, Vec::new())),
                 // Another instance created it in between: use theirs.
                 Err(_) => js
                     .get_stream(&wanted.name)
@@ -374,6 +408,7 @@ async fn ensure_stream(
         }
         Err(error) => return Err(nats_error(doing)(error)),
     };
+    let mut drifts = Vec::new();
     let existing = stream
         .info()
         .await
@@ -382,34 +417,34 @@ async fn ensure_stream(
         .clone();
     let object = format!("stream {}", wanted.name);
     compare(
-        drifts,
+        &mut drifts,
         &object,
         "subjects",
         &existing.subjects,
         &wanted.subjects,
     );
     compare(
-        drifts,
+        &mut drifts,
         &object,
         "storage",
         &existing.storage,
         &wanted.storage,
     );
     compare(
-        drifts,
+        &mut drifts,
         &object,
         "duplicate_window",
         &existing.duplicate_window,
         &wanted.duplicate_window,
     );
     compare(
-        drifts,
+        &mut drifts,
         &object,
         "num_replicas",
         &existing.num_replicas,
         &wanted.num_replicas,
     );
-    Ok(stream)
+    Ok((stream, drifts))
 }
 
 /// Creates the orders stream and the dead-letter stream if absent; reports how existing ones
@@ -418,9 +453,9 @@ pub async fn ensure_streams(
     js: &Context,
     topology: &Topology,
 ) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
-    let mut drifts = Vec::new();
-    let orders = ensure_stream(js, topology.stream_config(), &mut drifts).await?;
-    ensure_stream(js, topology.dlq_stream_config(), &mut drifts).await?;
+    let (orders, mut drifts) = ensure_stream(js, topology.stream_config()).await?;
+    let (_, dlq_drifts) = ensure_stream(js, topology.dlq_stream_config()).await?;
+    drifts.extend(dlq_drifts);
     Ok((orders, drifts))
 }
 
@@ -472,6 +507,13 @@ pub struct ConsumerSettings {
 /// The durable pull consumer, created if absent. Explicit ack: a message counts as handled
 /// only when this service says so, after its transaction committed.
 pub async fn ensure_consumer(
+    stream: &stream::Stream,
+    settings: &ConsumerSettings,
+) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {
+    patiently(|| ensure_consumer_once(stream, settings)).await
+}
+
+async fn ensure_consumer_once(
     stream: &stream::Stream,
     settings: &ConsumerSettings,
 ) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {

@@ -148,12 +148,12 @@ impl ConsumerRuntime {
         } else {
             orders
         };
-        let (mut consumer, consumer_drifts) =
+        let (consumer, consumer_drifts) =
             jetstream::ensure_consumer(&stream, &settings.consumer).await?;
         for drift in drifts.iter().chain(&consumer_drifts) {
             tracing::warn!("{drift}");
         }
-        let server_consumer = delivery::consumer_config(&mut consumer).await?;
+        let server_consumer = delivery::consumer_config(&consumer).await?;
         Ok(Self {
             dead_letters: DeadLetters::new(
                 js.clone(),

@@ -6,8 +6,9 @@ use std::time::Duration;
 use inventory_domain::BookId;
 use inventory_infra::EMAIL_CONSUMER;
 use inventory_infra::jetstream;
-use inventory_tests::binary::BinaryRun;
+use inventory_tests::binary::{self, BinaryRun};
 use inventory_tests::broker::eventually;
+use inventory_tests::fault_proxy::FaultProxy;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
@@ -155,6 +156,36 @@ async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
     assert!(logs.contains("delivered=1"), "{logs}");
     assert!(logs.contains("outcome=\"duplicate\""), "{logs}");
     assert!(logs.contains("drained"), "{logs}");
+}
+
+/// JetStream not answering while serve sets up (a cluster does that for the seconds it takes
+/// to elect a stream's new leader): serve asks again and starts, instead of exiting 1 on the
+/// first request that timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_waits_out_jetstream_not_answering_while_it_sets_up() {
+    let nats = inventory_tests::nats::shared_url().await;
+    // Made before the run, so it outlives the run's cleanup of its streams through it.
+    let broker = FaultProxy::in_front_of(&nats).await;
+    let mut setup = Setup::new().await;
+    setup.0.nats_url = broker.url_for(&nats);
+    // The consumer's first lookup goes unanswered, and so does everything after it on that
+    // connection, until the client's pings find it dead and it connects again.
+    broker.silence_after(b"$JS.API.CONSUMER.INFO", 1);
+    setup.put_stock(BOOK, "Dune", 100);
+    let service = setup.serve_with(&[
+        "--strategy",
+        "natural",
+        "--nats-request-timeout",
+        "1s",
+        "--nats-ping-interval",
+        "1s",
+    ]);
+    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
+    setup.wait_for_reserved(2).await;
+    assert_eq!(broker.silences_made(), 1);
+    let (status, logs) = binary::stop(service);
+    assert!(status.success(), "{logs}");
+    assert!(logs.contains("asking again"), "{logs}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

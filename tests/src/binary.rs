@@ -45,7 +45,9 @@ pub struct BinaryRun {
     pub names: TestNames,
     /// What the commands get as `DATABASE_URL`: the fresh database's, unless a test swaps it.
     pub database_url: String,
-    nats_url: String,
+    /// What the commands get as `NATS_URL`: the shared server's, unless a test swaps it (the
+    /// streams are removed through it when the run is dropped).
+    pub nats_url: String,
     binary: PathBuf,
     log_filter: &'static str,
 }
