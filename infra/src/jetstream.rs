@@ -50,6 +50,10 @@ pub enum NatsErrorKind {
     TimedOut,
     /// The stream named, or the one that should hold the subject published to, does not exist.
     StreamNotFound,
+    /// The server could not write a new stream or consumer to its store: a full disk, or a
+    /// race in its storage directory (nats-server 2.9 removes an account's empty `streams`
+    /// directory while another create needs it).
+    StoreFailed,
     Other,
 }
 
@@ -105,6 +109,11 @@ impl Classified for CreateStreamError {
     fn nats_kind(&self) -> NatsErrorKind {
         match self.kind() {
             CreateStreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            CreateStreamErrorKind::JetStream(error)
+                if error.error_code() == ErrorCode::STREAM_STORE_FAILED =>
+            {
+                NatsErrorKind::StoreFailed
+            }
             _ => NatsErrorKind::Other,
         }
     }
@@ -116,6 +125,11 @@ impl Classified for ConsumerError {
             ConsumerErrorKind::TimedOut => NatsErrorKind::TimedOut,
             ConsumerErrorKind::JetStream(error) if is_stream_not_found(&error) => {
                 NatsErrorKind::StreamNotFound
+            }
+            ConsumerErrorKind::JetStream(error)
+                if error.error_code() == ErrorCode::CONSUMER_STORE_FAILED =>
+            {
+                NatsErrorKind::StoreFailed
             }
             _ => NatsErrorKind::Other,
         }
@@ -174,17 +188,6 @@ pub(crate) fn boxed_nats_error(doing: &str) -> impl FnOnce(async_nats::Error) ->
     move |error| NatsError {
         doing: doing.to_owned(),
         kind: NatsErrorKind::Other,
-        source: error,
-    }
-}
-
-/// For a consumer lookup, which boxes its error.
-fn consumer_lookup_error(doing: String) -> impl FnOnce(async_nats::Error) -> NatsError {
-    move |error| NatsError {
-        doing,
-        kind: error
-            .downcast_ref::<ConsumerInfoError>()
-            .map_or(NatsErrorKind::Other, Classified::nats_kind),
         source: error,
     }
 }
@@ -357,9 +360,9 @@ fn compare<T: std::fmt::Debug + PartialEq>(
 /// lost: seconds), and a process starting then should wait that out, not exit.
 const SET_UP_PATIENCE: Duration = Duration::from_secs(60);
 
-/// `step` again, after a growing pause, while it times out and [`SET_UP_PATIENCE`] lasts. The
-/// set-up steps look before they create, so one whose request reached the server and whose
-/// answer was lost finds its own work the next time.
+/// `step` again, after a growing pause, while it times out or the server fails to store what
+/// it creates, and [`SET_UP_PATIENCE`] lasts. The set-up steps look before they create, so one
+/// whose request reached the server and whose answer was lost finds its own work the next time.
 pub(crate) async fn patiently<T, Fut>(mut step: impl FnMut() -> Fut) -> Result<T, NatsError>
 where
     Fut: Future<Output = Result<T, NatsError>>,
@@ -369,8 +372,10 @@ where
     loop {
         match step().await {
             Err(error)
-                if error.kind == NatsErrorKind::TimedOut
-                    && started.elapsed() + pause < SET_UP_PATIENCE =>
+                if matches!(
+                    error.kind,
+                    NatsErrorKind::TimedOut | NatsErrorKind::StoreFailed
+                ) && started.elapsed() + pause < SET_UP_PATIENCE =>
             {
                 tracing::warn!(retry_in = ?pause, "{error}; asking again");
                 tokio::time::sleep(pause).await;
@@ -399,11 +404,12 @@ async fn ensure_stream_once(
         Err(error) if is_missing_stream(&error) => {
             match js.create_stream(wanted.clone()).await {
                 Ok(stream) => return Ok((stream, Vec::new())),
-                // Another instance created it in between: use theirs.
-                Err(_) => js
-                    .get_stream(&wanted.name)
-                    .await
-                    .map_err(nats_error(doing.clone()))?,
+                // Another instance created it in between: use theirs. If there is none, the
+                // create's own failure says why (a timeout, then, is asked again).
+                Err(create_error) => match js.get_stream(&wanted.name).await {
+                    Ok(stream) => stream,
+                    Err(_) => return Err(nats_error(doing)(create_error)),
+                },
             }
         }
         Err(error) => return Err(nats_error(doing)(error)),
@@ -534,10 +540,11 @@ async fn ensure_consumer_once(
             Ok(consumer) => consumer,
             Err(_) => match stream.create_consumer(wanted.clone()).await {
                 Ok(consumer) => return Ok((consumer, Vec::new())),
-                Err(_) => stream
-                    .get_consumer(&settings.durable_name)
-                    .await
-                    .map_err(consumer_lookup_error(doing.clone()))?,
+                // As for a stream: theirs, or the create's own failure.
+                Err(create_error) => match stream.get_consumer(&settings.durable_name).await {
+                    Ok(consumer) => consumer,
+                    Err(_) => return Err(nats_error(doing)(create_error)),
+                },
             },
         };
     let existing = consumer
@@ -909,5 +916,62 @@ mod tests {
             .await
             .expect_err("no stream holds the subject");
         assert_eq!(error.kind(), NatsErrorKind::StreamNotFound, "{error}");
+    }
+
+    fn refused(err_code: u64, description: &str) -> jetstream::Error {
+        serde_json::from_value(serde_json::json!({
+            "code": 500, "err_code": err_code, "description": description
+        }))
+        .expect("the server's error as it sends it")
+    }
+
+    /// nats-server 2.9 says 10077 when a stream's directory cannot be made (a race with the
+    /// deletion of the last stream, or a full disk): set-up asks again. Other refusals of a
+    /// create are final.
+    #[test]
+    fn a_stream_the_server_could_not_store_is_a_store_failure_and_other_refusals_are_not() {
+        let store = CreateStreamError::from(refused(10077, "could not create storage directory"));
+        assert_eq!(store.nats_kind(), NatsErrorKind::StoreFailed);
+        let config = CreateStreamError::from(refused(10058, "stream name already in use"));
+        assert_eq!(config.nats_kind(), NatsErrorKind::Other);
+    }
+
+    fn failure(kind: NatsErrorKind) -> NatsError {
+        NatsError {
+            doing: "setting up".into(),
+            kind,
+            source: "refused".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn set_up_asks_again_after_a_timeout_or_a_store_failure_and_stops_at_anything_else() {
+        let mut answers = vec![
+            Ok("created"),
+            Err(NatsErrorKind::StoreFailed),
+            Err(NatsErrorKind::TimedOut),
+        ];
+        let mut asked = 0;
+        let result = patiently(|| {
+            asked += 1;
+            let answer = answers.pop().expect("asked no more than answered");
+            async move { answer.map_err(failure) }
+        })
+        .await;
+        assert_eq!(
+            (result.expect("created on the third try"), asked),
+            ("created", 3)
+        );
+
+        let mut asked = 0;
+        let result: Result<(), _> = patiently(|| {
+            asked += 1;
+            async { Err(failure(NatsErrorKind::Other)) }
+        })
+        .await;
+        assert_eq!(
+            (result.expect_err("refused for good").kind(), asked),
+            (NatsErrorKind::Other, 1)
+        );
     }
 }

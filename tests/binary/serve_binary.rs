@@ -160,17 +160,16 @@ async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
 
 /// JetStream not answering while serve sets up (a cluster does that for the seconds it takes
 /// to elect a stream's new leader): serve asks again and starts, instead of exiting 1 on the
-/// first request that timed out.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serve_waits_out_jetstream_not_answering_while_it_sets_up() {
+/// first request that timed out. `trigger`: the set-up request whose answer never comes; the
+/// connection stays silent after it until the client's pings find it dead and it connects
+/// again.
+async fn serve_through_a_silence_after(trigger: &[u8]) {
     let nats = inventory_tests::nats::shared_url().await;
     // Made before the run, so it outlives the run's cleanup of its streams through it.
     let broker = FaultProxy::in_front_of(&nats).await;
     let mut setup = Setup::new().await;
     setup.0.nats_url = broker.url_for(&nats);
-    // The consumer's first lookup goes unanswered, and so does everything after it on that
-    // connection, until the client's pings find it dead and it connects again.
-    broker.silence_after(b"$JS.API.CONSUMER.INFO", 1);
+    broker.silence_after(trigger, 1);
     setup.put_stock(BOOK, "Dune", 100);
     let service = setup.serve_with(&[
         "--strategy",
@@ -180,12 +179,27 @@ async fn serve_waits_out_jetstream_not_answering_while_it_sets_up() {
         "--nats-ping-interval",
         "1s",
     ]);
+    // The publish after it, so the silence is serve's.
+    eventually("serve's request silenced", || async {
+        broker.silences_made() == 1
+    })
+    .await;
     setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
     setup.wait_for_reserved(2).await;
-    assert_eq!(broker.silences_made(), 1);
     let (status, logs) = binary::stop(service);
     assert!(status.success(), "{logs}");
     assert!(logs.contains("asking again"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_waits_out_a_consumer_lookup_left_unanswered() {
+    serve_through_a_silence_after(b"$JS.API.CONSUMER.INFO").await;
+}
+
+/// The stream is created; only the answer is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_waits_out_a_stream_create_left_unanswered() {
+    serve_through_a_silence_after(b"$JS.API.STREAM.CREATE").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
