@@ -11,6 +11,8 @@ mod schema;
 use std::time::Duration;
 
 pub use failure::{DbErrorCode, DbFailure};
+use futures::FutureExt;
+use futures::future::Either;
 use inventory_migrations::{Migrator, MigratorTrait};
 pub use probe::{Probe, ProbeError};
 pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
@@ -76,25 +78,32 @@ impl DbTimeouts {
 
 /// `work` on the database, abandoned (dropped, with whatever connection it held) if `bound`
 /// passes first, which is then the error; `None`: unbounded.
-pub async fn within<T>(
+///
+/// Not an `async fn`: that would keep `work` twice in its state, as its argument and inside
+/// the timeout, and a handler's future is kilobytes, copied on every move of every message's.
+pub fn within<F: Future>(
     bound: Option<Duration>,
-    work: impl Future<Output = T>,
-) -> Result<T, Duration> {
+    work: F,
+) -> impl Future<Output = Result<F::Output, Duration>> {
     match bound {
-        Some(bound) => tokio::time::timeout(bound, work).await.map_err(|_| bound),
-        None => Ok(work.await),
+        Some(bound) => Either::Left(
+            tokio::time::timeout(bound, work).map(move |result| result.map_err(|_| bound)),
+        ),
+        None => Either::Right(work.map(Ok)),
     }
 }
 
 /// [`within`], the bound passing as a database error.
-pub async fn bounded<T>(
+pub fn bounded<T>(
     bound: Option<Duration>,
     work: impl Future<Output = Result<T, DbErr>>,
-) -> Result<T, DbErr> {
-    within(bound, work).await.unwrap_or_else(|bound| {
-        Err(DbErr::Custom(format!(
-            "no answer from the database within {bound:?}; abandoned"
-        )))
+) -> impl Future<Output = Result<T, DbErr>> {
+    within(bound, work).map(|result| {
+        result.unwrap_or_else(|bound| {
+            Err(DbErr::Custom(format!(
+                "no answer from the database within {bound:?}; abandoned"
+            )))
+        })
     })
 }
 
@@ -331,7 +340,33 @@ fn with_database_name(url: &str, name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{with_database_name, with_default_sslmode};
+    use std::time::Duration;
+
+    use super::{bounded, with_database_name, with_default_sslmode, within};
+
+    /// Work whose future holds 4 KiB across its await, as a handler's does.
+    async fn heavy_work() -> Result<usize, sea_orm::DbErr> {
+        let buffer = [1u8; 4096];
+        tokio::task::yield_now().await;
+        Ok(buffer.iter().map(|&byte| usize::from(byte)).sum())
+    }
+
+    /// Every message's handling moves its handler's future into the bound: held twice, as an
+    /// `async fn` would hold it, it doubles what each move copies.
+    #[tokio::test]
+    async fn the_bound_holds_the_work_once() {
+        use std::mem::size_of_val;
+        let work = size_of_val(&heavy_work());
+        let bound = Some(Duration::from_secs(1));
+        for (name, size) in [
+            ("within", size_of_val(&within(bound, heavy_work()))),
+            ("bounded", size_of_val(&bounded(bound, heavy_work()))),
+        ] {
+            assert!(size < work + 512, "{name}: {size} bytes around {work}");
+        }
+        assert!(matches!(within(bound, heavy_work()).await, Ok(Ok(4096))));
+        assert!(matches!(bounded(None, heavy_work()).await, Ok(4096)));
+    }
 
     #[test]
     fn tls_is_off_unless_the_url_or_environment_asks() {
