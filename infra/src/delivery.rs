@@ -19,18 +19,6 @@ pub type PullConsumer = consumer::PullConsumer;
 /// A consumer's settings, as the server has them.
 pub type ConsumerConfig = consumer::Config;
 
-/// The consumer's settings as the server has them, whatever this process asked for.
-pub async fn consumer_config(consumer: &PullConsumer) -> Result<ConsumerConfig, NatsError> {
-    crate::jetstream::patiently(|| async {
-        let info = consumer
-            .get_info()
-            .await
-            .map_err(nats_error("reading consumer info"))?;
-        Ok(info.config)
-    })
-    .await
-}
-
 /// Pulls continuously, `prefetch` messages per request, with heartbeats so a dead connection
 /// is noticed.
 pub async fn pull(consumer: &PullConsumer, prefetch: usize) -> Result<Deliveries, NatsError> {

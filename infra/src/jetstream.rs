@@ -399,7 +399,7 @@ async fn ensure_stream_once(
     wanted: &stream::Config,
 ) -> Result<(stream::Stream, Vec<ConfigDrift>), NatsError> {
     let doing = format!("setting up stream {}", wanted.name);
-    let mut stream = match js.get_stream(&wanted.name).await {
+    let stream = match js.get_stream(&wanted.name).await {
         Ok(stream) => stream,
         Err(error) if is_missing_stream(&error) => {
             match js.create_stream(wanted.clone()).await {
@@ -415,12 +415,8 @@ async fn ensure_stream_once(
         Err(error) => return Err(nats_error(doing)(error)),
     };
     let mut drifts = Vec::new();
-    let existing = stream
-        .info()
-        .await
-        .map_err(nats_error(doing.clone()))?
-        .config
-        .clone();
+    // As the lookup just read it.
+    let existing = &stream.cached_info().config;
     let object = format!("stream {}", wanted.name);
     compare(
         &mut drifts,
@@ -535,24 +531,19 @@ async fn ensure_consumer_once(
         ..Default::default()
     };
     // Look before creating: an older server silently updates an existing consumer on create.
-    let mut consumer: consumer::PullConsumer =
-        match stream.get_consumer(&settings.durable_name).await {
-            Ok(consumer) => consumer,
-            Err(_) => match stream.create_consumer(wanted.clone()).await {
-                Ok(consumer) => return Ok((consumer, Vec::new())),
-                // As for a stream: theirs, or the create's own failure.
-                Err(create_error) => match stream.get_consumer(&settings.durable_name).await {
-                    Ok(consumer) => consumer,
-                    Err(_) => return Err(nats_error(doing)(create_error)),
-                },
+    let consumer: consumer::PullConsumer = match stream.get_consumer(&settings.durable_name).await {
+        Ok(consumer) => consumer,
+        Err(_) => match stream.create_consumer(wanted.clone()).await {
+            Ok(consumer) => return Ok((consumer, Vec::new())),
+            // As for a stream: theirs, or the create's own failure.
+            Err(create_error) => match stream.get_consumer(&settings.durable_name).await {
+                Ok(consumer) => consumer,
+                Err(_) => return Err(nats_error(doing)(create_error)),
             },
-        };
-    let existing = consumer
-        .info()
-        .await
-        .map_err(nats_error(doing.clone()))?
-        .config
-        .clone();
+        },
+    };
+    // As the lookup just read it.
+    let existing = &consumer.cached_info().config;
     let object = format!("consumer {}", settings.durable_name);
     let mut drifts = Vec::new();
     compare(

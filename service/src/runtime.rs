@@ -153,7 +153,8 @@ impl ConsumerRuntime {
         for drift in drifts.iter().chain(&consumer_drifts) {
             tracing::warn!("{drift}");
         }
-        let server_consumer = delivery::consumer_config(&consumer).await?;
+        // What the server answered to the set-up, whatever this process asked for.
+        let server_consumer = consumer.cached_info().config.clone();
         Ok(Self {
             dead_letters: DeadLetters::new(
                 js.clone(),
