@@ -5,7 +5,8 @@
 #      service end to end (published to JetStream, consumed by the real loop, acked after
 #      commit), at 1, 4 and 16 in flight;
 #   2. CPU per message of the service process against the hand-written consumer of the same
-#      statement (`inventory bench hand-written`: tokio-postgres + async-nats) at 1, 4 and 16;
+#      statement (`inventory bench hand-written`: tokio-postgres + async-nats) at 1, 4 and 16,
+#      and against the same loop on sqlx (`--driver sqlx`), which parts the driver's share;
 #   3. batched: pgbench running the batch statement (RESERVE_BATCH_SQL, arrays of 16 and 64
 #      placements, 16 clients, each on books of its own as the lanes are) against
 #      `end-to-end --batch-size 16/64 --concurrency 16`;
@@ -16,7 +17,7 @@
 #   scripts/bench-vs-pgbench.sh [seconds per pgbench run, default 15] [messages per service run, default 20000]
 #
 # Needs the local PostgreSQL (or DATABASE_URL naming a server), NATS (or NATS_URL), pgbench,
-# psql and jq. About six minutes with the defaults, once built.
+# psql and jq. About seven minutes with the defaults, once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,17 +72,19 @@ for clients in 1 4 16; do
 done
 
 echo
-echo "2. CPU per message of the whole process while consuming: the service against the hand-written consumer"
-printf '%-10s %18s %18s %8s %16s\n' "in flight" "service µs (u/s)" "hand µs (u/s)" "ratio" "hand msg/s"
+echo "2. CPU per message of the whole process while consuming: the service against the hand-written consumer,"
+echo "   on tokio-postgres (the bound) and on sqlx (the service's driver: what is left is the service's own loop)"
+printf '%-10s %18s %18s %8s %18s %8s\n' "in flight" "service µs (u/s)" "hand µs (u/s)" "ratio" "hand sqlx µs (u/s)" "ratio"
+# "total (user/system)" µs per message of a report.
+cpu() { jq -r '"\(.cpu_micros_per_message) \(.cpu_user_seconds * 1e6 / .messages) \(.cpu_system_seconds * 1e6 / .messages)"' <<<"$1"; }
 for clients in 1 4 16; do
-  report=$(bench_json hand-written "$clients" 1 --messages "$messages")
+  read -r h_total h_user h_system <<<"$(cpu "$(bench_json hand-written "$clients" 1 --messages "$messages")")"
+  read -r q_total q_user q_system <<<"$(cpu "$(bench_json hand-written "$clients" 1 --messages "$messages" --driver sqlx)")"
   read -r s_total s_user s_system s_messages <<<"${service_cpu[$clients]}"
-  h_total=$(jq .cpu_micros_per_message <<<"$report")
-  h_user=$(jq '.cpu_user_seconds * 1e6 / .messages' <<<"$report")
-  h_system=$(jq '.cpu_system_seconds * 1e6 / .messages' <<<"$report")
-  printf '%-10s %6.1f (%4.1f/%4.1f) %6.1f (%4.1f/%4.1f) %8.2f %16.0f\n' "$clients" \
+  printf '%-10s %6.1f (%4.1f/%4.1f) %6.1f (%4.1f/%4.1f) %8.2f %6.1f (%4.1f/%4.1f) %8.2f\n' "$clients" \
     "$s_total" "$(echo "$s_user * 1000000 / $s_messages" | bc -l)" "$(echo "$s_system * 1000000 / $s_messages" | bc -l)" \
-    "$h_total" "$h_user" "$h_system" "$(ratio "$s_total" "$h_total")" "$(jq .messages_per_second <<<"$report")"
+    "$h_total" "$h_user" "$h_system" "$(ratio "$s_total" "$h_total")" \
+    "$q_total" "$q_user" "$q_system" "$(ratio "$s_total" "$q_total")"
 done
 
 echo

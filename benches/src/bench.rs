@@ -33,6 +33,7 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::bench_hand::Driver;
 use crate::chart::{self, Labels};
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
 use crate::{bench_e2e, bench_relay, bench_sqlite, guard_cost};
@@ -51,7 +52,7 @@ pub enum BenchCommand {
     /// The same workload and report as `end-to-end`, consumed by a hand-written tokio-postgres
     /// and async-nats loop running the same statement: the bound of the service's CPU per
     /// message (one statement per message only).
-    HandWritten(Box<bench_e2e::EndToEndArgs>),
+    HandWritten(Box<HandWrittenArgs>),
     /// SQLite's own bound for the natural key: the SQLite handler's statements in a tight loop
     /// on a fresh file, no NATS, a commit per message and per batch: messages per second.
     SqliteBound(bench_sqlite::SqliteBoundArgs),
@@ -87,6 +88,16 @@ pub enum BenchCommand {
     /// The outbox relay: events/s draining a backlog of pending rows, and the latency from a
     /// decision's commit to its event stored in the stream under a steady flow.
     Relay(Box<bench_relay::RelayArgs>),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct HandWrittenArgs {
+    #[command(flatten)]
+    pub run: bench_e2e::EndToEndArgs,
+    /// The driver the lanes run the statement through: tokio-postgres (the bound), or sqlx (the
+    /// service's), to part the driver's cost from the service loop's.
+    #[arg(long, value_enum, default_value = "tokio-postgres")]
+    pub driver: Driver,
 }
 
 #[derive(Debug, clap::Args)]
@@ -164,9 +175,11 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         BenchCommand::EndToEnd(args) => end_to_end(&args, bench_e2e::Consumer::Service)
             .await
             .map(|()| true),
-        BenchCommand::HandWritten(args) => end_to_end(&args, bench_e2e::Consumer::HandWritten)
-            .await
-            .map(|()| true),
+        BenchCommand::HandWritten(args) => {
+            end_to_end(&args.run, bench_e2e::Consumer::HandWritten(args.driver))
+                .await
+                .map(|()| true)
+        }
         BenchCommand::PgbenchScript {
             books,
             statement,

@@ -15,7 +15,7 @@ use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
 use serde::Serialize;
 
-use crate::bench_hand::{self, HandWritten};
+use crate::bench_hand::{self, Driver, HandWritten};
 use inventory_infra::delivery::PullConsumer;
 use inventory_service::args::{NatsArgs, natural_key_path};
 use inventory_service::runtime::{ConsumerRuntime, Running, RuntimeSettings, Shutdown};
@@ -117,7 +117,7 @@ pub enum Consumer {
     /// The service's runtime, as `serve` runs it.
     Service,
     /// [`crate::bench_hand`]: the loop one would write by hand around the same statement.
-    HandWritten,
+    HandWritten(Driver),
 }
 
 pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
@@ -125,7 +125,7 @@ pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
 }
 
 pub async fn run_with(args: &EndToEndArgs, consumer: Consumer) -> Result<EndToEndReport> {
-    if consumer == Consumer::HandWritten {
+    if matches!(consumer, Consumer::HandWritten(_)) {
         ensure!(
             inventory_infra::db::is_postgres(&args.database_url),
             "the hand-written consumer runs on PostgreSQL"
@@ -322,7 +322,7 @@ impl<H: MessageHandler> MessageHandler for Timed<H> {
 /// A consumer of either kind, set up on the server, not yet consuming.
 enum Prepared {
     Service(Box<ConsumerRuntime>),
-    HandWritten(Box<PullConsumer>),
+    HandWritten(Box<PullConsumer>, Driver),
 }
 
 impl Prepared {
@@ -334,9 +334,9 @@ impl Prepared {
         js: &Context,
         topology: &Topology,
     ) -> Result<Self> {
-        if consumer == Consumer::HandWritten {
+        if let Consumer::HandWritten(driver) = consumer {
             let consumer = bench_hand::prepare(js, topology).await?;
-            return Ok(Self::HandWritten(Box::new(consumer)));
+            return Ok(Self::HandWritten(Box::new(consumer), driver));
         }
         let handler = HandlerKind::natural_key(args.handler, args.batch_size);
         let mut settings = RuntimeSettings::new(topology.clone(), handler, lanes);
@@ -366,8 +366,8 @@ impl Prepared {
                     None => runtime.start(handler, None, Shutdown::default()),
                 })
             }
-            Self::HandWritten(consumer) => Consuming::HandWritten(
-                HandWritten::start(&fresh.url, *consumer, lanes, clock).await?,
+            Self::HandWritten(consumer, driver) => Consuming::HandWritten(
+                HandWritten::start(&fresh.url, driver, *consumer, lanes, clock).await?,
             ),
         })
     }
@@ -546,7 +546,8 @@ async fn publish_and_consume(
     Ok(EndToEndReport {
         consumer: match consumer {
             Consumer::Service => "service",
-            Consumer::HandWritten => "hand-written",
+            Consumer::HandWritten(Driver::TokioPostgres) => "hand-written",
+            Consumer::HandWritten(Driver::Sqlx) => "hand-written-sqlx",
         },
         handler: format!("{:?}", args.handler),
         concurrency: lanes,

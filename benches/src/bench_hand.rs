@@ -5,9 +5,14 @@
 //! [`RESERVE_SQL`] and ack after it returned. No retry policy, dead letters, spans, metrics or
 //! outage handling: a failure ends the run. Cancellations are not part of the workload.
 //!
+//! With `--driver sqlx` the same loop runs the statement through sqlx, the service's driver, on
+//! a connection of its own: the service's CPU per message against both loops parts what the
+//! driver costs from what the service's own loop costs.
+//!
 //! The workload, the report and the wait for the last ack are `inventory bench end-to-end`'s
 //! ([`crate::bench_e2e`]); this module only consumes.
 
+use std::str::FromStr as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
@@ -19,6 +24,8 @@ use inventory_domain::OrderId;
 use inventory_domain::outbox::partition;
 use inventory_infra::consumers::natural_pg::RESERVE_SQL;
 use inventory_infra::jetstream::{Context, Topology};
+use sea_orm::sqlx::postgres::{PgConnectOptions, PgSslMode};
+use sea_orm::sqlx::{self, ConnectOptions as _, Row as _};
 use serde::Deserialize;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -33,6 +40,80 @@ struct Placed {
     order_id: Uuid,
     book_id: Uuid,
     quantity: i32,
+}
+
+/// The PostgreSQL driver a lane runs the statement through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Driver {
+    TokioPostgres,
+    Sqlx,
+}
+
+/// A lane's connection, the statement prepared on it (sqlx prepares on first use and keeps it).
+enum Lane {
+    TokioPostgres(tokio_postgres::Client, tokio_postgres::Statement),
+    Sqlx(sqlx::PgConnection),
+}
+
+impl Lane {
+    async fn open(driver: Driver, database_url: &str) -> Result<Self> {
+        Ok(match driver {
+            Driver::TokioPostgres => {
+                let (client, connection) =
+                    tokio_postgres::connect(database_url, tokio_postgres::NoTls)
+                        .await
+                        .context("connecting a lane")?;
+                // Ends when the lane drops its client.
+                tokio::spawn(connection);
+                let statement = client.prepare(RESERVE_SQL).await?;
+                Self::TokioPostgres(client, statement)
+            }
+            // Without TLS, as tokio-postgres connects here and the service by default.
+            Driver::Sqlx => Self::Sqlx(
+                PgConnectOptions::from_str(database_url)?
+                    .ssl_mode(PgSslMode::Disable)
+                    .connect()
+                    .await
+                    .context("connecting a lane")?,
+            ),
+        })
+    }
+
+    /// Runs [`RESERVE_SQL`] for `placed`: whether it inserted the reservation.
+    async fn reserve(&mut self, placed: &Placed) -> Result<bool> {
+        let event_id = Uuid::now_v7();
+        let relay_partition = partition(OrderId::from(placed.order_id));
+        Ok(match self {
+            Self::TokioPostgres(client, statement) => {
+                let row = client
+                    .query_one(
+                        &*statement,
+                        &[
+                            &placed.order_id,
+                            &placed.book_id,
+                            &placed.quantity,
+                            &placed.message_id,
+                            &event_id,
+                            &relay_partition,
+                        ],
+                    )
+                    .await?;
+                row.try_get::<_, Option<&str>>("inserted_status")?.is_some()
+            }
+            Self::Sqlx(connection) => {
+                let row = sqlx::query(RESERVE_SQL)
+                    .bind(placed.order_id)
+                    .bind(placed.book_id)
+                    .bind(placed.quantity)
+                    .bind(&placed.message_id)
+                    .bind(event_id)
+                    .bind(relay_partition)
+                    .fetch_one(&mut *connection)
+                    .await?;
+                row.try_get::<Option<&str>, _>("inserted_status")?.is_some()
+            }
+        })
+    }
 }
 
 /// What the lanes counted.
@@ -66,10 +147,11 @@ pub(crate) async fn prepare(js: &Context, topology: &Topology) -> Result<PullCon
 }
 
 impl HandWritten {
-    /// Starts `lanes` lanes on `consumer`; each opens its connection and prepares the statement
-    /// first, as the service's lanes open theirs on their first message.
+    /// Starts `lanes` lanes on `consumer`; each opens its connection through `driver` and
+    /// prepares the statement first, as the service's lanes open theirs on their first message.
     pub(crate) async fn start(
         database_url: &str,
+        driver: Driver,
         consumer: PullConsumer,
         lanes: usize,
         clock: Option<Arc<PublishClock>>,
@@ -96,13 +178,7 @@ impl HandWritten {
             );
             let database_url = database_url.to_owned();
             let lane = async move {
-                let (client, connection) =
-                    tokio_postgres::connect(&database_url, tokio_postgres::NoTls)
-                        .await
-                        .context("connecting a lane")?;
-                // Ends when the lane drops its client.
-                tokio::spawn(connection);
-                let statement = client.prepare(RESERVE_SQL).await?;
+                let mut connection = Lane::open(driver, &database_url).await?;
                 loop {
                     let next = {
                         let mut messages = messages.lock().await;
@@ -113,25 +189,12 @@ impl HandWritten {
                     };
                     let message = next.context("the pull stream ended")??;
                     let placed: Placed = serde_json::from_slice(&message.payload)?;
-                    let row = client
-                        .query_one(
-                            &statement,
-                            &[
-                                &placed.order_id,
-                                &placed.book_id,
-                                &placed.quantity,
-                                &placed.message_id,
-                                &Uuid::now_v7(),
-                                &partition(OrderId::from(placed.order_id)),
-                            ],
-                        )
-                        .await?;
+                    let inserted = connection.reserve(&placed).await?;
                     message.ack().await.map_err(anyhow::Error::from_boxed)?;
                     if let Some(clock) = &clock {
                         clock.handled(&placed.message_id, Instant::now());
                     }
-                    let inserted: Option<&str> = row.try_get("inserted_status")?;
-                    let counter = if inserted.is_some() {
+                    let counter = if inserted {
                         &counts.acked
                     } else {
                         &counts.duplicates
