@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# What each placement statement costs PostgreSQL in CPU, counted rather than timed: the
+# instructions a backend executes per statement, under valgrind's callgrind, which counts the
+# same for the same input whatever else the machine does (pgbench's rates here vary by 15% from
+# round to round). The statements are scripts/bench-cancel-guard.sh's (benches/src/guard_cost.rs):
+# minimal, availability, availability-event and reserve (RESERVE_SQL).
+#
+# Each runs prepared in a single-user backend (`postgres --single`) on a copy of one seeded
+# cluster, each execution its own transaction, a fresh order on a random book of 1,000; a run of
+# N1 and one of N2 executions give (instructions(N2) - instructions(N1)) / (N2 - N1) per
+# statement, start-up and planning cancelled out. User space only: the kernel's side of a
+# commit (the WAL write and its flush) is not in the count.
+#
+#   scripts/bench-statement-instructions.sh [N1, default 500] [N2, default 2500]
+#
+# Needs Debian's postgresql and valgrind packages (installed when absent, as root); about two
+# minutes per statement.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+n1=${1:-500}
+n2=${2:-2500}
+books=1000
+statements=(minimal availability availability-event reserve)
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+command -v valgrind >/dev/null || as_root apt-get install -y -qq valgrind >/dev/null
+ls -d /usr/lib/postgresql/*/bin >/dev/null 2>&1 || as_root apt-get install -y -qq postgresql >/dev/null
+pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+as_postgres() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+
+cargo build --release --locked -p inventory-service -p inventory-benches >&2
+inventory=$(realpath "${CARGO_TARGET_DIR:-target}")/release/inventory
+
+dir=$(mktemp -d)
+chmod 755 "$dir"
+[ "$(id -u)" -ne 0 ] || chown postgres "$dir"
+trap 'as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -m immediate stop >/dev/null 2>&1 || true; rm -rf "$dir"' EXIT
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null || echo 5499)
+as_postgres "$pg_bin/initdb" -D "$dir/seeded" -A trust -U postgres >/dev/null
+as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -o "-p $port -k $dir" -l "$dir/log" -w start >/dev/null
+url="postgres://postgres@127.0.0.1:$port/postgres"
+DATABASE_URL=$url "$inventory" migrate >/dev/null
+psql -q "$url" -c "$("$inventory" bench pgbench-script --seed --books $books)" >/dev/null
+as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -w stop >/dev/null
+
+# The instructions a single-user backend executes for `$2` executions of statement `$1`, on a
+# fresh copy of the seeded cluster. pgbench's variables become the prepared statement's
+# parameters (:n the order, :b the book), drawn with a fixed seed so every statement gets the
+# same orders.
+instructions() {
+  local statement=$1 executions=$2
+  local sql
+  sql=$("$inventory" bench pgbench-script --books $books --statement "$statement" |
+    grep -v '^\\' | perl -pe 's/(?<!:):n\b/\$1/g; s/(?<!:):b\b/\$2/g; s/;\s*$//')
+  {
+    echo "PREPARE p(bigint, int) AS $sql"
+    awk -v n="$executions" -v books=$books 'BEGIN { srand(7); for (i = 0; i < n; i++)
+      printf "EXECUTE p(%d, %d)\n", int(rand() * 1e12) + 1, int(rand() * books) + 1 }'
+  } >"$dir/input.sql"
+  rm -rf "$dir/run"
+  cp -a "$dir/seeded" "$dir/run"
+  chmod 644 "$dir/input.sql"
+  as_postgres valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
+    "$pg_bin/postgres" --single -D "$dir/run" postgres <"$dir/input.sql" >"$dir/output" 2>"$dir/valgrind"
+  if grep -q ERROR "$dir/output"; then
+    echo "$statement failed:" >&2; grep -m 3 ERROR "$dir/output" >&2; exit 1
+  fi
+  sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/valgrind"
+}
+
+printf '%-20s %22s %14s\n' "statement" "instructions/statement" "÷ availability"
+declare -A per
+for statement in "${statements[@]}"; do
+  a=$(instructions "$statement" "$n1")
+  b=$(instructions "$statement" "$n2")
+  per[$statement]=$(( (b - a) / (n2 - n1) ))
+done
+for statement in "${statements[@]}"; do
+  printf '%-20s %22d %14.2f\n' "$statement" "${per[$statement]}" \
+    "$(echo "${per[$statement]} / ${per[availability]}" | bc -l)"
+done
