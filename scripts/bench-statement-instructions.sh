@@ -13,8 +13,8 @@
 #
 #   scripts/bench-statement-instructions.sh [N1, default 500] [N2, default 2500]
 #
-# Needs Debian's postgresql and valgrind packages (installed when absent, as root); about two
-# minutes per statement.
+# Needs Debian's postgresql and valgrind packages (installed when absent, as root); about a
+# minute per statement once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
