@@ -13,6 +13,9 @@
 #
 #   scripts/bench-statement-instructions.sh [N1, default 500] [N2, default 2500]
 #
+# Then each part, priced the same way with the part left out of its statement (an edit of the
+# statement, or an index dropped first in the same backend).
+#
 # Needs Debian's postgresql and valgrind packages (installed when absent, as root); about a
 # minute per statement once built.
 set -euo pipefail
@@ -47,13 +50,21 @@ as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -w stop >/dev/null
 # The instructions a single-user backend executes for `$2` executions of statement `$1`, on a
 # fresh copy of the seeded cluster. pgbench's variables become the prepared statement's
 # parameters (:n the order, :b the book), drawn with a fixed seed so every statement gets the
-# same orders.
+# same orders. `$3`: a perl substitution applied to the statement first (a part left out);
+# `$4`: SQL run once before it (a schema change), counted alike in both runs and so cancelled.
 instructions() {
-  local statement=$1 executions=$2
+  local statement=$1 executions=$2 edit=${3:-} setup=${4:-}
   local sql
   sql=$("$inventory" bench pgbench-script --books $books --statement "$statement" |
     grep -v '^\\' | perl -pe 's/(?<!:):n\b/\$1/g; s/(?<!:):b\b/\$2/g; s/;\s*$//')
+  if [ -n "$edit" ]; then
+    local edited
+    edited=$(perl -pe "$edit" <<<"$sql")
+    if [ "$edited" = "$sql" ]; then echo "the edit '$edit' changed nothing in $statement" >&2; exit 1; fi
+    sql=$edited
+  fi
   {
+    [ -z "$setup" ] || echo "$setup"
     echo "PREPARE p(bigint, int) AS $sql"
     awk -v n="$executions" -v books=$books 'BEGIN { srand(7); for (i = 0; i < n; i++)
       printf "EXECUTE p(%d, %d)\n", int(rand() * 1e12) + 1, int(rand() * books) + 1 }'
@@ -69,14 +80,40 @@ instructions() {
   sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/valgrind"
 }
 
+# Instructions per execution of `instructions`' arguments.
+per_statement() {
+  local a b
+  a=$(instructions "$1" "$n1" "${2:-}" "${3:-}")
+  b=$(instructions "$1" "$n2" "${2:-}" "${3:-}")
+  echo $(( (b - a) / (n2 - n1) ))
+}
+
 printf '%-20s %22s %14s\n' "statement" "instructions/statement" "÷ availability"
 declare -A per
 for statement in "${statements[@]}"; do
-  a=$(instructions "$statement" "$n1")
-  b=$(instructions "$statement" "$n2")
-  per[$statement]=$(( (b - a) / (n2 - n1) ))
+  per[$statement]=$(per_statement "$statement")
 done
 for statement in "${statements[@]}"; do
   printf '%-20s %22d %14.2f\n' "$statement" "${per[$statement]}" \
     "$(echo "${per[$statement]} / ${per[availability]}" | bc -l)"
 done
+
+# The parts: each statement again with one part left out; the difference is the part's cost.
+echo
+printf '%-58s %12s\n' "part" "instructions"
+part() {
+  local name=$1 statement=$2 edit=$3 setup=${4:-}
+  printf '%-58s %12d\n' "$name" $(( per[$statement] - $(per_statement "$statement" "$edit" "$setup") ))
+}
+part "reserve: lock_order (false in its place)" reserve \
+  's/lock_order\(md5\([^)]*\)::uuid\)/false/'
+part "reserve: the reservation looked up first (made empty)" reserve \
+  's/WITH existing AS \(.*?\), stock AS \(/WITH existing AS (SELECT NULL::int4 AS quantity WHERE false), stock AS (/'
+part "availability-event: the event's body (replaced by '')" availability-event \
+  "s/jsonb_strip_nulls\\(jsonb_build_object\\(.*?END\\s*\\)\\)::text/''/"
+part "availability-event: the unique index on event_id" availability-event \
+  "" "ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key"
+part "availability-event: the index on (relay_partition, seq)" availability-event \
+  "" "DROP INDEX idx_outbox_partition_seq"
+part "availability-event: the partial index of parked rows" availability-event \
+  "" "DROP INDEX idx_outbox_parked_order"
