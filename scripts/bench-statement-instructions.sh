@@ -17,7 +17,7 @@
 # statement, or an index dropped first in the same backend).
 #
 # Needs Debian's postgresql and valgrind packages (installed when absent, as root); about a
-# minute per statement once built.
+# minute per statement and per part, eight minutes in all once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
