@@ -19,6 +19,8 @@
 # Needs Debian's postgresql and valgrind packages (installed when absent, as root); about a
 # minute per statement and per part, eight minutes in all once built.
 set -euo pipefail
+# A failure inside $(...) (a failed run, an edit that matched nothing) ends the script too.
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 
 n1=${1:-500}
@@ -102,8 +104,9 @@ done
 echo
 printf '%-58s %12s\n' "part" "instructions"
 part() {
-  local name=$1 statement=$2 edit=$3 setup=${4:-}
-  printf '%-58s %12d\n' "$name" $(( per[$statement] - $(per_statement "$statement" "$edit" "$setup") ))
+  local name=$1 statement=$2 edit=$3 setup=${4:-} without
+  without=$(per_statement "$statement" "$edit" "$setup")
+  printf '%-58s %12d\n' "$name" $(( per[$statement] - without ))
 }
 part "reserve: lock_order (false in its place)" reserve \
   's/lock_order\(md5\([^)]*\)::uuid\)/false/'
