@@ -24,12 +24,12 @@ dir=$(mktemp -d)
 chmod 755 "$dir"
 pg_bin=
 cleanup() {
-  if [ -n "$pg_bin" ]; then as_postgres "$pg_bin/pg_ctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
+  if [ -n "$pg_bin" ]; then own_cluster_stop "$dir/data" immediate 2>/dev/null || true
   elif [ -n "${db:-}" ]; then psql -q "$server" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true; fi
   rm -rf "$dir"
 }
 trap cleanup EXIT
-as_postgres() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+source scripts/own-cluster.sh
 
 if [ -n "${DATABASE_URL:-}" ]; then
   server=$DATABASE_URL
@@ -37,13 +37,7 @@ if [ -n "${DATABASE_URL:-}" ]; then
   psql -q "$server" -c "CREATE DATABASE $db" >/dev/null
   url="${server%/*}/$db"
 else
-  pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
-  [ "$(id -u)" -ne 0 ] || chown postgres "$dir"
-  as_postgres "$pg_bin/initdb" -D "$dir/data" -A trust -U postgres -E UTF8 --locale=C --no-sync >/dev/null
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  as_postgres "$pg_bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w \
-    -o "-p $port -k $dir -c listen_addresses=127.0.0.1" start >/dev/null
-  url="postgres://postgres@127.0.0.1:$port/postgres"
+  own_cluster_start "$dir/data"
 fi
 
 cargo build --release --locked -p inventory-service -p inventory-benches >&2

@@ -31,23 +31,19 @@ statements=(minimal availability availability-event reserve)
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 command -v valgrind >/dev/null || as_root apt-get install -y -qq valgrind >/dev/null
 ls -d /usr/lib/postgresql/*/bin >/dev/null 2>&1 || as_root apt-get install -y -qq postgresql >/dev/null
-pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
-as_postgres() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+source scripts/own-cluster.sh
 
 cargo build --release --locked -p inventory-service -p inventory-benches >&2
 inventory=$(realpath "${CARGO_TARGET_DIR:-target}")/release/inventory
 
 dir=$(mktemp -d)
 chmod 755 "$dir"
-[ "$(id -u)" -ne 0 ] || chown postgres "$dir"
-trap 'as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -m immediate stop >/dev/null 2>&1 || true; rm -rf "$dir"' EXIT
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null || echo 5499)
-as_postgres "$pg_bin/initdb" -D "$dir/seeded" -A trust -U postgres >/dev/null
-as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -o "-p $port -k $dir" -l "$dir/log" -w start >/dev/null
-url="postgres://postgres@127.0.0.1:$port/postgres"
+pg_bin=
+trap '[ -z "$pg_bin" ] || own_cluster_stop "$dir/seeded" immediate 2>/dev/null || true; rm -rf "$dir"' EXIT
+own_cluster_start "$dir/seeded"
 DATABASE_URL=$url "$inventory" migrate >/dev/null
 psql -q "$url" -c "$("$inventory" bench pgbench-script --seed --books $books)" >/dev/null
-as_postgres "$pg_bin/pg_ctl" -D "$dir/seeded" -w stop >/dev/null
+own_cluster_stop "$dir/seeded"
 
 # The instructions a single-user backend executes for `$2` executions of statement `$1`, on a
 # fresh copy of the seeded cluster. pgbench's variables become the prepared statement's
