@@ -16,8 +16,8 @@
 # Then each part, priced the same way with the part left out of its statement (an edit of the
 # statement, or an index dropped first in the same backend).
 #
-# Needs Debian's postgresql and valgrind packages (installed when absent, as root); about a
-# minute per statement and per part, eight minutes in all once built.
+# Needs python3 and Debian's postgresql and valgrind packages (installed when absent, as root);
+# about a minute per statement and per part, eight minutes in all once built.
 set -euo pipefail
 # A failure inside $(...) (a failed run, an edit that matched nothing) ends the script too.
 shopt -s inherit_errexit
@@ -46,15 +46,16 @@ psql -q "$url" -c "$("$inventory" bench pgbench-script --seed --books $books)" >
 own_cluster_stop "$dir/seeded"
 
 # The instructions a single-user backend executes for `$2` executions of statement `$1`, on a
-# fresh copy of the seeded cluster. pgbench's variables become the prepared statement's
-# parameters (:n the order, :b the book), drawn with a fixed seed so every statement gets the
-# same orders. `$3`: a perl substitution applied to the statement first (a part left out);
-# `$4`: SQL run once before it (a schema change), counted alike in both runs and so cancelled.
+# fresh copy of the seeded cluster. The statement is prepared as the lanes prepare it, and each
+# execution binds literal values, as the lanes bind theirs: a fresh order on one of the seeded
+# books, drawn with a fixed seed so every statement gets the same orders. (pgbench's form of the
+# statement computes its uuids in the statement, md5 by md5, which the lanes never do.) `$3`: a
+# perl substitution applied to the statement first (a part left out); `$4`: SQL run once before
+# it (a schema change), counted alike in both runs and so cancelled.
 instructions() {
   local statement=$1 executions=$2 edit=${3:-} setup=${4:-}
   local sql
-  sql=$("$inventory" bench pgbench-script --books $books --statement "$statement" |
-    grep -v '^\\' | perl -pe 's/(?<!:):n\b/\$1/g; s/(?<!:):b\b/\$2/g; s/;\s*$//')
+  sql=$("$inventory" bench pgbench-script --statement "$statement" --prepared)
   if [ -n "$edit" ]; then
     local edited
     edited=$(perl -pe "$edit" <<<"$sql")
@@ -63,9 +64,17 @@ instructions() {
   fi
   {
     [ -z "$setup" ] || echo "$setup"
-    echo "PREPARE p(bigint, int) AS $sql"
-    awk -v n="$executions" -v books=$books 'BEGIN { srand(7); for (i = 0; i < n; i++)
-      printf "EXECUTE p(%d, %d)\n", int(rand() * 1e12) + 1, int(rand() * books) + 1 }'
+    echo "PREPARE p(uuid, uuid, int4, text, uuid, int2) AS $sql"
+    python3 - "$executions" $books <<'PYTHON'
+import hashlib, random, sys
+executions, books = int(sys.argv[1]), int(sys.argv[2])
+uuid = lambda text: hashlib.md5(text.encode()).hexdigest()  # md5('b' || g)::uuid, as seeded
+draw = random.Random(7)
+for _ in range(executions):
+    n, b = draw.randrange(1, 10**12), draw.randrange(1, books + 1)
+    print(f"EXECUTE p('{uuid(f'o{n}')}', '{uuid(f'b{b}')}', {1 + n % 3}, 'pgbench-{n}', "
+          f"'{uuid(f'e{n}')}', {n % 16})")
+PYTHON
   } >"$dir/input.sql"
   rm -rf "$dir/run"
   cp -a "$dir/seeded" "$dir/run"
@@ -105,7 +114,7 @@ part() {
   printf '%-58s %12d\n' "$name" $(( per[$statement] - without ))
 }
 part "reserve: lock_order (false in its place)" reserve \
-  's/lock_order\(md5\([^)]*\)::uuid\)/false/'
+  's/lock_order\(\$1\)/false/'
 part "reserve: the reservation looked up first (made empty)" reserve \
   's/WITH existing AS \(.*?\), stock AS \(/WITH existing AS (SELECT NULL::int4 AS quantity WHERE false), stock AS (/'
 part "availability-event: the event's body (replaced by '')" availability-event \

@@ -3,13 +3,15 @@
 #
 #   1. per message: pgbench running the one-statement handler's own SQL (RESERVE_SQL) against the
 #      service end to end (published to JetStream, consumed by the real loop, acked after
-#      commit), at 1, 4 and 16 in flight;
+#      commit), at 1, 4 and 16 in flight; and PostgreSQL's own bound beside pgbench (`inventory
+#      bench postgres-bound`: the same statement on the service's workload, its values bound as
+#      the lanes bind them, where pgbench's script computes its uuids in the statement);
 #   2. CPU per message of the service process against the hand-written consumer of the same
 #      statement (`inventory bench hand-written`: tokio-postgres + async-nats) at 1, 4 and 16,
 #      and against the same loop on sqlx (`--driver sqlx`), which parts the driver's share;
 #   3. batched: pgbench running the batch statement (RESERVE_BATCH_SQL, arrays of 16 and 64
-#      placements, 16 clients, each on books of its own as the lanes are) against
-#      `end-to-end --batch-size 16/64 --concurrency 16`;
+#      placements, 16 clients, each on books of its own as the lanes are) and the bound of step 1
+#      on batches against `end-to-end --batch-size 16/64 --concurrency 16`;
 #   4. the latency batching adds: publish to handled, p50/p99, per message and in batches of 16
 #      and 64, at half the per-message peak (the service's rate at 16 in flight in step 1), the
 #      same process publishing meanwhile (a rate below the one asked: it did not keep up).
@@ -58,16 +60,23 @@ bench_json() {
 
 ratio() { echo "$1 / $2" | bc -l; }
 
-echo "1. per message: the service against pgbench running RESERVE_SQL"
-printf '%-10s %14s %14s %8s\n' "in flight" "pgbench msg/s" "service msg/s" "ratio"
+# Messages per second of PostgreSQL's own bound: bound_rate <in flight> <batch> <messages>.
+bound_rate() {
+  bench_json postgres-bound "$1" "$2" --messages "$3" | jq '.[0].messages_per_second'
+}
+
+echo "1. per message: the service against pgbench running RESERVE_SQL and against PostgreSQL's own bound"
+printf '%-10s %14s %14s %14s %8s %8s\n' "in flight" "pgbench msg/s" "bound msg/s" "service msg/s" "÷ pgb." "÷ bound"
 declare -A service_cpu
 peak=0
 for clients in 1 4 16; do
   tps=$(pgbench_tps "$dir/one.sql" "$clients")
+  bound=$(bound_rate "$clients" 1 "$messages")
   report=$(bench_json end-to-end "$clients" 1 --messages "$messages")
   rate=$(jq .messages_per_second <<<"$report")
   service_cpu[$clients]=$(jq '[.cpu_micros_per_message, .cpu_user_seconds, .cpu_system_seconds, .messages] | @tsv' -r <<<"$report")
-  printf '%-10s %14.0f %14.0f %8.2f\n' "$clients" "$tps" "$rate" "$(ratio "$rate" "$tps")"
+  printf '%-10s %14.0f %14.0f %14.0f %8.2f %8.2f\n' "$clients" "$tps" "$bound" "$rate" \
+    "$(ratio "$rate" "$tps")" "$(ratio "$rate" "$bound")"
   peak=$rate
 done
 
@@ -88,15 +97,16 @@ for clients in 1 4 16; do
 done
 
 echo
-echo "3. batched, 16 in flight: the service against pgbench running RESERVE_BATCH_SQL on arrays of the same size"
-printf '%-8s %14s %14s %8s %12s\n' "batch" "pgbench msg/s" "service msg/s" "ratio" "service µs"
+echo "3. batched, 16 in flight: the service against pgbench running RESERVE_BATCH_SQL on arrays of the same size,"
+echo "   and against PostgreSQL's own bound on batches of the same size"
+printf '%-8s %14s %14s %14s %8s %8s %12s\n' "batch" "pgbench msg/s" "bound msg/s" "service msg/s" "÷ pgb." "÷ bound" "service µs"
 for batch in 16 64; do
-  tps=$(pgbench_tps "$dir/batch$batch.sql" 16)
+  pgbench_rate=$(echo "$(pgbench_tps "$dir/batch$batch.sql" 16) * $batch" | bc -l)
+  bound=$(bound_rate 16 "$batch" $(( messages * 4 )))
   report=$(bench_json end-to-end 16 "$batch" --messages $(( messages * 4 )))
   rate=$(jq .messages_per_second <<<"$report")
-  bound=$(echo "$tps * $batch" | bc -l)
-  printf '%-8s %14.0f %14.0f %8.2f %12.1f\n' "$batch" "$bound" "$rate" "$(ratio "$rate" "$bound")" \
-    "$(jq .cpu_micros_per_message <<<"$report")"
+  printf '%-8s %14.0f %14.0f %14.0f %8.2f %8.2f %12.1f\n' "$batch" "$pgbench_rate" "$bound" "$rate" \
+    "$(ratio "$rate" "$pgbench_rate")" "$(ratio "$rate" "$bound")" "$(jq .cpu_micros_per_message <<<"$report")"
 done
 
 echo

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use crate::bench_hand::Driver;
 use crate::chart::{self, Labels};
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
-use crate::{bench_e2e, bench_relay, bench_sqlite, guard_cost};
+use crate::{bench_e2e, bench_pg_bound, bench_relay, bench_sqlite, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::HandlerKind;
@@ -56,6 +56,10 @@ pub enum BenchCommand {
     /// SQLite's own bound for the natural key: the SQLite handler's statements in a tight loop
     /// on a fresh file, no NATS, a commit per message and per batch: messages per second.
     SqliteBound(bench_sqlite::SqliteBoundArgs),
+    /// PostgreSQL's own bound for the natural key: the handler's statements, bound as the
+    /// lanes bind them, through tokio-postgres on N connections in a tight loop, no NATS:
+    /// messages per second.
+    PostgresBound(bench_pg_bound::PostgresBoundArgs),
     /// Prints the pgbench script (the one-statement handler's SQL, or one of the statements
     /// that bound it) and the SQL that seeds its books, for scripts/bench-vs-pgbench.sh and
     /// scripts/bench-cancel-guard.sh.
@@ -73,6 +77,10 @@ pub enum BenchCommand {
         /// Prints the seeding SQL instead of the script.
         #[arg(long)]
         seed: bool,
+        /// Prints `--statement` as the lanes prepare it instead of the script: its parameters
+        /// ($1 to $6) kept, on one line, for scripts/bench-statement-instructions.sh.
+        #[arg(long, conflicts_with_all = ["batch_size", "seed"])]
+        prepared: bool,
     },
     /// Runs each dedup mode on PostgreSQL at each duplicate ratio, in a fresh database per
     /// run, and prints what the server spent: transactions, rollbacks, transaction ids, dead
@@ -185,6 +193,7 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
             statement,
             batch_size,
             seed,
+            prepared,
         } => {
             if seed {
                 println!("{}", bench_e2e::pgbench_seed_sql(books));
@@ -193,7 +202,11 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
             } else {
                 let statement = guard_cost::statement(&statement)
                     .with_context(|| format!("no statement {statement}"))?;
-                print!("{}", bench_e2e::pgbench_script(&statement, books));
+                if prepared {
+                    println!("{}", bench_e2e::one_line(&statement));
+                } else {
+                    print!("{}", bench_e2e::pgbench_script(&statement, books));
+                }
             }
             Ok(true)
         }
@@ -202,6 +215,7 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         BenchCommand::Purge(args) => purge(&args).await.map(|()| true),
         BenchCommand::Relay(args) => bench_relay::run(&args).await.map(|()| true),
         BenchCommand::SqliteBound(args) => bench_sqlite::run(&args).await.map(|()| true),
+        BenchCommand::PostgresBound(args) => bench_pg_bound::run(&args).await.map(|()| true),
     }
 }
 

@@ -604,17 +604,20 @@ fn status_kib(field: &str) -> Result<u64> {
 /// database does the same work per message as the service. Comments are dropped first: pgbench
 /// would make a parameter of a variable named in one, and fail on its unknown type.
 pub fn pgbench_script(statement: &str, books: usize) -> String {
-    let statement = without_comments(statement)
+    let statement = one_line(statement)
         .replace("$1", "md5('o' || :n::text)::uuid")
         .replace("$2", "md5('b' || :b::text)::uuid")
         .replace("$3", "(1 + :n::bigint % 3)::int4")
         .replace("$4", "('pgbench-' || :n::text)")
         .replace("$5", "md5('e' || :n::text)::uuid")
         .replace("$6", "(:n::bigint % 16)::int2");
-    format!(
-        "\\set n random(1, 1000000000000)\n\\set b random(1, {books})\n{};\n",
-        statement.replace('\n', " ")
-    )
+    format!("\\set n random(1, 1000000000000)\n\\set b random(1, {books})\n{statement};\n")
+}
+
+/// `sql` on one line, without its `/* … */` comments: as pgbench and a single-user backend
+/// read a statement.
+pub fn one_line(sql: &str) -> String {
+    without_comments(sql).replace('\n', " ")
 }
 
 /// `sql` without its `/* … */` comments.
@@ -643,7 +646,7 @@ pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
     let array = |element: &str| {
         format!("(SELECT array_agg({element} ORDER BY i) FROM generate_series(1, {batch}) i)")
     };
-    let statement = without_comments(inventory_infra::consumers::natural_pg::RESERVE_BATCH_SQL)
+    let statement = one_line(inventory_infra::consumers::natural_pg::RESERVE_BATCH_SQL)
         .replace("$1", &array("md5('o' || :n::text || '-' || i)::uuid"))
         .replace(
             "$2",
@@ -656,10 +659,7 @@ pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
         .replace("$5", &array("(i - 1)::int4"))
         .replace("$6", &array("md5('e' || :n::text || '-' || i)::uuid"))
         .replace("$7", &array("((:n::bigint + i) % 16)::int2"));
-    format!(
-        "\\set n random(1, 1000000000000)\n\\set b random(0, {slice} - 1)\n{};\n",
-        statement.replace('\n', " ")
-    )
+    format!("\\set n random(1, 1000000000000)\n\\set b random(0, {slice} - 1)\n{statement};\n")
 }
 
 /// The books the pgbench script orders from, with stock that never runs out.
@@ -674,7 +674,7 @@ pub fn pgbench_seed_sql(books: usize) -> String {
 mod tests {
     #![expect(clippy::unwrap_used, reason = "a test fails by panicking")]
 
-    use super::{Orders, pgbench_batch_script};
+    use super::{Orders, one_line, pgbench_batch_script};
     use inventory_domain::{BookId, Event};
 
     #[test]
@@ -718,5 +718,15 @@ mod tests {
             statement.matches("FROM generate_series(1, 16) i)").count(),
             7
         );
+    }
+
+    #[test]
+    fn a_statement_on_one_line_keeps_its_parameters_and_loses_its_comments() {
+        let sql = inventory_infra::consumers::natural_pg::RESERVE_SQL;
+        let line = one_line(sql);
+        assert!(!line.contains('\n') && !line.contains("/*") && !line.contains("*/"));
+        for parameter in ["$1", "$2", "$3", "$4", "$5", "$6"] {
+            assert!(line.contains(parameter), "{parameter} lost");
+        }
     }
 }

@@ -12,7 +12,8 @@
 //!   [`guard_cost`]: the placement statement and the statements that bound it, for pgbench;
 //!   `bench_hand`: the hand-written consumer of the same statement the service is measured
 //!   against; [`bench_sqlite`]: SQLite's own bound, the SQLite handler's statements without
-//!   NATS.
+//!   NATS; [`bench_pg_bound`]: PostgreSQL's, the one-statement handler's statements bound as
+//!   its lanes bind them, without NATS.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
@@ -26,6 +27,7 @@
 pub mod bench;
 pub mod bench_e2e;
 mod bench_hand;
+pub mod bench_pg_bound;
 pub mod bench_relay;
 pub mod bench_sqlite;
 pub mod chart;
