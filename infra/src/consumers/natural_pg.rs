@@ -45,18 +45,17 @@ WITH existing AS (
     SELECT on_hand - reserved AS available
     FROM stock_items WHERE book_id = $2 AND NOT EXISTS (SELECT 1 FROM existing)
     FOR UPDATE
-), guard AS (
-    /* The order's lock, taken after the stock row's: a cancellation of the order in flight
-       finishes first, or waits for this statement. lock_order reads the order's state with
-       a snapshot of its own, taken once the lock is granted, so a cancellation that committed
-       while this statement waited still wins. Nothing is written for it (migration 10). */
-    SELECT lock_order($1) AS cancelled FROM stock
 ), decided AS (
-    SELECT CASE WHEN guard.cancelled THEN 'released'
+    /* lock_order is the order's lock, taken here, after the stock row's: a cancellation of
+       the order in flight finishes first, or waits for this statement. It reads the order's
+       state with a snapshot of its own, taken once the lock is granted, so a cancellation that
+       committed while this statement waited still wins. Nothing is written for it (migration
+       10). Called here rather than in a CTE of its own, which cost 2% more. */
+    SELECT CASE WHEN lock_order($1) THEN 'released'
                 WHEN stock.available >= $3 THEN 'reserved'
                 ELSE 'rejected' END AS status,
            stock.available
-    FROM stock CROSS JOIN guard
+    FROM stock
 ), inserted AS (
     /* A copy that committed while this one waited for the stock row holds the key, and
        existing, read before the wait, cannot see it. Then nothing is inserted, nothing moves,
@@ -70,7 +69,7 @@ WITH existing AS (
     WHERE book_id = $2 AND EXISTS (SELECT 1 FROM inserted WHERE status = 'reserved')
 ), event AS (
     /* The decision's event ($5 its id, $6 its relay partition), committed with it: the
-       outbox. Written after the guard took the order's lock, so the events of one order are
+       outbox. Written after decided took the order's lock, so the events of one order are
        numbered in commit order. A placement after the cancellation (released) decided nothing
        and writes none; the body is StockEvent::body's, built here. */
     INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
