@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, ensure};
 use futures::StreamExt;
 use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
-use inventory_infra::db::FreshDatabase;
+use inventory_infra::db::{DatabaseConnection, FreshDatabase};
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
 use serde::Serialize;
@@ -252,6 +252,22 @@ impl<'a> Orders<'a> {
 pub fn placements(count: usize, duplicates: f64, books: &[BookId]) -> Result<(Vec<Message>, i64)> {
     let orders = Orders::new(books, count, duplicates);
     Ok((orders.iter().collect::<Result<_>>()?, orders.reserved()))
+}
+
+/// Fails unless the books of `db` have `expected` copies reserved in all: what the run's orders
+/// asked for, each once, whatever the copies.
+pub async fn ensure_reserved(db: &DatabaseConnection, expected: i64) -> Result<()> {
+    let reserved: i64 = StockRepository::new(db.clone())
+        .list()
+        .await?
+        .iter()
+        .map(|item| item.reserved)
+        .sum();
+    ensure!(
+        reserved == expected,
+        "reserved {reserved} copies where {expected} were ordered"
+    );
+    Ok(())
 }
 
 /// When each message was published and how long each took from then to its handling.
@@ -513,17 +529,7 @@ async fn publish_and_consume(
     let cpu = cpu_times()?;
     let (acked, duplicates) = consuming.counts();
     consuming.stop().await?;
-    let reserved: i64 = StockRepository::new(fresh.conn.clone())
-        .list()
-        .await?
-        .iter()
-        .map(|item| item.reserved)
-        .sum();
-    let expected_reserved = orders.reserved();
-    ensure!(
-        reserved == expected_reserved,
-        "reserved {reserved} copies where {expected_reserved} were ordered"
-    );
+    ensure_reserved(&fresh.conn, orders.reserved()).await?;
     let (user, system) = (cpu.0 - cpu_before.0, cpu.1 - cpu_before.1);
     let rss = match rss.as_slice() {
         [] => None,

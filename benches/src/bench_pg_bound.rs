@@ -25,7 +25,7 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use crate::bench_e2e::placements;
+use crate::bench_e2e::{ensure_reserved, placements};
 use crate::workload;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -156,16 +156,7 @@ async fn measure(
         finished??;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let reserved: i64 = inventory_infra::StockRepository::new(fresh.conn.clone())
-        .list()
-        .await?
-        .iter()
-        .map(|item| item.reserved)
-        .sum();
-    ensure!(
-        reserved == expected_reserved,
-        "reserved {reserved} copies where {expected_reserved} were ordered"
-    );
+    ensure_reserved(&fresh.conn, expected_reserved).await?;
     Ok(PostgresBoundReport {
         concurrency,
         batch_size,

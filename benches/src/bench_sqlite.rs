@@ -8,14 +8,14 @@
 
 use std::time::Instant;
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Context as _, Result};
 use inventory_infra::consumers::keyed_placements;
 use inventory_infra::consumers::natural_sqlite::{in_transaction, reserve_each, writer_options};
 use inventory_infra::db::FreshDatabase;
 use sea_orm::sqlx::{ConnectOptions as _, Connection as _};
 use serde::Serialize;
 
-use crate::bench_e2e::placements;
+use crate::bench_e2e::{ensure_reserved, placements};
 use crate::workload;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -86,16 +86,7 @@ async fn measure(
     }
     let seconds = started.elapsed().as_secs_f64();
     connection.close().await?;
-    let reserved: i64 = inventory_infra::StockRepository::new(fresh.conn.clone())
-        .list()
-        .await?
-        .iter()
-        .map(|item| item.reserved)
-        .sum();
-    ensure!(
-        reserved == expected_reserved,
-        "reserved {reserved} copies where {expected_reserved} were ordered"
-    );
+    ensure_reserved(&fresh.conn, expected_reserved).await?;
     Ok(BoundReport {
         batch_size,
         messages: placements.len() as u64,
