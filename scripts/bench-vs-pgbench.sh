@@ -19,7 +19,7 @@
 #   scripts/bench-vs-pgbench.sh [seconds per pgbench run, default 15] [messages per service run, default 20000]
 #
 # Needs the local PostgreSQL (or DATABASE_URL naming a server), NATS (or NATS_URL), pgbench,
-# psql and jq. About seven minutes with the defaults, once built.
+# psql and jq. About eight minutes with the defaults, once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
