@@ -35,11 +35,43 @@ use crate::bench_e2e::PublishClock;
 
 /// The fields of a plain OrderPlaced body the statement needs.
 #[derive(Deserialize)]
-struct Placed {
-    message_id: String,
-    order_id: Uuid,
-    book_id: Uuid,
-    quantity: i32,
+pub(crate) struct Placed {
+    pub(crate) message_id: String,
+    pub(crate) order_id: Uuid,
+    pub(crate) book_id: Uuid,
+    pub(crate) quantity: i32,
+}
+
+/// A tokio-postgres connection without TLS, its connection task spawned (it ends when the
+/// client is dropped).
+pub(crate) async fn connect(database_url: &str) -> Result<tokio_postgres::Client> {
+    let (client, connection) = tokio_postgres::connect(database_url, tokio_postgres::NoTls)
+        .await
+        .context("connecting")?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+/// Runs [`RESERVE_SQL`], prepared as `statement` on `client`, for `placed` with a fresh event
+/// id: the statement's one row.
+pub(crate) async fn reserve(
+    client: &tokio_postgres::Client,
+    statement: &tokio_postgres::Statement,
+    placed: &Placed,
+) -> Result<tokio_postgres::Row> {
+    Ok(client
+        .query_one(
+            statement,
+            &[
+                &placed.order_id,
+                &placed.book_id,
+                &placed.quantity,
+                &placed.message_id,
+                &Uuid::now_v7(),
+                &partition(OrderId::from(placed.order_id)),
+            ],
+        )
+        .await?)
 }
 
 /// The PostgreSQL driver a lane runs the statement through.
@@ -59,12 +91,7 @@ impl Lane {
     async fn open(driver: Driver, database_url: &str) -> Result<Self> {
         Ok(match driver {
             Driver::TokioPostgres => {
-                let (client, connection) =
-                    tokio_postgres::connect(database_url, tokio_postgres::NoTls)
-                        .await
-                        .context("connecting a lane")?;
-                // Ends when the lane drops its client.
-                tokio::spawn(connection);
+                let client = connect(database_url).await.context("connecting a lane")?;
                 let statement = client.prepare(RESERVE_SQL).await?;
                 Self::TokioPostgres(client, statement)
             }
@@ -81,33 +108,19 @@ impl Lane {
 
     /// Runs [`RESERVE_SQL`] for `placed`: whether it inserted the reservation.
     async fn reserve(&mut self, placed: &Placed) -> Result<bool> {
-        let event_id = Uuid::now_v7();
-        let relay_partition = partition(OrderId::from(placed.order_id));
         Ok(match self {
-            Self::TokioPostgres(client, statement) => {
-                let row = client
-                    .query_one(
-                        &*statement,
-                        &[
-                            &placed.order_id,
-                            &placed.book_id,
-                            &placed.quantity,
-                            &placed.message_id,
-                            &event_id,
-                            &relay_partition,
-                        ],
-                    )
-                    .await?;
-                row.try_get::<_, Option<&str>>("inserted_status")?.is_some()
-            }
+            Self::TokioPostgres(client, statement) => reserve(client, statement, placed)
+                .await?
+                .try_get::<_, Option<&str>>("inserted_status")?
+                .is_some(),
             Self::Sqlx(connection) => {
                 let row = sqlx::query(RESERVE_SQL)
                     .bind(placed.order_id)
                     .bind(placed.book_id)
                     .bind(placed.quantity)
                     .bind(&placed.message_id)
-                    .bind(event_id)
-                    .bind(relay_partition)
+                    .bind(Uuid::now_v7())
+                    .bind(partition(OrderId::from(placed.order_id)))
                     .fetch_one(&mut *connection)
                     .await?;
                 row.try_get::<Option<&str>, _>("inserted_status")?.is_some()

@@ -26,6 +26,7 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::bench_e2e::{ensure_reserved, placements};
+use crate::bench_hand::{self, Placed};
 use crate::workload;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -99,14 +100,6 @@ pub async fn run(args: &PostgresBoundArgs) -> Result<()> {
     Ok(())
 }
 
-/// One placement's parameters, as the lanes bind them.
-struct Placement {
-    key: String,
-    order_id: Uuid,
-    book_id: Uuid,
-    quantity: i32,
-}
-
 async fn measure(
     args: &PostgresBoundArgs,
     concurrency: usize,
@@ -115,12 +108,12 @@ async fn measure(
 ) -> Result<PostgresBoundReport> {
     let books = workload::stock_books(&fresh.conn, args.books.max(1)).await?;
     let (messages, expected_reserved) = placements(args.messages, args.duplicates, &books)?;
-    let placements: Arc<Vec<Placement>> = Arc::new(
+    let placements: Arc<Vec<Placed>> = Arc::new(
         keyed_placements(&messages)
             .into_iter()
             .map(|(key, placed)| {
-                Ok(Placement {
-                    key,
+                Ok(Placed {
+                    message_id: key,
                     order_id: placed.order_id.as_uuid(),
                     book_id: placed.book_id.as_uuid(),
                     quantity: i32::try_from(placed.quantity.get())?,
@@ -175,40 +168,24 @@ struct Connection {
 
 impl Connection {
     async fn open(url: &str) -> Result<Self> {
-        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .context("connecting")?;
-        // Ends when the client is dropped.
-        tokio::spawn(connection);
+        let client = bench_hand::connect(url).await?;
         let one = client.prepare(RESERVE_SQL).await?;
         let batch = client.prepare(RESERVE_BATCH_SQL).await?;
         Ok(Self { client, one, batch })
     }
 
-    async fn reserve(&self, placement: &Placement) -> Result<()> {
-        self.client
-            .query_one(
-                &self.one,
-                &[
-                    &placement.order_id,
-                    &placement.book_id,
-                    &placement.quantity,
-                    &placement.key,
-                    &Uuid::now_v7(),
-                    &partition(OrderId::from(placement.order_id)),
-                ],
-            )
-            .await?;
+    async fn reserve(&self, placed: &Placed) -> Result<()> {
+        bench_hand::reserve(&self.client, &self.one, placed).await?;
         Ok(())
     }
 
     /// The batch statement, then, as the handler does, [`RESERVE_SQL`] for each placement it
     /// left undecided: neither decided nor found taken, nor a copy of one decided before it.
-    async fn reserve_batch(&self, placements: &[Placement]) -> Result<()> {
+    async fn reserve_batch(&self, placements: &[Placed]) -> Result<()> {
         let orders: Vec<Uuid> = placements.iter().map(|p| p.order_id).collect();
         let books: Vec<Uuid> = placements.iter().map(|p| p.book_id).collect();
         let quantities: Vec<i32> = placements.iter().map(|p| p.quantity).collect();
-        let keys: Vec<&str> = placements.iter().map(|p| p.key.as_str()).collect();
+        let keys: Vec<&str> = placements.iter().map(|p| p.message_id.as_str()).collect();
         let indexes: Vec<i32> = (0..placements.len())
             .map(i32::try_from)
             .collect::<Result<_, _>>()?;
