@@ -19,8 +19,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use inventory_benches::fresh::FreshDatabase;
 use inventory_benches::workload::{self, CopyKind, Delivery, DuplicateStream};
-use inventory_infra::db::FreshDatabase;
 use inventory_infra::{Handler, HandlerKind};
 use tokio::runtime::Runtime;
 

@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use inventory_benches::fresh::FreshDatabase;
 use inventory_benches::workload;
 use inventory_domain::{BookId, Message, OrderId, Quantity};
-use inventory_infra::db::FreshDatabase;
 use inventory_infra::{Handler, HandlerKind};
 use tokio::runtime::Runtime;
 

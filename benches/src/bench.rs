@@ -35,12 +35,13 @@ use std::time::{Duration, Instant};
 
 use crate::bench_hand::Driver;
 use crate::chart::{self, Labels};
+use crate::fresh::FreshDatabase;
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
 use crate::{bench_e2e, bench_pg_bound, bench_relay, bench_sqlite, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::HandlerKind;
-use inventory_infra::db::{self, DatabaseConnection, FreshDatabase};
+use inventory_infra::db::{self, DatabaseConnection};
 use sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
 use serde::Serialize;
 

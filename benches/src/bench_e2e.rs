@@ -7,10 +7,11 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::fresh::FreshDatabase;
 use anyhow::{Context as _, Result, ensure};
 use futures::StreamExt;
 use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
-use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
 use serde::Serialize;
@@ -66,7 +67,7 @@ pub struct EndToEndArgs {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EndToEndReport {
-    /// `service` (the real consumer loop) or `hand-written` ([`crate::bench_hand`]).
+    /// `service` (the real consumer loop) or `hand-written` (`bench_hand.rs`).
     pub consumer: &'static str,
     pub handler: String,
     pub concurrency: usize,
@@ -116,7 +117,7 @@ pub struct RssReport {
 pub enum Consumer {
     /// The service's runtime, as `serve` runs it.
     Service,
-    /// [`crate::bench_hand`]: the loop one would write by hand around the same statement.
+    /// `bench_hand.rs`: the loop one would write by hand around the same statement.
     HandWritten(Driver),
 }
 
@@ -248,7 +249,7 @@ impl<'a> Orders<'a> {
 }
 
 /// The end-to-end workload all at once, for SQLite's bound: `count` orders over `books` as
-/// [`Orders`] makes them, and the copies they reserve between them.
+/// `Orders` makes them, and the copies they reserve between them.
 pub fn placements(count: usize, duplicates: f64, books: &[BookId]) -> Result<(Vec<Message>, i64)> {
     let orders = Orders::new(books, count, duplicates);
     Ok((orders.iter().collect::<Result<_>>()?, orders.reserved()))

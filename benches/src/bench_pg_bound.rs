@@ -15,12 +15,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
+use crate::fresh::FreshDatabase;
 use anyhow::{Context as _, Result, ensure};
 use inventory_domain::OrderId;
+use inventory_domain::keyed_placements;
 use inventory_domain::outbox::partition;
-use inventory_infra::consumers::keyed_placements;
 use inventory_infra::consumers::natural_pg::{RESERVE_BATCH_SQL, RESERVE_SQL};
-use inventory_infra::db::FreshDatabase;
 use serde::Serialize;
 use tokio::task::JoinSet;
 use uuid::Uuid;

@@ -13,10 +13,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::fresh::FreshDatabase;
 use anyhow::{Context as _, Result, bail};
 use futures::StreamExt;
 use inventory_domain::{BookId, ConsumerName, Message, OrderId, Quantity, StockEvent, StockItem};
-use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Context, Topology};
 use inventory_infra::outbox::relay::{Relay, RelaySettings};
 use inventory_infra::outbox::source::OutboxSource;

@@ -8,10 +8,10 @@
 
 use std::time::Instant;
 
+use crate::fresh::FreshDatabase;
 use anyhow::{Context as _, Result};
-use inventory_infra::consumers::keyed_placements;
+use inventory_domain::keyed_placements;
 use inventory_infra::consumers::natural_sqlite::{in_transaction, reserve_each, writer_options};
-use inventory_infra::db::FreshDatabase;
 use sea_orm::sqlx::{ConnectOptions as _, Connection as _};
 use serde::Serialize;
 

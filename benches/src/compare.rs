@@ -5,7 +5,7 @@
 //! the same id (which the stream drops inside its duplicate window), commits whose ack is
 //! withheld (so JetStream redelivers after the ack wait), and orders stored twice so that two
 //! copies are handled at once. Each strategy then consumes the whole stream through the real
-//! consumer loop ([`serve::run`], acks after commit) into a fresh database of its own, one
+//! consumer loop ([`ConsumerRuntime`], acks after commit) into a fresh database of its own, one
 //! strategy after the other so their rates do not compete for the cores, and its figures are set
 //! against what the workload predicts for it.
 
@@ -15,12 +15,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::fresh::FreshDatabase;
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
-use inventory_domain::{
-    BookId, CrashPoint, Message, MessageId, OrderId, Outcome, Quantity, StockItem,
-};
-use inventory_infra::db::{self, DatabaseConnection, FreshDatabase};
+use inventory_domain::{BookId, Message, MessageId, OrderId, Outcome, Quantity, StockItem};
+use inventory_infra::CrashPoint;
+use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{
     DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,

@@ -6,20 +6,19 @@
 
 use std::time::Duration;
 
+use crate::fresh::FreshDatabase;
 use anyhow::{Context, Result};
 use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, DeadLetterReason, DedupKey, Effect, Event, Message,
-    MessageId, OrderId, Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind,
-    StockItem,
+    BookId, ConsumerName, DeadLetterReason, DedupKey, Effect, Event, Message, MessageId, OrderId,
+    Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind, StockItem,
 };
+use inventory_infra::CrashPoint;
 use inventory_infra::consumers::study::{DedupCache, MistakenConsumer};
-use inventory_infra::db::FreshDatabase;
 use inventory_infra::db::{DatabaseConnection, DbBackend};
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, Handler, HandlerKind,
     InMemoryEmailProvider, NaturalKeyPath, StockRepository,
 };
-use inventory_service::runtime;
 
 /// How long the second of two concurrent copies may run on SQLite while the first holds its
 /// claim: ample for an unblocked copy to finish, so one still running then is taken as waiting
@@ -203,7 +202,7 @@ impl Lab {
     }
 
     fn consumer(&self, strategy: HandlerKind) -> Result<Handler> {
-        self.consumer_named(strategy, runtime::default_consumer(strategy))
+        self.consumer_named(strategy, strategy.default_consumer())
     }
 
     fn consumer_named(&self, strategy: HandlerKind, consumer_name: &str) -> Result<Handler> {

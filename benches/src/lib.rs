@@ -7,13 +7,14 @@
 //! # Layout
 //! - [`demo`]: the idempotent-consumer study behind `inventory demo`.
 //! - [`compare`]: every strategy end to end through JetStream on one workload.
-//! - [`bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
+//! - [`mod@bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
 //!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench scripts beside it;
 //!   [`guard_cost`]: the placement statement and the statements that bound it, for pgbench;
 //!   `bench_hand`: the hand-written consumer of the same statement the service is measured
 //!   against; [`bench_sqlite`]: SQLite's own bound, the SQLite handler's statements without
 //!   NATS; [`bench_pg_bound`]: PostgreSQL's, the one-statement handler's statements bound as
 //!   its lanes bind them, without NATS.
+//! - [`fresh`]: a database of its own per run, created and dropped.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
@@ -34,5 +35,6 @@ pub mod chart;
 pub mod cli;
 pub mod compare;
 pub mod demo;
+pub mod fresh;
 pub mod guard_cost;
 pub mod workload;

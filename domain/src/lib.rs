@@ -8,13 +8,12 @@
 //! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`, the payload hash.
 //! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
 //! - [`outcome`]: what handling a message came to, what a failure means for its delivery
-//!   (retry, dead-letter, crashed), and the contract's dead-letter reasons.
+//!   (retry or dead-letter), and the contract's dead-letter reasons.
 //! - [`outbox`]: the events out of Inventory, one per reservation decision, and the outbox
 //!   partition of an order.
 //! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
 //!   the guard against a shorter retention.
-//! - [`ports`]: the email provider trait (send, and lookup by idempotency key) and the crash
-//!   points a handler passes through.
+//! - [`ports`]: the email provider trait (send, and lookup by idempotency key).
 
 pub mod horizon;
 pub mod ids;
@@ -28,8 +27,9 @@ pub use horizon::{FirstDelivery, Horizon, RedeliveryPolicy, RetentionTooShort};
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
 pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,
+    keyed_placements,
 };
 pub use outbox::{StockEvent, StockEventKind};
 pub use outcome::{DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};
-pub use ports::{CrashPoint, EmailProvider, ProviderError, SentLookup, StockReservedEmail};
+pub use ports::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 pub use stock::{ReservationDecision, ReservationStatus, StockItem};

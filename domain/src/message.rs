@@ -400,6 +400,18 @@ impl Message {
     }
 }
 
+/// The placements among `messages`, each with its dedup key as stored: what a batch of the
+/// natural key commits together.
+pub fn keyed_placements(messages: &[Message]) -> Vec<(String, &OrderPlaced)> {
+    messages
+        .iter()
+        .filter_map(|message| match &message.event {
+            Event::Placed(placed) => Some((message.key.storage_key(), placed)),
+            Event::Cancelled(_) | Event::StockReserved(_) => None,
+        })
+        .collect()
+}
+
 fn truncate(value: &str) -> String {
     value.chars().take(64).collect()
 }

@@ -4,7 +4,6 @@
 use std::fmt;
 
 use crate::ids::Quantity;
-use crate::ports::CrashPoint;
 
 /// The contract's `Dlq-Reason` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -123,9 +122,6 @@ pub enum ErrorKind {
     Transient,
     /// Nothing was applied and every attempt would fail the same way: dead-letter it now.
     Permanent(Refusal),
-    /// An injected crash: the handler "died" at this point as a killed process would, so the
-    /// delivery is left unsettled and comes again after its ack wait.
-    Crashed(CrashPoint),
 }
 
 #[cfg(test)]

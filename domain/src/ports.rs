@@ -46,32 +46,3 @@ pub trait EmailProvider: Send + Sync {
         async { Ok(SentLookup::Unknown) }
     }
 }
-
-/// The places where a handler can be made to die as a process would, so the failure windows of
-/// each strategy can be shown and tested. Production code passes through them untouched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CrashPoint {
-    /// The dedup check or claim ran; the work has not started.
-    AfterDedupCheck,
-    /// The natural key's one statement (or batch statement) on PostgreSQL is about to run. It
-    /// is the check, the work and the commit at once, so nothing of it is written yet.
-    BeforeStatement,
-    /// The work ran inside the transaction, which is not committed yet.
-    BeforeCommit,
-    /// The work committed; the dedup record (check-then-process) or the ack is still to come.
-    AfterCommit,
-    /// The email went out; the record still says "processing".
-    AfterSend,
-}
-
-impl CrashPoint {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::AfterDedupCheck => "after-dedup-check",
-            Self::BeforeStatement => "before-statement",
-            Self::BeforeCommit => "before-commit",
-            Self::AfterCommit => "after-commit",
-            Self::AfterSend => "after-send",
-        }
-    }
-}

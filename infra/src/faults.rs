@@ -1,13 +1,43 @@
-//! Injected failures: a handler passes through each [`CrashPoint`], and a plan made by a test or
-//! the demo can make it die there (as a killed process would) or hold it there (to line up two
-//! concurrent copies). Production handlers carry `Faults::none()`, which does nothing.
+//! Injected failures, for the study and the tests only (the `harness` feature): a handler
+//! passes through each [`CrashPoint`], and a plan made by a test or the demo can make it die
+//! there (as a killed process would) or hold it there (to line up two concurrent copies). A
+//! handler built without a plan carries `Faults::none()`, which does nothing; the serving
+//! binary is built without the feature, so its handlers have no crash points at all.
 
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::CrashPoint;
 use tokio::sync::oneshot;
 
 use crate::consumers::HandleError;
+
+/// The places where a handler can be made to die as a process would, so the failure windows of
+/// each strategy can be shown and tested.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CrashPoint {
+    /// The dedup check or claim ran; the work has not started.
+    AfterDedupCheck,
+    /// The natural key's one statement (or batch statement) on PostgreSQL is about to run. It
+    /// is the check, the work and the commit at once, so nothing of it is written yet.
+    BeforeStatement,
+    /// The work ran inside the transaction, which is not committed yet.
+    BeforeCommit,
+    /// The work committed; the dedup record (check-then-process) or the ack is still to come.
+    AfterCommit,
+    /// The email went out; the record still says "processing".
+    AfterSend,
+}
+
+impl CrashPoint {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AfterDedupCheck => "after-dedup-check",
+            Self::BeforeStatement => "before-statement",
+            Self::BeforeCommit => "before-commit",
+            Self::AfterCommit => "after-commit",
+            Self::AfterSend => "after-send",
+        }
+    }
+}
 
 #[derive(Clone, Default)]
 pub struct Faults {

@@ -8,10 +8,8 @@
 //!   on a connection outside the pool.
 //! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows;
 //!   `DataError`, a value that does not fit between a column and its domain type.
-//! - [`consumers`]: the strategies (naive, check-then-process, inbox, natural key), the two-phase
-//!   email consumer, the study of designs that fail, and `HandleError`, whose kind says whether
-//!   a failed delivery is retried or dead-lettered.
-//! - [`faults`]: crash and hold injection at the handlers' crash points.
+//! - [`consumers`]: the handlers (the inbox, the natural key), the two-phase email consumer,
+//!   and `HandleError`, whose kind says whether a failed delivery is retried or dead-lettered.
 //! - [`retention`]: purging completed inbox rows in bounded batches.
 //! - [`jetstream`]: the streams and durable consumers, the producer, what kind of failure a NATS
 //!   call met (`NatsErrorKind`), and the dead-letter format: its headers and ids, the publisher,
@@ -23,11 +21,20 @@
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - `entities`: the sea-orm models (private).
+//!
+//! # The `harness` feature
+//! The study and the tests turn it on; the serving binary is built without it. It adds the
+//! study's handlers (naive, check-then-process, and the mistaken designs of
+//! `consumers::study`), crash and hold injection at the handlers' crash points
+//! (`faults`), and the hooks the tests and the benchmarks reach below the handlers' API with.
+//! Cargo unifies features across one build: `cargo build -p inventory-service` builds the
+//! service without it, a build that includes the study or the tests builds it with.
 
 pub mod consumers;
 pub mod db;
 pub mod delivery;
 mod entities;
+#[cfg(feature = "harness")]
 pub mod faults;
 pub mod jetstream;
 pub mod mailbox;
@@ -37,11 +44,14 @@ pub mod redact;
 pub mod retention;
 pub mod stock;
 
-pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer, InMemoryEmailProvider};
+#[cfg(feature = "harness")]
+pub use consumers::email::InMemoryEmailProvider;
+pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer};
 pub use consumers::{
     BuildError, DetectMode, HandleError, Handler, HandlerKind, Mailbox, MessageHandler,
     NaturalKeyPath, StockConsumer,
 };
-pub use faults::{Faults, Hold};
+#[cfg(feature = "harness")]
+pub use faults::{CrashPoint, Faults, Hold};
 pub use mailbox::{FileMailbox, MailboxError};
 pub use stock::{DataError, InboxEntry, RecordedReservation, StockRepository};

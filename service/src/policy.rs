@@ -65,8 +65,6 @@ pub enum Action {
     },
     /// Negative ack: JetStream delivers it again after the delay.
     Nak(Duration),
-    /// Send nothing: JetStream delivers it again after the ack wait.
-    LeaveUnacked,
 }
 
 /// The decision for one handled delivery: its outcome, or the kind of its error with the
@@ -89,7 +87,6 @@ pub fn decide(
             reason: refusal.reason,
             detail: refusal.detail.clone(),
         },
-        Err((ErrorKind::Crashed(_), _)) => Action::LeaveUnacked,
         Err((ErrorKind::Transient, error)) if retry.is_last_delivery(delivered) => {
             Action::DeadLetter {
                 reason: DeadLetterReason::MaxDeliveries,
@@ -107,7 +104,7 @@ pub fn dead_letter_not_stored(delivered: i64, retry: &RetryPolicy) -> Action {
 
 #[cfg(test)]
 mod tests {
-    use inventory_domain::{CrashPoint, Quantity, Refusal};
+    use inventory_domain::{Quantity, Refusal};
 
     use super::*;
 
@@ -232,20 +229,6 @@ mod tests {
                     detail: format!("last of {delivered} deliveries failed: connection refused"),
                 },
                 "max_deliver {max_deliver}, delivery {delivered}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_crashed_handler_sends_nothing_whatever_the_delivery() {
-        for delivered in [1, 10, 11] {
-            assert_eq!(
-                decide(
-                    Err((&ErrorKind::Crashed(CrashPoint::AfterCommit), "crashed")),
-                    delivered,
-                    &retry(10)
-                ),
-                Action::LeaveUnacked
             );
         }
     }

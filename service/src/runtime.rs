@@ -73,7 +73,7 @@ impl RuntimeSettings {
         };
         Self {
             consumer: ConsumerSettings {
-                durable_name: default_consumer(handler).to_owned(),
+                durable_name: handler.default_consumer().to_owned(),
                 filter_subject,
                 ack_wait: Duration::from_secs(30),
                 max_deliver: 10,
@@ -90,17 +90,6 @@ impl RuntimeSettings {
             shutdown_timeout: Duration::from_secs(30),
             work_timeout: None,
         }
-    }
-}
-
-/// The contract's durable consumer of each handler.
-pub fn default_consumer(handler: HandlerKind) -> &'static str {
-    match handler {
-        HandlerKind::NaturalKey(_) => "inventory-reserve-stock",
-        HandlerKind::Inbox(_) => "inventory-reserve-stock-inbox",
-        HandlerKind::Email => inventory_infra::EMAIL_CONSUMER,
-        HandlerKind::Naive => "inventory-reserve-stock-naive",
-        HandlerKind::CheckThenProcess => "inventory-reserve-stock-check-then-process",
     }
 }
 
@@ -705,6 +694,13 @@ impl<H: MessageHandler> Worker<H> {
         origin: &Origin,
         result: Result<Outcome, HandleError>,
     ) -> Disposition {
+        // An injected crash (the study's and the tests' `harness` feature): the process "died"
+        // here, so it sends nothing and JetStream delivers the message again after its ack wait.
+        #[cfg(feature = "harness")]
+        if let Err(HandleError::Crashed(point)) = &result {
+            tracing::warn!(point = point.as_str(), "handler crashed (injected)");
+            return Disposition::LeftForRedelivery;
+        }
         if let Some(wake) = &self.relay_wake
             && matches!(&result, Ok(outcome) if wrote_an_event(outcome))
         {
@@ -728,9 +724,6 @@ impl<H: MessageHandler> Worker<H> {
     fn kind_of(&self, error: &HandleError) -> ErrorKind {
         let kind = error.kind();
         match &kind {
-            ErrorKind::Crashed(point) => {
-                tracing::warn!(point = point.as_str(), "handler crashed (injected)");
-            }
             ErrorKind::Permanent(_) => tracing::warn!(%error, "permanent failure"),
             ErrorKind::Transient => {
                 if error.is_database() {
@@ -767,7 +760,6 @@ impl<H: MessageHandler> Worker<H> {
                     Err(_) => Disposition::LeftForRedelivery,
                 }
             }
-            Action::LeaveUnacked => Disposition::LeftForRedelivery,
             Action::DeadLetter { reason, detail } => {
                 self.dead_letter(message, origin, reason, &detail).await
             }

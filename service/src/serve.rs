@@ -16,7 +16,7 @@ use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, detect_mode, natural_key
 use crate::metrics::Metrics;
 use crate::relay::{RelayArgs, RunningRelay};
 use crate::retention::{self, AllowanceArgs, PurgeSettings};
-use crate::runtime::{self, ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
+use crate::runtime::{ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
 const LAG_INTERVAL: Duration = Duration::from_secs(10);
@@ -163,7 +163,7 @@ impl ServeArgs {
                 durable_name: self
                     .consumer
                     .clone()
-                    .unwrap_or_else(|| runtime::default_consumer(handler).to_owned()),
+                    .unwrap_or_else(|| handler.default_consumer().to_owned()),
                 ack_wait: self.ack_wait,
                 max_deliver: self.max_deliver,
                 backoff: self.backoff.clone(),

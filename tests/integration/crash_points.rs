@@ -12,8 +12,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, Event, EventKind, Message, Outcome, ReservationStatus,
+    BookId, ConsumerName, Event, EventKind, Message, Outcome, ReservationStatus,
 };
+use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind,

@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, DeadLetterReason, Effect, EmailProvider, MessageId, OrderId,
-    Outcome, ProviderError, Quantity, SentLookup, StockReservedEmail,
+    BookId, ConsumerName, DeadLetterReason, Effect, EmailProvider, MessageId, OrderId, Outcome,
+    ProviderError, Quantity, SentLookup, StockReservedEmail,
 };
+use inventory_infra::CrashPoint;
 use inventory_infra::{
     EMAIL_CONSUMER, EmailConsumer, Faults, FileMailbox, HandleError, InMemoryEmailProvider,
     MailboxError,

@@ -5,7 +5,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_benches::fresh::FreshDatabase;
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream;
 use inventory_service::metrics::{self, Metrics};
 use inventory_tests::broker::eventually;

@@ -1,7 +1,8 @@
 //! The inbox, in each of its three duplicate-detection modes.
 
 use inventory_domain::Message;
-use inventory_domain::{CrashPoint, DeadLetterReason, Effect, Event, Outcome, Quantity};
+use inventory_domain::{DeadLetterReason, Effect, Event, Outcome, Quantity};
+use inventory_infra::CrashPoint;
 use inventory_infra::{DetectMode, HandleError, Handler, HandlerKind};
 use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 

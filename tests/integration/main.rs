@@ -13,6 +13,7 @@ mod demo;
 mod differential;
 mod dlq;
 mod email;
+mod errors;
 mod harness;
 mod health;
 mod inbox;
@@ -33,7 +34,8 @@ mod secure;
 mod serve;
 mod silent_network;
 
-use inventory_domain::{CrashPoint, Message, Outcome};
+use inventory_domain::{Message, Outcome};
+use inventory_infra::CrashPoint;
 use inventory_infra::{Faults, HandleError, Handler};
 use inventory_tests::{Backend, TestDb};
 

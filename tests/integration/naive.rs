@@ -1,6 +1,7 @@
 //! The strategies without an inbox transaction: naive and check-then-process.
 
-use inventory_domain::{CrashPoint, Outcome};
+use inventory_domain::Outcome;
+use inventory_infra::CrashPoint;
 use inventory_infra::HandlerKind;
 use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 

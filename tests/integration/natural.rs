@@ -2,8 +2,9 @@
 
 use inventory_domain::Message;
 use inventory_domain::{
-    BookId, CrashPoint, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
+    BookId, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
+use inventory_infra::CrashPoint;
 use inventory_infra::{Faults, HandleError, HandlerKind, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, crash_at, on_both_backends, placed, placed_for};
 

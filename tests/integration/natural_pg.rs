@@ -2,8 +2,9 @@
 
 use inventory_domain::Message;
 use inventory_domain::{
-    BookId, CrashPoint, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
+    BookId, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
+use inventory_infra::CrashPoint;
 use inventory_infra::{Handler, HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Statement, TransactionTrait};

@@ -5,10 +5,13 @@
 //! on PostgreSQL. The random sequences of `differential.rs` compare the events with the
 //! domain's model too.
 
-use inventory_domain::{CrashPoint, Message, OrderId, StockEvent, StockEventKind};
+use inventory_domain::{Event, Message, OrderId, StockEvent, StockEventKind};
+use inventory_infra::CrashPoint;
 use inventory_infra::outbox::pending;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
+use sea_orm::{ConnectionTrait, Statement};
+use serde_json::Value;
 
 /// (subject kind, the message that caused it) of the events waiting, in write order.
 async fn events(db: &TestDb) -> Vec<(StockEventKind, String)> {
@@ -108,4 +111,77 @@ async fn crash_before_commit_writes_no_event(db: TestDb) {
         events(&db).await,
         [(StockEventKind::Reserved, key(&message))]
     );
+}
+
+/// The outbox rows' bodies, raw as the relay publishes them: (subject, payload).
+async fn payloads(db: &TestDb) -> Vec<(String, String)> {
+    db.conn
+        .query_all_raw(Statement::from_string(
+            db.conn.get_database_backend(),
+            "SELECT subject, payload FROM outbox ORDER BY seq",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| {
+            (
+                row.try_get("", "subject").unwrap(),
+                row.try_get("", "payload").unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The statements build the event's JSON themselves (`jsonb_build_object`); the ORM path and
+/// the SQLite writer serialise `StockEvent::body`. Every kind a statement writes (the one
+/// statement's reserved and rejected, the batch statement's reserved) is the body the domain
+/// serialises for the same decision: the same fields and values, `occurred_at` the same instant
+/// (PostgreSQL writes it with an offset, serde with `Z`). The event id and the time are the
+/// statement's own, so they are taken from its row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_statements_write_the_domains_body_for_every_kind() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let book = db.dune(3).await;
+    let one = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement));
+    let batch = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Batch));
+    let (reserved, rejected, batched) = (placed(book, 2), placed(book, 2), placed(book, 1));
+    one.handle(&reserved).await.unwrap();
+    one.handle(&rejected).await.unwrap();
+    for result in batch.handle_batch(std::slice::from_ref(&batched)).await {
+        result.unwrap();
+    }
+    let decisions = [
+        (&reserved, StockEventKind::Reserved),
+        (&rejected, StockEventKind::Rejected { available: 1 }),
+        (&batched, StockEventKind::Reserved),
+    ];
+    let written = payloads(&db).await;
+    assert_eq!(written.len(), decisions.len());
+    for ((subject, payload), (message, kind)) in written.iter().zip(decisions) {
+        let Event::Placed(placement) = &message.event else {
+            unreachable!("placements only")
+        };
+        let row: Value = serde_json::from_str(payload).unwrap();
+        let text = |field: &str| row[field].as_str().unwrap().to_owned();
+        let expected = StockEvent {
+            event_id: text("event_id").parse().unwrap(),
+            kind,
+            order_id: placement.order_id,
+            book_id: placement.book_id,
+            quantity: placement.quantity,
+            occurred_at: chrono::DateTime::parse_from_rfc3339(&text("occurred_at"))
+                .unwrap()
+                .to_utc(),
+            caused_by: key(message),
+        };
+        assert_eq!(subject, expected.subject_token());
+        let mut domain: Value = serde_json::from_str(&expected.body()).unwrap();
+        let mut sql = row.clone();
+        let instant = |body: &mut Value| {
+            let text = body["occurred_at"].take();
+            chrono::DateTime::parse_from_rfc3339(text.as_str().unwrap()).unwrap()
+        };
+        assert_eq!(instant(&mut sql), instant(&mut domain), "{payload}");
+        assert_eq!(sql, domain, "{subject}: the statement's body is not the domain's");
+    }
 }

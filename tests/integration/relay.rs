@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use inventory_domain::{CrashPoint, OrderId};
+use inventory_domain::OrderId;
+use inventory_infra::CrashPoint;
 use inventory_infra::jetstream;
 use inventory_infra::outbox::{OutboxSource, Relay, RelaySettings, Retry};
 use inventory_infra::{Faults, Handler, HandlerKind, NaturalKeyPath};

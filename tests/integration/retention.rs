@@ -1,7 +1,8 @@
 //! Retention of inbox rows: bounded batches, processing rows kept.
 
 use chrono::{Duration, Utc};
-use inventory_domain::{ConsumerName, CrashPoint};
+use inventory_domain::ConsumerName;
+use inventory_infra::CrashPoint;
 use inventory_infra::retention::purge_completed;
 use inventory_infra::{DetectMode, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider};
 use inventory_tests::broker::eventually;

@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use inventory_domain::{CrashPoint, Message, Outcome};
+use inventory_domain::{Message, Outcome};
+use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
     DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,

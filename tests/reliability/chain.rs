@@ -1,4 +1,4 @@
-//! The whole chain as processes under kill -9 (issue 12): orders written with their
+//! The whole chain as processes under kill -9: orders written with their
 //! OrderPlaced and OrderCancelled into `orders_outbox`, two `inventory relay --source orders`
 //! publishing them, two `inventory serve --strategy natural` (each with its relay in-process),
 //! one `inventory relay` for Inventory's outbox, and one `inventory serve --strategy email`

@@ -1,4 +1,4 @@
-//! PostgreSQL failing over under two running instances (issue 14): a primary with a
+//! PostgreSQL failing over under two running instances: a primary with a
 //! synchronous standby, HAProxy in front of both, the primary SIGKILLed mid-stream (the host
 //! dying: postmaster and every backend at once), HAProxy switched to the standby and the
 //! standby promoted. The switch comes first on purpose, as from a proxy whose health check only

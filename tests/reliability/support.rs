@@ -7,9 +7,10 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::Context;
+use inventory_benches::fresh::FreshDatabase;
 use inventory_domain::{BookId, StockItem};
 use inventory_infra::StockRepository;
-use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::binary::{free_port, http_get, sample};
 use inventory_tests::nats::{TestNames, unique_names};

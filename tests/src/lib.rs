@@ -42,11 +42,12 @@ pub mod workload;
 
 use std::time::Duration;
 
+use inventory_benches::fresh::FreshDatabase;
 use inventory_domain::{
-    BookId, ConsumerName, CrashPoint, Message, OrderId, Quantity, StockEvent, StockEventKind,
-    StockItem,
+    BookId, ConsumerName, Message, OrderId, Quantity, StockEvent, StockEventKind, StockItem,
 };
-use inventory_infra::db::{DatabaseConnection, FreshDatabase};
+use inventory_infra::CrashPoint;
+use inventory_infra::db::DatabaseConnection;
 use inventory_infra::{Faults, HandleError, Handler, HandlerKind, MessageHandler, StockRepository};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

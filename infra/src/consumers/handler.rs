@@ -6,20 +6,25 @@ use inventory_domain::{ConsumerName, EmailProvider, Message, Outcome, SentLookup
 use inventory_domain::{ProviderError, StockReservedEmail};
 use sea_orm::{DatabaseConnection, DbBackend};
 
-use super::email::{EmailConsumer, InMemoryEmailProvider};
+use super::email::EmailConsumer;
+#[cfg(feature = "harness")]
+use super::email::InMemoryEmailProvider;
 use super::natural_pg::PgNaturalKey;
 use super::natural_sqlite::SqliteNaturalKey;
 use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
+#[cfg(feature = "harness")]
 use crate::faults::Faults;
 use crate::mailbox::FileMailbox;
 
 /// Every handler a user can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HandlerKind {
-    /// No dedup: every delivery reserves again.
+    /// No dedup: every delivery reserves again (the study's).
+    #[cfg(feature = "harness")]
     Naive,
     /// Looks in the inbox, does the work in a transaction of its own, then records the message:
-    /// a crash in between reserves twice.
+    /// a crash in between reserves twice (the study's).
+    #[cfg(feature = "harness")]
     CheckThenProcess,
     /// Claims `(message_id, consumer)` first, in the work's transaction.
     Inbox(DetectMode),
@@ -58,7 +63,9 @@ impl HandlerKind {
     /// The study's name of the strategy, as the demo's and the comparison's tables print it.
     pub fn strategy_name(self) -> &'static str {
         match self {
+            #[cfg(feature = "harness")]
             Self::Naive => "naive",
+            #[cfg(feature = "harness")]
             Self::CheckThenProcess => "check-then-process",
             Self::Inbox(_) => "inbox",
             Self::NaturalKey(_) => "natural key",
@@ -66,10 +73,25 @@ impl HandlerKind {
         }
     }
 
+    /// The contract's durable consumer of the handler.
+    pub fn default_consumer(self) -> &'static str {
+        match self {
+            Self::NaturalKey(_) => "inventory-reserve-stock",
+            Self::Inbox(_) => "inventory-reserve-stock-inbox",
+            Self::Email => super::email::EMAIL_CONSUMER,
+            #[cfg(feature = "harness")]
+            Self::Naive => "inventory-reserve-stock-naive",
+            #[cfg(feature = "harness")]
+            Self::CheckThenProcess => "inventory-reserve-stock-check-then-process",
+        }
+    }
+
     /// A name for this handler alone, fit for a benchmark id, a directory or a flag.
     pub fn label(self) -> &'static str {
         match self {
+            #[cfg(feature = "harness")]
             Self::Naive => "naive",
+            #[cfg(feature = "harness")]
             Self::CheckThenProcess => "check-then-process",
             Self::Inbox(DetectMode::CatchViolation) => "inbox-catch-violation",
             Self::Inbox(DetectMode::PreCheck) => "inbox-pre-check",
@@ -105,7 +127,9 @@ impl HandlerKind {
     ) -> Result<Handler, BuildError> {
         let stock = |strategy| StockConsumer::new(db.clone(), self, strategy, consumer.clone());
         Ok(match self {
+            #[cfg(feature = "harness")]
             Self::Naive => Handler::Stock(stock(Strategy::Naive)),
+            #[cfg(feature = "harness")]
             Self::CheckThenProcess => Handler::Stock(stock(Strategy::CheckThenProcess)),
             Self::Inbox(detect) => Handler::Stock(stock(Strategy::Inbox(detect))),
             Self::NaturalKey(NaturalKeyPath::Orm) => Handler::Stock(stock(Strategy::NaturalKey)),
@@ -131,11 +155,12 @@ pub enum BuildError {
     NeedsMailbox,
 }
 
-/// Where the email handler's mail goes: the durable file of `serve`, or memory for the study and
-/// the tests.
+/// Where the email handler's mail goes: the durable file of `serve` (or, with the `harness`
+/// feature, memory for the study and the tests).
 #[derive(Clone)]
 pub enum Mailbox {
     File(FileMailbox),
+    #[cfg(feature = "harness")]
     InMemory(InMemoryEmailProvider),
 }
 
@@ -147,6 +172,7 @@ impl EmailProvider for Mailbox {
     ) -> Result<(), ProviderError> {
         match self {
             Self::File(mailbox) => mailbox.send(idempotency_key, email).await,
+            #[cfg(feature = "harness")]
             Self::InMemory(provider) => provider.send(idempotency_key, email).await,
         }
     }
@@ -154,6 +180,7 @@ impl EmailProvider for Mailbox {
     async fn lookup(&self, idempotency_key: &str) -> Result<SentLookup, ProviderError> {
         match self {
             Self::File(mailbox) => mailbox.lookup(idempotency_key).await,
+            #[cfg(feature = "harness")]
             Self::InMemory(provider) => provider.lookup(idempotency_key).await,
         }
     }
@@ -162,7 +189,8 @@ impl EmailProvider for Mailbox {
 /// A built handler of any kind.
 #[derive(Clone)]
 pub enum Handler {
-    /// Through sea-orm: naive, check-then-process, the inbox, the natural key's reference.
+    /// Through sea-orm: the inbox, the natural key's reference (and the study's naive and
+    /// check-then-process).
     Stock(StockConsumer),
     /// The natural key's one statement (and its batch statement) on PostgreSQL.
     OneStatement(PgNaturalKey),
@@ -183,6 +211,7 @@ impl Handler {
     }
 
     /// The same handler, failing as `faults` says (the tests and the study only).
+    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         match self {
             Self::Stock(consumer) => Self::Stock(consumer.with_faults(faults)),

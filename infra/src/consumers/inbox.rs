@@ -1,11 +1,13 @@
 //! The inbox: a `(message_id, consumer)` row claimed first, in the work's own transaction.
 
 use chrono::Utc;
-use inventory_domain::{ConsumerName, CrashPoint, Message, Outcome, PayloadHash};
+use inventory_domain::{ConsumerName, Message, Outcome, PayloadHash};
 use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult};
 
-use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, finish, work};
+use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, work};
 use crate::entities::inbox;
+#[cfg(feature = "harness")]
+use crate::faults::CrashPoint;
 use crate::stock::find_inbox_entry;
 
 fn inbox_row(
@@ -61,6 +63,7 @@ async fn claim_catching_violation(
 }
 
 /// Writes a completed record outside any transaction (check-then-process's late record).
+#[cfg(feature = "harness")]
 pub(crate) async fn record_completed(
     conn: &impl ConnectionTrait,
     key: &str,
@@ -111,16 +114,17 @@ impl StockConsumer {
         };
         let claimed = match claimed {
             Ok(claimed) => claimed,
-            Err(error) => return finish(txn, &self.faults, Err(error.into())).await,
+            Err(error) => return self.finish(txn, Err(error.into())).await,
         };
         if !claimed {
             txn.rollback().await?;
             return Ok(judge_lost_claim(&self.db, &key, &self.consumer, &hash).await?);
         }
-        let result = match self.faults.pass(CrashPoint::AfterDedupCheck).await {
-            Ok(()) => work::apply_logged(&txn, &key, &message.event).await,
-            Err(crash) => Err(crash),
-        };
-        finish(txn, &self.faults, result).await
+        #[cfg(feature = "harness")]
+        if let Err(crash) = self.faults.pass(CrashPoint::AfterDedupCheck).await {
+            return self.finish(txn, Err(crash)).await;
+        }
+        let result = work::apply_logged(&txn, &key, &message.event).await;
+        self.finish(txn, result).await
     }
 }

@@ -1,9 +1,6 @@
 //! The handlers: each takes one decoded message and returns a typed [`Outcome`]. Which one runs
 //! is a [`HandlerKind`] (in [`handler`], the one list a user chooses from):
 //!
-//! - naive: no dedup at all; every delivery reserves again.
-//! - check-then-process: look in the inbox, do the work in its own transaction, then write the
-//!   inbox row. A crash between the two reopens the window.
 //! - the inbox: claim `(message_id, consumer)` first, in the same transaction as the work; the
 //!   unique key is the arbiter between concurrent copies.
 //! - the natural key: the reservation's own key `(order_id, book_id)` refuses a second
@@ -11,9 +8,13 @@
 //!   reference), as one statement on PostgreSQL ([`natural_pg`]), or on SQLite's one writer
 //!   connection ([`natural_sqlite`]).
 //!
-//! The first four run in [`StockConsumer`]; the two-phase email consumer is in [`email`];
-//! deliberately wrong designs the demo contrasts with these are in [`study`]. Why a handler
+//! Both run in [`StockConsumer`]; the two-phase email consumer is in [`email`]. Why a handler
 //! failed, and whether that is worth a retry, is in [`HandleError`].
+//!
+//! With the `harness` feature (the study and the tests), [`StockConsumer`] also runs naive (no
+//! dedup: every delivery reserves again) and check-then-process (look in the inbox, do the
+//! work in its own transaction, then write the inbox row: a crash between the two reopens the
+//! window), and `study` holds the deliberately wrong designs the demo contrasts with these.
 
 pub mod email;
 mod error;
@@ -22,36 +23,25 @@ mod inbox;
 mod natural;
 pub mod natural_pg;
 pub mod natural_sqlite;
+#[cfg(feature = "harness")]
 pub mod study;
 mod work;
 
 use std::future::Future;
 
 use inventory_domain::{
-    ConsumerName, CrashPoint, DeadLetterReason, EmailProvider, Event, Message, OrderPlaced,
-    Outcome, PayloadHash,
+    ConsumerName, DeadLetterReason, EmailProvider, Message, Outcome, PayloadHash,
 };
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbErr, SqliteTransactionMode, TransactionOptions,
     TransactionTrait,
 };
 
-use crate::faults::Faults;
+#[cfg(feature = "harness")]
+use crate::faults::{CrashPoint, Faults};
 pub use handler::{BuildError, Handler, HandlerKind, Mailbox, NaturalKeyPath};
 
 pub use error::HandleError;
-
-/// The placements among `messages`, each with its dedup key as stored: what the batch paths
-/// of the natural key (and SQLite's bound) commit together.
-pub fn keyed_placements(messages: &[Message]) -> Vec<(String, &OrderPlaced)> {
-    messages
-        .iter()
-        .filter_map(|message| match &message.event {
-            Event::Placed(placed) => Some((message.key.storage_key(), placed)),
-            Event::Cancelled(_) | Event::StockReserved(_) => None,
-        })
-        .collect()
-}
 
 /// What the consumer loop needs of a handler: one message in, one outcome out.
 pub trait MessageHandler: Clone + Send + Sync + 'static {
@@ -130,7 +120,9 @@ impl DetectMode {
 /// How a [`StockConsumer`] dedups; which one [`HandlerKind::build`] picks for the kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Strategy {
+    #[cfg(feature = "harness")]
     Naive,
+    #[cfg(feature = "harness")]
     CheckThenProcess,
     Inbox(DetectMode),
     NaturalKey,
@@ -144,6 +136,7 @@ pub struct StockConsumer {
     kind: HandlerKind,
     strategy: Strategy,
     consumer: ConsumerName,
+    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -159,11 +152,13 @@ impl StockConsumer {
             kind,
             strategy,
             consumer,
+            #[cfg(feature = "harness")]
             faults: Faults::none(),
         }
     }
 
     /// The same consumer, failing as `faults` says (tests and the demo only).
+    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             faults,
@@ -180,7 +175,9 @@ impl StockConsumer {
     #[tracing::instrument(skip_all, fields(handler = self.kind.label(), key = %message.key, outcome))]
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let outcome = match self.strategy {
+            #[cfg(feature = "harness")]
             Strategy::Naive => self.handle_naive(message).await,
+            #[cfg(feature = "harness")]
             Strategy::CheckThenProcess => self.handle_check_then_process(message).await,
             Strategy::Inbox(mode) => self.handle_inbox(message, mode).await,
             Strategy::NaturalKey => self.handle_natural(message).await,
@@ -188,7 +185,11 @@ impl StockConsumer {
         tracing::Span::current().record("outcome", outcome.label());
         Ok(outcome)
     }
+}
 
+/// The study's strategies, which no service runs.
+#[cfg(feature = "harness")]
+impl StockConsumer {
     async fn handle_naive(&self, message: &Message) -> Result<Outcome, HandleError> {
         // Naive checks nothing: its "dedup check" point is simply its start.
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
@@ -204,7 +205,7 @@ impl StockConsumer {
     ) -> Result<Outcome, HandleError> {
         let txn = begin_write(&self.db).await?;
         let result = work::apply_logged(&txn, key, &message.event).await;
-        finish(txn, &self.faults, result).await
+        self.finish(txn, result).await
     }
 
     async fn handle_check_then_process(&self, message: &Message) -> Result<Outcome, HandleError> {
@@ -251,31 +252,36 @@ pub(crate) async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTrans
     .await
 }
 
-/// Ends a transaction: commits processed work, rolls back anything else, so a refusal or an
-/// error leaves no partial write. The crash points on either side of the commit live here.
-pub(crate) async fn finish(
-    txn: DatabaseTransaction,
-    faults: &Faults,
-    result: Result<Outcome, HandleError>,
-) -> Result<Outcome, HandleError> {
-    match result {
-        Ok(outcome) if outcome.processed() => {
-            if let Err(crash) = faults.pass(CrashPoint::BeforeCommit).await {
-                txn.rollback().await?;
-                return Err(crash);
+impl StockConsumer {
+    /// Ends a transaction: commits processed work, rolls back anything else, so a refusal or an
+    /// error leaves no partial write.
+    pub(crate) async fn finish(
+        &self,
+        txn: DatabaseTransaction,
+        result: Result<Outcome, HandleError>,
+    ) -> Result<Outcome, HandleError> {
+        match result {
+            Ok(outcome) if outcome.processed() => {
+                #[cfg(feature = "harness")]
+                if let Err(crash) = self.faults.pass(CrashPoint::BeforeCommit).await {
+                    txn.rollback().await?;
+                    return Err(crash);
+                }
+                txn.commit().await?;
+                #[cfg(feature = "harness")]
+                self.faults.pass(CrashPoint::AfterCommit).await?;
+                Ok(outcome)
             }
-            txn.commit().await?;
-            faults.pass(CrashPoint::AfterCommit).await?;
-            Ok(outcome)
-        }
-        Ok(outcome) => {
-            txn.rollback().await?;
-            Ok(outcome)
-        }
-        Err(error) => {
-            // The error is what matters; a failed rollback is undone by the connection's release.
-            let _ = txn.rollback().await;
-            Err(error)
+            Ok(outcome) => {
+                txn.rollback().await?;
+                Ok(outcome)
+            }
+            Err(error) => {
+                // The error is what matters; a failed rollback is undone by the connection's
+                // release.
+                let _ = txn.rollback().await;
+                Err(error)
+            }
         }
     }
 }

@@ -34,7 +34,7 @@
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    CrashPoint, Effect, Event, Message, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity,
+    Effect, Event, Message, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity,
     ReservationDecision, ReservationStatus, StockEvent, StockEventKind,
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
@@ -45,8 +45,10 @@ use sea_orm::{
 use uuid::Uuid;
 
 use super::work::{lock_stock, not_an_order_event, release_stock, set_reserved, unknown_book};
-use super::{HandleError, StockConsumer, begin_write, finish};
+use super::{HandleError, StockConsumer, begin_write};
 use crate::entities::{order_states, stock_items, stock_reservations};
+#[cfg(feature = "harness")]
+use crate::faults::CrashPoint;
 use crate::outbox;
 use crate::stock::{DataError, quantity_column, quantity_from};
 
@@ -61,7 +63,7 @@ impl StockConsumer {
                 Event::StockReserved(_) => Ok(Some(not_an_order_event())),
             };
             match result.transpose() {
-                Some(result) => return finish(txn, &self.faults, result).await,
+                Some(result) => return self.finish(txn, result).await,
                 None => txn.rollback().await?,
             }
         }
@@ -110,6 +112,7 @@ impl StockConsumer {
                 })?;
             return Ok(second_request(existing, placed.quantity));
         }
+        #[cfg(feature = "harness")]
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
         let Some(decision) = decision else {
@@ -178,6 +181,7 @@ impl StockConsumer {
         if held.iter().any(|r| !books.contains(&r.book_id)) {
             return Ok(None);
         }
+        #[cfg(feature = "harness")]
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
         let mut copies = 0;

@@ -14,8 +14,8 @@
 use std::sync::Arc;
 
 use inventory_domain::{
-    CrashPoint, Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
-    ReservationStatus,
+    Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
+    ReservationStatus, keyed_placements,
 };
 use sea_orm::DbErr;
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
@@ -27,8 +27,9 @@ use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
 use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer, keyed_placements};
-use crate::faults::Faults;
+use super::{HandleError, MessageHandler, StockConsumer};
+#[cfg(feature = "harness")]
+use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
 /// One placement: the steps of the reference handler's `reserve`, in its order, with the
@@ -201,6 +202,7 @@ pub struct PgNaturalKey {
     connection: Mutex<Option<PgConnection>>,
     /// Cancellations are rare: they go through the reference handler.
     reference: StockConsumer,
+    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -212,6 +214,7 @@ impl Clone for PgNaturalKey {
             connect_timeout: self.connect_timeout,
             connection: Mutex::new(None),
             reference: self.reference.clone(),
+            #[cfg(feature = "harness")]
             faults: self.faults.clone(),
         }
     }
@@ -233,6 +236,7 @@ impl PgNaturalKey {
             options: Arc::new(options),
             connect_timeout,
             connection: Mutex::new(None),
+            #[cfg(feature = "harness")]
             faults: reference.faults.clone(),
             reference,
         }
@@ -244,6 +248,7 @@ impl PgNaturalKey {
 
     /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
     /// `AfterCommit`, a cancellation the reference handler's points.
+    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             reference: self.reference.with_faults(faults.clone()),
@@ -345,15 +350,17 @@ impl PgNaturalKey {
         results
     }
 
-    /// The crash point after the placements committed: a crash there loses every result.
+    /// The placements' results once committed; with the `harness` feature, the crash point
+    /// after the commit, where a crash loses every result.
     async fn after_commit(
         &self,
         results: Vec<Result<Outcome, HandleError>>,
     ) -> Vec<Result<Outcome, HandleError>> {
-        match self.faults.pass(CrashPoint::AfterCommit).await {
-            Ok(()) => results,
-            Err(crash) => results.iter().map(|_| Err(crash.clone())).collect(),
+        #[cfg(feature = "harness")]
+        if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
+            return results.iter().map(|_| Err(crash.clone())).collect();
         }
+        results
     }
 }
 
@@ -459,11 +466,13 @@ impl MessageHandler for PgNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match &message.event {
             Event::Placed(placed) => {
+                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::BeforeStatement).await?;
                 let key = message.key.storage_key();
                 let outcome = self
                     .with_connection(async |connection| decide(connection, &key, placed).await)
                     .await?;
+                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }
@@ -493,6 +502,7 @@ impl PgNaturalKey {
     /// Placements in one statement, one result each, in order.
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements = keyed_placements(messages);
+        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
             return placements.iter().map(|_| Err(crash.clone())).collect();
         }

@@ -18,9 +18,10 @@
 //! reference handler's cancellation begins `IMMEDIATE` too) orders it with every cancellation
 //! of its order, and with the events of that order in the outbox.
 //!
-//! [`writer_options`], [`in_transaction`], [`reserve`] and [`reserve_each`] are public so that
-//! `inventory bench sqlite-bound` runs these very statements, on a connection made the same
-//! way, in a loop without NATS: the bound the service is measured against.
+//! With the `harness` feature, `writer_options`, `in_transaction`, `reserve` and `reserve_each`
+//! are public so that `inventory bench sqlite-bound` runs these very statements, on a
+//! connection made the same way, in a loop without NATS: the bound the service is measured
+//! against.
 
 use std::sync::Arc;
 
@@ -28,8 +29,8 @@ use chrono::Utc;
 use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    CrashPoint, Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome,
-    ReservationDecision, ReservationStatus, StockEvent, StockEventKind, StockItem,
+    Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, ReservationDecision,
+    ReservationStatus, StockEvent, StockEventKind, StockItem, keyed_placements,
 };
 use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
@@ -37,8 +38,9 @@ use sea_orm::sqlx::{self, ConnectOptions, Connection, Row};
 use tokio::sync::Mutex;
 
 use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer, keyed_placements};
-use crate::faults::Faults;
+use super::{HandleError, MessageHandler, StockConsumer};
+#[cfg(feature = "harness")]
+use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
 /// What a placement reads before it writes: its reservation, the stock row, and whether its
@@ -70,6 +72,7 @@ pub struct SqliteNaturalKey {
     writer: Arc<Writer>,
     /// Cancellations are rare: they go through the reference handler.
     reference: StockConsumer,
+    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -91,6 +94,7 @@ impl SqliteNaturalKey {
                 options: writer_options(&reference.db),
                 connection: Mutex::new(None),
             }),
+            #[cfg(feature = "harness")]
             faults: reference.faults.clone(),
             reference,
         }
@@ -102,6 +106,7 @@ impl SqliteNaturalKey {
 
     /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
     /// `AfterCommit`, a cancellation the reference handler's points.
+    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             reference: self.reference.with_faults(faults.clone()),
@@ -145,6 +150,7 @@ impl SqliteNaturalKey {
     /// Placements in one transaction, one result each, in order.
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements = keyed_placements(messages);
+        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
             return placements.iter().map(|_| Err(crash.clone())).collect();
         }
@@ -170,17 +176,19 @@ impl SqliteNaturalKey {
             Err(error) => return placements.iter().map(|_| Err(error.clone())).collect(),
         };
         // A crash after the commit loses every result.
-        match self.faults.pass(CrashPoint::AfterCommit).await {
-            Ok(()) => results,
-            Err(crash) => results.iter().map(|_| Err(crash.clone())).collect(),
+        #[cfg(feature = "harness")]
+        if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
+            return results.iter().map(|_| Err(crash.clone())).collect();
         }
+        results
     }
 }
 
 /// How the writer connects: with the options of `db`'s pool (WAL, busy timeout, synchronous
 /// FULL), its statements logged at TRACE since they are the hot path (sea-orm's pool logs
 /// them at DEBUG already).
-pub fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
+#[cfg_attr(feature = "harness", visibility::make(pub))]
+pub(crate) fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
     db.get_sqlite_connection_pool()
         .connect_options()
         .as_ref()
@@ -189,7 +197,8 @@ pub fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
 }
 
 /// `work` between `BEGIN IMMEDIATE` and `COMMIT`; rolled back if it fails.
-pub async fn in_transaction<T>(
+#[cfg_attr(feature = "harness", visibility::make(pub))]
+pub(crate) async fn in_transaction<T>(
     connection: &mut SqliteConnection,
     work: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T, HandleError>,
 ) -> Result<T, HandleError> {
@@ -205,7 +214,8 @@ pub async fn in_transaction<T>(
 
 /// One placement's statements, inside the caller's `BEGIN IMMEDIATE` transaction; they write
 /// only what the placement decides (a copy, a resend or an unknown book writes nothing).
-pub async fn reserve(
+#[cfg_attr(feature = "harness", visibility::make(pub))]
+pub(crate) async fn reserve(
     connection: &mut SqliteConnection,
     key: &str,
     placed: &OrderPlaced,
@@ -294,7 +304,8 @@ pub async fn reserve(
 /// Placements one after another in the caller's transaction, so a copy of a key later in the
 /// batch reads what an earlier one wrote and is a second request. The first error ends it:
 /// the caller rolls back, and nothing of the batch is written.
-pub async fn reserve_each(
+#[cfg_attr(feature = "harness", visibility::make(pub))]
+pub(crate) async fn reserve_each(
     connection: &mut SqliteConnection,
     placements: &[(String, &OrderPlaced)],
 ) -> Result<Vec<Outcome>, HandleError> {
@@ -309,11 +320,13 @@ impl MessageHandler for SqliteNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match &message.event {
             Event::Placed(placed) => {
+                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::BeforeStatement).await?;
                 let key = message.key.storage_key();
                 let outcome = self
                     .write(async |connection| reserve(connection, &key, placed).await)
                     .await?;
+                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }

@@ -4,15 +4,13 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::{ConsumerName, CrashPoint, Event, Message, Outcome};
+use inventory_domain::{ConsumerName, Event, Message, Outcome};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, TransactionTrait};
 
 use super::inbox::{claim_on_conflict, judge_lost_claim};
-use super::{
-    DetectMode, HandleError, HandlerKind, StockConsumer, Strategy, begin_write, finish, work,
-};
+use super::{DetectMode, HandleError, HandlerKind, StockConsumer, Strategy, begin_write, work};
 use crate::entities::stock_items;
-use crate::faults::Faults;
+use crate::faults::{CrashPoint, Faults};
 
 /// A dedup set held apart from the database, as a cache such as Redis would hold it.
 #[derive(Clone, Default)]
@@ -111,7 +109,7 @@ impl MistakenConsumer {
             }
             other => other,
         };
-        finish(txn, &c.faults, result).await
+        c.finish(txn, result).await
     }
 
     /// The work first, the claim last, in one transaction: still correct, since the losing copy
@@ -139,7 +137,7 @@ impl MistakenConsumer {
             }
             other => other,
         };
-        let outcome = finish(txn, &c.faults, result).await?;
+        let outcome = c.finish(txn, result).await?;
         Ok(ClaimLastResult {
             outcome,
             wrote_stock_before_claim,

@@ -32,7 +32,7 @@ fn now_ms(backend: DbBackend) -> &'static str {
 
 /// The partitions one relay should hold when `live` relays share `partitions`: the fair
 /// share, rounded up so that the shares cover every partition.
-pub fn fair_share(partitions: usize, live: usize) -> usize {
+pub(crate) fn fair_share(partitions: usize, live: usize) -> usize {
     partitions.div_ceil(live.max(1))
 }
 

@@ -3,10 +3,10 @@
 //! an event published for a decision that rolled back. The relay publishes the rows later and
 //! removes them.
 //!
-//! The ORM handler writes through [`record`]; the PostgreSQL statements in
-//! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), and
-//! [`pending`] reads both back the same way. The orders producer (`orders.rs`) writes its own
-//! outbox table of the same shape through [`insert`].
+//! The ORM handler writes through `record`; the PostgreSQL statements in
+//! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), whose body a
+//! test holds equal to [`StockEvent::body`]'s. The orders producer (`orders.rs`) writes its own
+//! outbox table of the same shape through `insert`.
 //!
 //! # Layout
 //! - [`relay`]: the relay, which publishes an outbox's rows to their stream and deletes them
@@ -19,18 +19,15 @@
 
 use chrono::Utc;
 use inventory_domain::outbox::partition;
-use inventory_domain::{DecodeError, OrderId, StockEvent};
+use inventory_domain::{OrderId, StockEvent};
 use sea_orm::sea_query::{Alias, Query};
-use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder};
+use sea_orm::{ConnectionTrait, DbErr};
 use uuid::Uuid;
-
-use crate::entities::outbox;
 
 mod lease;
 pub mod relay;
 pub mod source;
 
-pub use lease::fair_share;
 pub use relay::{
     LeaseTooLong, PassReport, Published, Relay, RelayError, RelaySettings, RelayStatus, RelayWake,
 };
@@ -104,22 +101,34 @@ pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> R
     .await
 }
 
-/// The events waiting in the outbox, in write order, decoded as a consumer of `INVENTORY`
-/// would decode them.
-pub async fn pending(conn: &impl ConnectionTrait) -> Result<Vec<StockEvent>, OutboxReadError> {
-    outbox::Entity::find()
-        .order_by_asc(outbox::Column::Seq)
-        .all(conn)
-        .await?
-        .into_iter()
-        .map(|row| Ok(StockEvent::decode(&row.subject, row.payload.as_bytes())?))
-        .collect()
-}
+#[cfg(feature = "harness")]
+pub use read::{OutboxReadError, pending};
 
-#[derive(Debug, thiserror::Error)]
-pub enum OutboxReadError {
-    #[error(transparent)]
-    Database(#[from] DbErr),
-    #[error("an outbox row does not decode: {0}")]
-    Decode(#[from] DecodeError),
+/// The tests' view of the outbox.
+#[cfg(feature = "harness")]
+mod read {
+    use inventory_domain::{DecodeError, StockEvent};
+    use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder};
+
+    use crate::entities::outbox;
+
+    /// The events waiting in the outbox, in write order, decoded as a consumer of `INVENTORY`
+    /// would decode them (the tests' view of the outbox).
+    pub async fn pending(conn: &impl ConnectionTrait) -> Result<Vec<StockEvent>, OutboxReadError> {
+        outbox::Entity::find()
+            .order_by_asc(outbox::Column::Seq)
+            .all(conn)
+            .await?
+            .into_iter()
+            .map(|row| Ok(StockEvent::decode(&row.subject, row.payload.as_bytes())?))
+            .collect()
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    pub enum OutboxReadError {
+        #[error(transparent)]
+        Database(#[from] DbErr),
+        #[error("an outbox row does not decode: {0}")]
+        Decode(#[from] DecodeError),
+    }
 }

@@ -3,7 +3,7 @@
 //!
 //! # One pass
 //!
-//! 1. Leases ([`super::lease`]): every fifth of the lease, heartbeat, renew, and move towards
+//! 1. Leases (`lease.rs`): every fifth of the lease, heartbeat, renew, and move towards
 //!    the fair share of the 16 partitions.
 //! 2. Read every row still waiting in the partitions held, in `seq` order, up to a batch
 //!    (never "seq after the last seen": a row whose transaction commits after a higher seq's
@@ -267,8 +267,8 @@ pub struct PassReport {
     pub more: bool,
 }
 
-/// Rows acknowledged by the stream and not yet removed: what [`Relay::publish_pending`]
-/// leaves for [`Relay::delete_published`].
+/// Rows acknowledged by the stream and not yet removed: what `Relay::publish_pending`
+/// leaves for `Relay::delete_published`.
 #[derive(Debug, Default)]
 pub struct Published {
     pub report: PassReport,
@@ -501,8 +501,10 @@ impl Relay {
     }
 
     /// One pass: the lease round if due, publish what waits, delete what was acknowledged.
-    /// The step [`Self::run`] repeats, public so a test can drive the relay pass by pass.
-    pub async fn pass(&mut self) -> Result<PassReport, RelayError> {
+    /// The step [`Self::run`] repeats; with the `harness` feature public, so a test or a
+    /// benchmark drives the relay pass by pass.
+    #[cfg_attr(feature = "harness", visibility::make(pub))]
+    async fn pass(&mut self) -> Result<PassReport, RelayError> {
         let published = match self.publish_pending().await {
             Ok(published) => published,
             Err(error) => {
@@ -550,8 +552,10 @@ impl Relay {
 
     /// Steps 1 to 3 of a pass: the rows acknowledged by the stream are returned, not yet
     /// deleted. A process that dies here has published rows still in the outbox; the next
-    /// relay republishes them and the stream drops them as duplicates.
-    pub async fn publish_pending(&mut self) -> Result<Published, RelayError> {
+    /// relay republishes them and the stream drops them as duplicates. With the `harness`
+    /// feature public, so a test can stop a relay between the two.
+    #[cfg_attr(feature = "harness", visibility::make(pub))]
+    async fn publish_pending(&mut self) -> Result<Published, RelayError> {
         if self.leases.due(Instant::now()) {
             self.lease_round().await?;
         }
@@ -628,10 +632,7 @@ impl Relay {
     }
 
     /// Step 4 of a pass: removes the rows the stream acknowledged.
-    pub async fn delete_published(
-        &mut self,
-        published: Published,
-    ) -> Result<PassReport, RelayError> {
+    async fn delete_published(&mut self, published: Published) -> Result<PassReport, RelayError> {
         let mut report = published.report;
         if !published.seqs.is_empty() {
             // Rows left here are published again by a later pass: duplicates, dropped by
