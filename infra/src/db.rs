@@ -158,18 +158,22 @@ pub async fn connect_with(
                 .busy_timeout(SQLITE_BUSY_TIMEOUT)
                 .foreign_keys(true)
         });
-    if postgres && !timeouts.statement.is_zero() {
-        // The server's side of the same bound. A client gone silent inside a transaction
-        // leaves its session idle in it, holding its row locks (a book's stock row: every
-        // placement of that book then waits on it) until the server ends the session, which
-        // nothing else makes it do while the TCP connection looks alive.
-        let millis = timeouts.statement.as_millis().to_string();
-        options.map_sqlx_postgres_opts(move |postgres| {
-            postgres.options([
-                ("statement_timeout", &millis),
-                ("idle_in_transaction_session_timeout", &millis),
-            ])
-        });
+    if postgres {
+        // The placement statement is written for READ COMMITTED (docs/natural-key.md, "The
+        // isolation level"): under REPEATABLE READ it would miss a cancellation that committed
+        // while it waited for the order's lock. Asked for here, so a database or role whose
+        // default is another level does not change it.
+        let mut settings = vec![("default_transaction_isolation", "read committed".to_owned())];
+        if !timeouts.statement.is_zero() {
+            // The server's side of the same bound. A client gone silent inside a transaction
+            // leaves its session idle in it, holding its row locks (a book's stock row: every
+            // placement of that book then waits on it) until the server ends the session,
+            // which nothing else makes it do while the TCP connection looks alive.
+            let millis = timeouts.statement.as_millis().to_string();
+            settings.push(("statement_timeout", millis.clone()));
+            settings.push(("idle_in_transaction_session_timeout", millis));
+        }
+        options.map_sqlx_postgres_opts(move |postgres| postgres.options(settings.clone()));
     }
     sea_orm::Database::connect(options).await
 }

@@ -215,11 +215,11 @@ async fn many_lanes_with_different_orders_never_reserve_past_the_stock() {
     assert_eq!(db.reserved(book).await, 10);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancellation_racing_its_placement_always_wins() {
-    let (db, handler) = fixture().await;
+/// Placements racing their cancellations for the order's lock, `rounds` times: the
+/// cancellation wins each race, whichever was started first.
+async fn cancellations_race_their_placements(db: &TestDb, handler: &Handler, rounds: usize) {
     let book = db.dune(10_000).await;
-    for round in 0..30 {
+    for round in 0..rounds {
         let order = OrderId::new_v7();
         let place = placed_for(order, book, 3);
         let cancel = Message::cancelled(order);
@@ -252,6 +252,55 @@ async fn a_cancellation_racing_its_placement_always_wins() {
         assert_eq!(status, ReservationStatus::Released, "round {round}");
     }
     assert_eq!(db.reserved(book).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_racing_its_placement_always_wins() {
+    let (db, handler) = fixture().await;
+    cancellations_race_their_placements(&db, &handler, 30).await;
+}
+
+/// The statement is written for READ COMMITTED: under REPEATABLE READ a placement reads the
+/// order's state from the snapshot its transaction began with, so it misses a cancellation that
+/// committed while it waited for the order's lock, and reserves a cancelled order. The
+/// service's connections ask for READ COMMITTED whatever the database's default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placements_run_at_read_committed_whatever_the_database_default() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let name = db
+        .url
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .split('?')
+        .next()
+        .unwrap();
+    db.conn
+        .execute_unprepared(&format!(
+            "ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"
+        ))
+        .await
+        .unwrap();
+    let conn = inventory_infra::db::connect(&db.url, 4).await.unwrap();
+    let level = conn
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SHOW transaction_isolation",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get_by_index::<String>(0)
+        .unwrap();
+    assert_eq!(level, "read committed");
+    let handler = HandlerKind::NaturalKey(NaturalKeyPath::OneStatement)
+        .build(
+            &conn,
+            inventory_domain::ConsumerName::parse("inventory-reserve-stock-test").unwrap(),
+            None,
+        )
+        .unwrap();
+    cancellations_race_their_placements(&db, &handler, 10).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
