@@ -182,6 +182,9 @@ async fn the_statements_write_the_domains_body_for_every_kind() {
             chrono::DateTime::parse_from_rfc3339(text.as_str().unwrap()).unwrap()
         };
         assert_eq!(instant(&mut sql), instant(&mut domain), "{payload}");
-        assert_eq!(sql, domain, "{subject}: the statement's body is not the domain's");
+        assert_eq!(
+            sql, domain,
+            "{subject}: the statement's body is not the domain's"
+        );
     }
 }

@@ -3,8 +3,8 @@
 //! Placement and cancellation of one order both take the order's lock, which serializes them:
 //! a cancellation that commits first is seen by the placement, and one that commits second sees
 //! the placement's reservation, so a cancellation always wins. On PostgreSQL the lock is
-//! `lock_order` (migration 10), a transaction-scoped advisory lock that reads the order's state
-//! after it is granted: a placement writes no row for it. Only a cancellation writes the
+//! `lock_order` (`m20261201_000010_create_lock_order.rs`), a transaction-scoped advisory lock
+//! that reads the order's state after it is granted: a placement writes no row for it. Only a cancellation writes the
 //! order's `order_states` row. On SQLite every write transaction holds the database's one
 //! writer lock from its `BEGIN IMMEDIATE`, so reading the row is enough.
 //!

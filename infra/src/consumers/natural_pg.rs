@@ -35,6 +35,17 @@ use crate::stock::{DataError, int_column, quantity_column, quantity_from, status
 /// One placement: the steps of the reference handler's `reserve`, in its order, with the
 /// rule of `StockItem::decide_reservation` in `decided`. Comments are `/* */`: the pgbench
 /// script runs this text as one line.
+///
+/// Why two copies cannot both move stock (docs/natural-key.md argues it at length): the
+/// connection runs at READ COMMITTED (`db::connect_with` asks for it), so every CTE here reads
+/// one snapshot, taken when the statement began, and the data-modifying CTEs see one another
+/// only through `RETURNING`. `ON CONFLICT` checks the unique index, not that snapshot: it sees
+/// keys committed after the snapshot, and waits for a key another transaction inserted and has
+/// not committed (a conflict if it commits, an insert if it rolls back). Stock moves only when
+/// `inserted` returned a row, so at most one transaction per key moves it, whatever the message
+/// ids. After a wait, `FOR UPDATE` reads the stock row as last committed and `lock_order` the
+/// order's state with a new snapshot; under REPEATABLE READ the first fails (40001) and the
+/// second misses a cancellation committed while it waited.
 pub const RESERVE_SQL: &str = "\
 WITH existing AS (
     /* Before any lock, so that a copy of a decided placement ends here, having read one row
@@ -50,8 +61,8 @@ WITH existing AS (
     /* lock_order is the order's lock, taken here, after the stock row's: a cancellation of
        the order in flight finishes first, or waits for this statement. It reads the order's
        state with a snapshot of its own, taken once the lock is granted, so a cancellation that
-       committed while this statement waited still wins. Nothing is written for it (migration
-       10). Called here rather than in a CTE of its own, which cost 2% more. */
+       committed while this statement waited still wins. It writes nothing (an advisory lock).
+       Called here rather than in a CTE of its own, which counts 2% more instructions. */
     SELECT CASE WHEN lock_order($1) THEN 'released'
                 WHEN stock.available >= $3 THEN 'reserved'
                 ELSE 'rejected' END AS status,
@@ -72,7 +83,8 @@ WITH existing AS (
     /* The decision's event ($5 its id, $6 its relay partition), committed with it: the
        outbox. Written after decided took the order's lock, so the events of one order are
        numbered in commit order. A placement after the cancellation (released) decided nothing
-       and writes none; the body is StockEvent::body's, built here. */
+       and writes none. The body is StockEvent::body's, built here; a test holds the two equal
+       (the_statements_write_the_domains_body_for_every_kind). */
     INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
     SELECT $5, $6, $1, 'stock.' || inserted.status,
            jsonb_strip_nulls(jsonb_build_object(
