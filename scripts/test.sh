@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432
-# and NATS with JetStream on 127.0.0.1:4222, started if they are not running and installed from
-# Debian's packages if absent, promtool (Debian's prometheus package) for the alert rules, and
-# HAProxy for the failover test. DATABASE_URL / NATS_URL, when set, name other servers instead.
+# Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432,
+# NATS with JetStream on 127.0.0.1:4222 and Redis on 127.0.0.1:6379, started if they are not
+# running and installed from Debian's packages if absent, promtool (Debian's prometheus
+# package) for the alert rules, and HAProxy for the failover test. DATABASE_URL, NATS_URL and
+# REDIS_URL, when set, name other servers instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,6 +65,22 @@ ensure_nats() {
   export NATS_URL=nats://127.0.0.1:4222
 }
 
+# Redis for the demo's cache scenarios (tests/integration/demo.rs); REDIS_URL names another.
+ensure_redis() {
+  if [ -n "${REDIS_URL:-}" ]; then
+    log "Redis: using REDIS_URL"; return
+  fi
+  command -v redis-server >/dev/null || apt_install redis-server
+  if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+    log "starting redis-server"
+    as_root mkdir -p /var/lib/redis /var/log/redis
+    as_root redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" \
+      --appendonly no --dir /var/lib/redis --logfile /var/log/redis/test.log
+    wait_for "Redis" bash -c 'exec 3<>/dev/tcp/127.0.0.1/6379'
+  fi
+  export REDIS_URL=redis://127.0.0.1:6379
+}
+
 # promtool checks and unit-tests the alerting rules under deploy/ (tests/binary/deploy.rs).
 ensure_promtool() {
   command -v promtool >/dev/null || apt_install prometheus
@@ -77,6 +94,7 @@ ensure_haproxy() {
 
 ensure_postgres
 ensure_nats
+ensure_redis
 ensure_promtool
 ensure_haproxy
 fast=$(mktemp)

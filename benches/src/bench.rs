@@ -37,7 +37,7 @@ use crate::bench_hand::Driver;
 use crate::chart::{self, Labels};
 use crate::fresh::FreshDatabase;
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
-use crate::{bench_e2e, bench_pg_bound, bench_relay, bench_sqlite, guard_cost};
+use crate::{bench_e2e, bench_pg_bound, bench_prefilter, bench_relay, bench_sqlite, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::HandlerKind;
@@ -97,6 +97,9 @@ pub enum BenchCommand {
     /// The outbox relay: events/s draining a backlog of pending rows, and the latency from a
     /// decision's commit to its event stored in the stream under a steady flow.
     Relay(Box<bench_relay::RelayArgs>),
+    /// A Redis pre-filter in front of the one-statement natural key: µs per fresh message and
+    /// per duplicate with and without it, side by side in one run.
+    Prefilter(bench_prefilter::PrefilterArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -217,6 +220,7 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         BenchCommand::Relay(args) => bench_relay::run(&args).await.map(|()| true),
         BenchCommand::SqliteBound(args) => bench_sqlite::run(&args).await.map(|()| true),
         BenchCommand::PostgresBound(args) => bench_pg_bound::run(&args).await.map(|()| true),
+        BenchCommand::Prefilter(args) => bench_prefilter::run(&args).await.map(|()| true),
     }
 }
 

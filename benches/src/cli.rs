@@ -27,6 +27,9 @@ pub enum Command {
         /// Server for the fresh database (postgres://…); embedded SQLite when absent.
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: Option<String>,
+        /// Redis for the cache scenarios; they are skipped when none answers there.
+        #[arg(long, env = "REDIS_URL", hide_env_values = true, default_value = demo::DEFAULT_REDIS_URL)]
+        redis_url: String,
     },
     /// Runs one workload with every kind of duplicate through JetStream into each strategy and
     /// prints expected versus actual reserved copies. Exits 0 only if the inbox and the natural
@@ -42,8 +45,11 @@ pub enum Command {
 
 pub async fn run(cli: Cli) -> Result<bool> {
     match cli.command {
-        Command::Demo { database_url } => {
-            let report = demo::run(database_url.as_deref()).await?;
+        Command::Demo {
+            database_url,
+            redis_url,
+        } => {
+            let report = demo::run(database_url.as_deref(), &redis_url).await?;
             print!("{}", report.render());
             let ok = report.all_as_expected();
             if !ok {

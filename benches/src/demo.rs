@@ -13,12 +13,16 @@ use inventory_domain::{
     Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind, StockItem,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::consumers::study::{DedupCache, MistakenConsumer};
+use inventory_infra::consumers::study::MistakenConsumer;
 use inventory_infra::db::{DatabaseConnection, DbBackend};
+use inventory_infra::redact::redact_url;
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, Handler, HandlerKind,
-    InMemoryEmailProvider, NaturalKeyPath, StockRepository,
+    InMemoryEmailProvider, MessageHandler, NaturalKeyPath, StockRepository,
 };
+use sea_orm::{ConnectionTrait, Statement};
+
+use crate::cache::{DedupCache, PreFiltered};
 
 /// How long the second of two concurrent copies may run on SQLite while the first holds its
 /// claim: ample for an unblocked copy to finish, so one still running then is taken as waiting
@@ -97,15 +101,20 @@ impl StudyReport {
     }
 }
 
+/// Where the demo finds Redis for its cache scenarios unless told (`--redis-url`).
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
 /// Runs the study on a fresh database on the server of `database_url` (SQLite when `None`),
-/// removing it afterwards.
-pub async fn run(database_url: Option<&str>) -> Result<StudyReport> {
+/// removing it afterwards. The cache scenarios run on the Redis at `redis_url`, and say they
+/// were skipped when none answers there.
+pub async fn run(database_url: Option<&str>, redis_url: &str) -> Result<StudyReport> {
     let fresh = FreshDatabase::create(database_url, "inventory_demo", 8)
         .await
         .context("creating a fresh database for the demo")?;
     let lab = Lab {
         stock: StockRepository::new(fresh.conn.clone()),
         db: fresh.conn.clone(),
+        redis_url: redis_url.to_owned(),
     };
     let report = lab.run_all().await;
     fresh.remove().await.context("removing the demo database")?;
@@ -115,6 +124,7 @@ pub async fn run(database_url: Option<&str>) -> Result<StudyReport> {
 struct Lab {
     db: DatabaseConnection,
     stock: StockRepository,
+    redis_url: String,
 }
 
 fn name(value: &str) -> Result<ConsumerName> {
@@ -183,6 +193,56 @@ async fn two_copies_at_once(
     Ok((first, second, second_waited))
 }
 
+/// Where the second of two copies at once was seen waiting.
+#[derive(Debug, PartialEq, Eq)]
+enum Waited {
+    /// On PostgreSQL: for a lock, in this statement.
+    OnLock(LockWait),
+    /// On SQLite, which shows no lock waits: still running after [`CONCURRENT_WATCH`].
+    StillRunning,
+    No,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct LockWait {
+    statement: String,
+    tables: String,
+}
+
+/// Two copies at once: where the second waited, both outcomes (first, second), and the
+/// copies reserved after both.
+struct Race {
+    waited: Waited,
+    outcomes: (Outcome, Outcome),
+    reserved: i64,
+}
+
+/// A statement as a line can show it: its verb and its table, `SELECT … FROM stock_items …
+/// FOR UPDATE`, `INSERT INTO inbox`.
+fn statement_summary(sql: &str) -> String {
+    let words: Vec<&str> = sql.split_whitespace().collect();
+    let after = |keyword: &str| {
+        words
+            .windows(2)
+            .find(|pair| pair[0].eq_ignore_ascii_case(keyword))
+            .map_or("?", |pair| pair[1].trim_matches('"'))
+    };
+    let verb = words.first().map(|verb| verb.to_ascii_uppercase());
+    match verb.as_deref() {
+        Some("SELECT") if sql.contains("FOR UPDATE") => {
+            format!("SELECT … FROM {} … FOR UPDATE", after("FROM"))
+        }
+        Some("SELECT") => format!("SELECT … FROM {}", after("FROM")),
+        Some("INSERT") => format!("INSERT INTO {}", after("INTO")),
+        Some("UPDATE") => format!(
+            "UPDATE {}",
+            words.get(1).map_or("?", |t| t.trim_matches('"'))
+        ),
+        Some(other) => other.to_owned(),
+        None => String::new(),
+    }
+}
+
 impl Lab {
     async fn dune(&self, on_hand: i64) -> Result<BookId> {
         let book_id = BookId::new_v7();
@@ -225,9 +285,11 @@ impl Lab {
                 .await?,
             self.record_first().await?,
             self.cache_arbiter().await?,
+            self.cache_prefilter().await?,
             self.second_connection().await?,
             self.key_without_consumer().await?,
             self.claim_last().await?,
+            self.claim_last_two_at_once().await?,
             self.correlation_id_as_key().await?,
             self.payload_mismatch().await?,
             self.insufficient_stock().await?,
@@ -531,10 +593,33 @@ impl Lab {
         })
     }
 
+    /// A cache of the demo's own on the Redis at `redis_url`, its keys under `scenario`; `None`
+    /// when no Redis answers there.
+    async fn cache(&self, scenario: &str) -> Option<DedupCache> {
+        let prefix = format!(
+            "inventory-demo:{scenario}:{}",
+            uuid::Uuid::new_v4().simple()
+        );
+        DedupCache::connect(&self.redis_url, &prefix).await.ok()
+    }
+
+    fn without_redis(&self, label: &'static str) -> ScenarioLine {
+        ScenarioLine {
+            label,
+            text: format!(
+                "skipped: no Redis at {} (start redis-server, or pass --redis-url)",
+                redact_url(&self.redis_url)
+            ),
+            as_expected: true,
+        }
+    }
+
     async fn cache_arbiter(&self) -> Result<ScenarioLine> {
+        let Some(cache) = self.cache("cache-arbiter").await else {
+            return Ok(self.without_redis("cache arbiter"));
+        };
         let book = self.dune(DUNE_ON_HAND).await?;
         let message = order_placed(book, ORDER_QUANTITY)?;
-        let cache = DedupCache::default();
         let crashed = self
             .crashing("cache-arbiter", CrashPoint::BeforeCommit)?
             .claim_in_cache(&cache, &message)
@@ -544,6 +629,7 @@ impl Lab {
             .claim_in_cache(&cache, &message)
             .await?;
         let reserved = self.reserved(book).await?;
+        cache.clear().await?;
         Ok(ScenarioLine {
             label: "cache arbiter",
             text: format!(
@@ -553,6 +639,46 @@ impl Lab {
             as_expected: crashed_at(&crashed, CrashPoint::BeforeCommit)
                 && redelivered == Outcome::Duplicate
                 && reserved == 0,
+        })
+    }
+
+    /// The cache done right: read before the transaction, written after the commit, the
+    /// database's key still the arbiter. A crash between the commit and the cache write leaves
+    /// the cache without the key, and the redelivery is refused by the database instead.
+    async fn cache_prefilter(&self) -> Result<ScenarioLine> {
+        let Some(cache) = self.cache("cache-prefilter").await else {
+            return Ok(self.without_redis("cache pre-filter"));
+        };
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let natural = self.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))?;
+        let crashing = PreFiltered {
+            cache: cache.clone(),
+            handler: natural.with_faults(Faults::crash_once_at(CrashPoint::AfterCommit)),
+        };
+        let crashed = crashing.handle(&message).await;
+        let cached_after_crash = cache.seen(&message).await;
+        let filtered = PreFiltered {
+            cache: cache.clone(),
+            handler: natural,
+        };
+        let redelivered = filtered.handle(&message).await?;
+        let cached_after_redelivery = cache.seen(&message).await;
+        let third = filtered.handle(&message).await?;
+        let reserved = self.reserved(book).await?;
+        cache.clear().await?;
+        Ok(ScenarioLine {
+            label: "cache pre-filter",
+            text: format!(
+                "key cached only after the commit, crash between the commit and the cache write, redelivered -> in the cache: {cached_after_crash}; refused by the database: {}; the next copy skipped by the cache: {cached_after_redelivery}; Dune reserved: {reserved}",
+                redelivered == Outcome::Duplicate
+            ),
+            as_expected: crashed_at(&crashed, CrashPoint::AfterCommit)
+                && !cached_after_crash
+                && redelivered == Outcome::Duplicate
+                && cached_after_redelivery
+                && third == Outcome::Duplicate
+                && reserved == ORDER_QUANTITY,
         })
     }
 
@@ -631,6 +757,129 @@ impl Lab {
                 && reserved == 2
                 && second.wrote_stock_before_claim,
         })
+    }
+
+    /// Two copies at once, the first held just before its commit with all its work done, in
+    /// both orders of claim and work: where the second copy waits, and what it holds then.
+    async fn claim_last_two_at_once(&self) -> Result<ScenarioLine> {
+        let last = self.held_race(true).await?;
+        let first = self.held_race(false).await?;
+        let outcomes_right = [&last, &first].iter().all(|race| {
+            race.outcomes.0.processed()
+                && race.outcomes.1 == Outcome::Duplicate
+                && race.reserved == ORDER_QUANTITY
+        });
+        let (text, waited_where_expected) = match (&last.waited, &first.waited) {
+            (Waited::OnLock(last_wait), Waited::OnLock(first_wait)) => (
+                format!(
+                    "two copies at once -> inbox row last: the second waited in {} holding locks on {}; inbox row first: it waited in {} holding locks on {}; Dune reserved: {} and {}",
+                    last_wait.statement,
+                    last_wait.tables,
+                    first_wait.statement,
+                    first_wait.tables,
+                    last.reserved,
+                    first.reserved
+                ),
+                last_wait.statement.contains("stock_items")
+                    && first_wait.statement.contains("inbox")
+                    && !first_wait.tables.contains("stock_items"),
+            ),
+            (last_wait, first_wait) => (
+                format!(
+                    "two copies at once -> SQLite's one writer holds the second before its first statement whichever comes first, claim or work: still running after {}s: {}, {}; Dune reserved: {} and {} (on PostgreSQL the line shows where each waits)",
+                    CONCURRENT_WATCH.as_secs(),
+                    *last_wait == Waited::StillRunning,
+                    *first_wait == Waited::StillRunning,
+                    last.reserved,
+                    first.reserved
+                ),
+                *last_wait == Waited::StillRunning && *first_wait == Waited::StillRunning,
+            ),
+        };
+        Ok(ScenarioLine {
+            label: "claim last",
+            text,
+            as_expected: outcomes_right && waited_where_expected,
+        })
+    }
+
+    /// Two copies of one order at once, under the inbox with its claim last (`claim_last`) or
+    /// first (the inbox handler), the first held before its commit until the second is seen
+    /// waiting: on PostgreSQL for a lock, on SQLite still running after [`CONCURRENT_WATCH`].
+    async fn held_race(&self, claim_last: bool) -> Result<Race> {
+        let book = self.dune(DUNE_ON_HAND).await?;
+        let message = order_placed(book, ORDER_QUANTITY)?;
+        let consumer = if claim_last {
+            "claim-last-race"
+        } else {
+            "claim-first-race"
+        };
+        let start = |faults: Faults| -> Result<_> {
+            let message = message.clone();
+            Ok(if claim_last {
+                let copy = MistakenConsumer::new(self.db.clone(), name(consumer)?, faults);
+                tokio::spawn(async move { copy.claim_last(&message).await.map(|r| r.outcome) })
+            } else {
+                let copy = self
+                    .consumer_named(HandlerKind::Inbox(DetectMode::OnConflict), consumer)?
+                    .with_faults(faults);
+                tokio::spawn(async move { copy.handle(&message).await })
+            })
+        };
+        let (faults, mut hold) = Faults::hold_once_at(CrashPoint::BeforeCommit);
+        let first = start(faults)?;
+        hold.reached().await;
+        let mut second = start(Faults::none())?;
+        let waited = if self.db.get_database_backend() == DbBackend::Postgres {
+            Waited::OnLock(self.lock_wait().await?)
+        } else if tokio::time::timeout(CONCURRENT_WATCH, &mut second)
+            .await
+            .is_err()
+        {
+            Waited::StillRunning
+        } else {
+            Waited::No
+        };
+        hold.release();
+        let outcomes = (first.await??, second.await??);
+        Ok(Race {
+            waited,
+            outcomes,
+            reserved: self.reserved(book).await?,
+        })
+    }
+
+    /// The statement a session of this database waits in for a lock, and the tables it holds
+    /// locks on meanwhile (`pg_stat_activity`, `pg_locks`), once one is seen waiting.
+    async fn lock_wait(&self) -> Result<LockWait> {
+        const WAITING: &str = "\
+SELECT a.query AS statement,
+       coalesce((SELECT string_agg(DISTINCT c.relname, ', ' ORDER BY c.relname)
+                 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+                 WHERE l.pid = a.pid AND l.granted AND c.relkind = 'r'
+                   AND c.relnamespace <> 'pg_catalog'::regnamespace), '') AS tables
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.wait_event_type = 'Lock'
+LIMIT 1";
+        let seen = async {
+            loop {
+                let row = self
+                    .db
+                    .query_one_raw(Statement::from_string(DbBackend::Postgres, WAITING))
+                    .await?;
+                if let Some(row) = row {
+                    let statement: String = row.try_get("", "statement")?;
+                    return Ok::<_, anyhow::Error>(LockWait {
+                        statement: statement_summary(&statement),
+                        tables: row.try_get("", "tables")?,
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(LOCK_WAIT_LIMIT, seen)
+            .await
+            .context("the second copy never waited for a lock")?
     }
 
     async fn correlation_id_as_key(&self) -> Result<ScenarioLine> {

@@ -13,7 +13,10 @@
 //!   `bench_hand`: the hand-written consumer of the same statement the service is measured
 //!   against; [`bench_sqlite`]: SQLite's own bound, the SQLite handler's statements without
 //!   NATS; [`bench_pg_bound`]: PostgreSQL's, the one-statement handler's statements bound as
-//!   its lanes bind them, without NATS.
+//!   its lanes bind them, without NATS; [`bench_prefilter`]: a Redis pre-filter in front of
+//!   the natural key, what it saves per duplicate and costs per fresh message.
+//! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
+//!   that is not.
 //! - [`fresh`]: a database of its own per run, created and dropped.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
@@ -29,8 +32,10 @@ pub mod bench;
 pub mod bench_e2e;
 mod bench_hand;
 pub mod bench_pg_bound;
+pub mod bench_prefilter;
 pub mod bench_relay;
 pub mod bench_sqlite;
+pub mod cache;
 pub mod chart;
 pub mod cli;
 pub mod compare;

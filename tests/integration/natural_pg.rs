@@ -226,7 +226,7 @@ async fn cancellations_race_their_placements(db: &TestDb, handler: &Handler, rou
         let (a, b) = (handler.clone(), handler.clone());
         // Both take the order's lock, held here until both are seen waiting for it: then they
         // race for it, whichever was started first.
-        let blocker = hold(&db, "SELECT lock_order($1)", order.as_uuid()).await;
+        let blocker = hold(db, "SELECT lock_order($1)", order.as_uuid()).await;
         let (placed, cancelled) = if round % 2 == 0 {
             let place = tokio::spawn(async move { a.handle(&place).await });
             let cancel = tokio::spawn(async move { b.handle(&cancel).await });

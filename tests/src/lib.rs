@@ -56,6 +56,12 @@ pub enum Backend {
     Postgres,
 }
 
+/// The Redis of `REDIS_URL`, else the local one (`scripts/test.sh` starts it): the demo's cache
+/// scenarios run on it.
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| inventory_benches::demo::DEFAULT_REDIS_URL.into())
+}
+
 /// A fresh database for one test, removed when the test ends (even by a panic).
 pub struct TestDb {
     pub backend: Backend,

@@ -1,8 +1,7 @@
 //! Designs that look idempotent and are not, kept so the demo can show each failure on a real
 //! database. Wrong on purpose: never wire one of these into `serve`.
 
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::future::Future;
 
 use inventory_domain::{ConsumerName, Event, Message, Outcome};
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, TransactionTrait};
@@ -12,20 +11,10 @@ use super::{DetectMode, HandleError, HandlerKind, StockConsumer, Strategy, begin
 use crate::entities::stock_items;
 use crate::faults::{CrashPoint, Faults};
 
-/// A dedup set held apart from the database, as a cache such as Redis would hold it.
-#[derive(Clone, Default)]
-pub struct DedupCache {
-    keys: Arc<Mutex<HashSet<String>>>,
-}
-
-impl DedupCache {
-    /// `SET key NX`: true if the key was not there yet.
-    pub fn claim(&self, key: &str) -> bool {
-        self.keys
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(key.to_owned())
-    }
+/// A cache's set-if-absent (`SET key NX` in Redis): the claim of the cache-arbiter design. True
+/// if this call set the key.
+pub trait CacheClaim {
+    fn claim(&self, message: &Message) -> impl Future<Output = bool> + Send;
 }
 
 /// What a copy handled by [`MistakenConsumer::claim_last`] did to the stock row.
@@ -72,12 +61,12 @@ impl MistakenConsumer {
     /// crash before the commit leaves the key claimed and the work undone.
     pub async fn claim_in_cache(
         &self,
-        cache: &DedupCache,
+        cache: &impl CacheClaim,
         message: &Message,
     ) -> Result<Outcome, HandleError> {
         let c = &self.inner;
         let key = message.key.storage_key();
-        if !cache.claim(&key) {
+        if !cache.claim(message).await {
             return Ok(Outcome::Duplicate);
         }
         c.faults.pass(CrashPoint::AfterDedupCheck).await?;
