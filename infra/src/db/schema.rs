@@ -31,7 +31,7 @@ pub enum SchemaError {
     )]
     NotCurrent { missing: Vec<String> },
     #[error(
-        "role {role} lacks {}: grant what deploy/grants.sql grants (README, Deploying)",
+        "role {role} lacks {}: grant what deploy/grants.sql grants (docs/deploying.md)",
         .missing.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     )]
     MissingPrivileges {
