@@ -786,7 +786,7 @@ impl Lab {
             ),
             (last_wait, first_wait) => (
                 format!(
-                    "two copies at once -> SQLite's one writer holds the second before its first statement whichever comes first, claim or work: still running after {}s: {}, {}; Dune reserved: {} and {} (on PostgreSQL the line shows where each waits)",
+                    "two copies at once -> on SQLite's one writer the second waits before its first statement, claim last or first (still running after {}s: {}, {}); Dune reserved: {} and {}; PostgreSQL shows where each waits",
                     CONCURRENT_WATCH.as_secs(),
                     *last_wait == Waited::StillRunning,
                     *first_wait == Waited::StillRunning,

@@ -14,6 +14,7 @@ mod differential;
 mod dlq;
 mod email;
 mod errors;
+mod example;
 mod harness;
 mod health;
 mod inbox;
