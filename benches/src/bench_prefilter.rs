@@ -68,7 +68,9 @@ pub async fn run(args: &PrefilterArgs) -> Result<()> {
             costs.max(0.0) / (costs.max(0.0) + saves) * 100.0
         );
     } else {
-        println!("it never pays for itself here: a cache hit costs what the database's refusal does");
+        println!(
+            "it never pays for itself here: a cache hit costs what the database's refusal does"
+        );
     }
     Ok(())
 }
