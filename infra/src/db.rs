@@ -132,8 +132,9 @@ pub async fn connect_with(
     max_connections: u32,
     timeouts: DbTimeouts,
 ) -> Result<DatabaseConnection, DbErr> {
-    let url = with_default_sslmode(url, std::env::var_os("PGSSLMODE").is_some());
-    let postgres = is_postgres(&url);
+    // TLS as the URL (or PGSSLMODE) says, in either of the driver's spellings (`sslmode`,
+    // `ssl-mode`); unsaid, the driver's default, `prefer`: TLS whenever the server offers it.
+    let postgres = is_postgres(url);
     let mut options = ConnectOptions::new(url);
     options
         .max_connections(max_connections)
@@ -240,18 +241,6 @@ pub async fn open(
     Ok(db)
 }
 
-/// `url` with `sslmode=disable` added when it is PostgreSQL and says nothing of TLS.
-fn with_default_sslmode(url: &str, sslmode_in_environment: bool) -> String {
-    let names_sslmode = url
-        .split_once('?')
-        .is_some_and(|(_, query)| query.split('&').any(|pair| pair.starts_with("sslmode=")));
-    if !is_postgres(url) || names_sslmode || sslmode_in_environment {
-        return url.to_owned();
-    }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}sslmode=disable")
-}
-
 pub fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
@@ -260,7 +249,7 @@ pub fn is_postgres(url: &str) -> bool {
 mod tests {
     use std::time::Duration;
 
-    use super::{bounded, with_default_sslmode, within};
+    use super::{bounded, within};
 
     /// Work whose future holds 4 KiB across its await, as a handler's does.
     async fn heavy_work() -> Result<usize, sea_orm::DbErr> {
@@ -284,25 +273,5 @@ mod tests {
         }
         assert!(matches!(within(bound, heavy_work()).await, Ok(Ok(4096))));
         assert!(matches!(bounded(None, heavy_work()).await, Ok(4096)));
-    }
-
-    #[test]
-    fn tls_is_off_unless_the_url_or_environment_asks() {
-        assert_eq!(
-            with_default_sslmode("postgres://u@h/db", false),
-            "postgres://u@h/db?sslmode=disable"
-        );
-        assert_eq!(
-            with_default_sslmode("postgres://u@h/db?application_name=x", false),
-            "postgres://u@h/db?application_name=x&sslmode=disable"
-        );
-        let asked = "postgresql://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem";
-        assert_eq!(with_default_sslmode(asked, false), asked);
-        assert_eq!(
-            with_default_sslmode("postgres://u@h/db", true),
-            "postgres://u@h/db"
-        );
-        let sqlite = "sqlite://inventory.db?mode=rwc";
-        assert_eq!(with_default_sslmode(sqlite, false), sqlite);
     }
 }

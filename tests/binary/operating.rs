@@ -488,6 +488,20 @@ async fn secrets_never_reach_the_logs_or_help() {
         .unwrap();
     assert!(!bad_db.status.success());
     seen.push_str(&String::from_utf8_lossy(&bad_db.stderr));
+    // The driver takes the password as a parameter too; `serve` names the URL it could not open.
+    let mut bad_db = setup.command(&["serve", "--strategy", "natural"]);
+    with_secrets(&mut bad_db);
+    let bad_db = bad_db
+        .env(
+            "DATABASE_URL",
+            format!("postgres://{role}@127.0.0.1:1/x?password={db_password}"),
+        )
+        .output()
+        .unwrap();
+    assert!(!bad_db.status.success());
+    let stderr = String::from_utf8_lossy(&bad_db.stderr);
+    assert!(stderr.contains("password=***"), "{stderr}");
+    seen.push_str(&stderr);
 
     for secret in secrets {
         assert!(!seen.contains(secret), "{secret} appeared in:\n{seen}");

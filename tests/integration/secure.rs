@@ -181,9 +181,20 @@ async fn postgres_over_tls_through_the_url() {
     let conn = conn.expect("a TLS connection verified against the test CA");
     assert!(uses_tls(&conn).await);
 
-    // Without sslmode in the URL the service does not negotiate TLS, though the server offers it.
-    let plain = db::connect(&server.url(), 1).await.unwrap();
-    assert!(!uses_tls(&plain).await);
+    // Without a TLS setting, the driver's default (prefer): TLS, since the server offers it.
+    let unsaid = db::connect(&server.url(), 1).await.unwrap();
+    assert!(uses_tls(&unsaid).await, "no TLS setting turned TLS off");
+    // Both of the driver's spellings are honoured; only an explicit disable turns it off.
+    for (spelling, tls) in [
+        ("sslmode=require", true),
+        ("ssl-mode=require", true),
+        ("sslmode=disable", false),
+    ] {
+        let conn = db::connect(&format!("{}?{spelling}", server.url()), 1)
+            .await
+            .unwrap();
+        assert_eq!(uses_tls(&conn).await, tls, "{spelling}");
+    }
 
     // verify-full without the CA: the server's certificate is not trusted.
     let unverified = format!("{}?sslmode=verify-full", server.url());
