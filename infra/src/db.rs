@@ -17,7 +17,7 @@ use inventory_migrations::{Migrator, MigratorTrait};
 pub use probe::{Probe, ProbeError};
 pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
-use sea_orm::{ConnectOptions, ConnectionTrait, Statement};
+use sea_orm::{ConnectOptions, ConnectionTrait, Statement, TransactionTrait};
 pub use sea_orm::{DatabaseConnection, DbBackend, DbErr};
 
 /// The embedded default: a SQLite file in the working directory.
@@ -202,9 +202,47 @@ pub async fn check_writable(db: &DatabaseConnection) -> Result<(), DbErr> {
     Ok(())
 }
 
-/// Applies every pending migration.
+/// The advisory lock the migrations run under on PostgreSQL: ("migr", 1), apart from the
+/// purge's and the orders' locks.
+const MIGRATION_LOCK: (i32, i32) = (0x6d69_6772, 1);
+
+/// Applies every pending migration, one migrator at a time: on PostgreSQL in one transaction
+/// that first takes an advisory lock, so instances starting together on an empty database
+/// apply them once while the others wait, then find nothing to do; a migrator that dies
+/// releases the lock with its session. A schema a newer release migrated is refused, naming
+/// what this binary can do on it.
 pub async fn migrate(db: &DatabaseConnection) -> Result<(), DbErr> {
-    Migrator::up(db, None).await
+    if db.get_database_backend() != DbBackend::Postgres {
+        refuse_newer_schema(db).await?;
+        return Migrator::up(db, None).await;
+    }
+    let txn = db.begin().await?;
+    txn.execute_raw(Statement::from_sql_and_values(
+        DbBackend::Postgres,
+        "SELECT pg_advisory_xact_lock($1, $2)",
+        [MIGRATION_LOCK.0.into(), MIGRATION_LOCK.1.into()],
+    ))
+    .await?;
+    refuse_newer_schema(&txn).await?;
+    // Each migration runs in a savepoint of this transaction; the lock is held to the commit.
+    Migrator::up(&txn, None).await?;
+    txn.commit().await
+}
+
+/// Refuses a schema with migrations this binary does not know: a newer release applied them,
+/// and sea-orm's own refusal ("Migration file … is missing") says nothing of what to do.
+async fn refuse_newer_schema(conn: &impl ConnectionTrait) -> Result<(), DbErr> {
+    let unknown = schema::unknown_migrations(conn).await?;
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(DbErr::Custom(format!(
+        "the schema is newer than this binary: migration {} was applied by a newer release. \
+         This binary runs on it with --skip-migrations (env INVENTORY_SKIP_MIGRATIONS), which \
+         changes no schema and checks that every migration it knows is applied; it cannot \
+         apply or undo the newer ones (docs/deploying.md, upgrading and rolling back)",
+        unknown.join(", ")
+    )))
 }
 
 /// [`connect_with`] then [`migrate`], statements unbounded: for `inventory migrate` and the

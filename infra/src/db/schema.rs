@@ -82,15 +82,8 @@ pub(super) async fn check_current(db: &DatabaseConnection) -> Result<(), SchemaE
             }],
         });
     }
-    let applied: HashSet<String> = if present {
-        db.query_all_raw(Statement::from_string(
-            backend,
-            format!("SELECT version FROM {}", grants::MIGRATIONS_TABLE),
-        ))
-        .await?
-        .iter()
-        .map(|row| row.try_get::<String>("", "version"))
-        .collect::<Result<_, _>>()?
+    let applied = if present {
+        applied_versions(db).await?
     } else {
         HashSet::new()
     };
@@ -104,6 +97,49 @@ pub(super) async fn check_current(db: &DatabaseConnection) -> Result<(), SchemaE
     } else {
         Err(SchemaError::NotCurrent { missing })
     }
+}
+
+/// The migrations recorded as applied. The table must exist.
+async fn applied_versions(conn: &impl ConnectionTrait) -> Result<HashSet<String>, DbErr> {
+    conn.query_all_raw(Statement::from_string(
+        conn.get_database_backend(),
+        format!("SELECT version FROM {}", grants::MIGRATIONS_TABLE),
+    ))
+    .await?
+    .iter()
+    .map(|row| row.try_get::<String>("", "version"))
+    .collect()
+}
+
+/// The migrations recorded as applied that this binary does not know, in order; none where
+/// nothing was ever migrated.
+pub(super) async fn unknown_migrations(conn: &impl ConnectionTrait) -> Result<Vec<String>, DbErr> {
+    let backend = conn.get_database_backend();
+    let present = match backend {
+        DbBackend::Postgres => "SELECT to_regclass('seaql_migrations') IS NOT NULL AS present",
+        _ => {
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master \
+             WHERE type = 'table' AND name = 'seaql_migrations') AS present"
+        }
+    };
+    let row = conn
+        .query_one_raw(Statement::from_string(backend, present))
+        .await?
+        .ok_or_else(|| DbErr::RecordNotFound("the migrations table's check".into()))?;
+    if !row.try_get::<bool>("", "present")? {
+        return Ok(Vec::new());
+    }
+    let known: HashSet<String> = Migrator::migrations()
+        .iter()
+        .map(|migration| migration.name().to_owned())
+        .collect();
+    let mut unknown: Vec<String> = applied_versions(conn)
+        .await?
+        .into_iter()
+        .filter(|version| !known.contains(version))
+        .collect();
+    unknown.sort();
+    Ok(unknown)
 }
 
 /// The grants of `inventory_migrations::grants`, each looked up for the current role in one
