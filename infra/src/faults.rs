@@ -47,6 +47,9 @@ pub struct Faults {
 struct Plan {
     crash: Mutex<Option<CrashPoint>>,
     hold: Mutex<Option<(CrashPoint, Gate)>>,
+    /// Panics there instead: a bug in a handler, which the consumer loop must not outlive
+    /// unnoticed.
+    panic: Mutex<Option<CrashPoint>>,
 }
 
 struct Gate {
@@ -94,6 +97,18 @@ impl Faults {
         Self::planned(Some(hold_at), Some(crash_at))
     }
 
+    /// The handler panics the first time it reaches `point`.
+    pub fn panic_once_at(point: CrashPoint) -> Self {
+        let faults = Self::planned(None, None).0;
+        if let Some(plan) = &faults.plan {
+            *plan
+                .panic
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(point);
+        }
+        faults
+    }
+
     fn planned(hold_at: Option<CrashPoint>, crash_at: Option<CrashPoint>) -> (Self, Hold) {
         let (reached_tx, reached_rx) = oneshot::channel();
         let (release_tx, release_rx) = oneshot::channel();
@@ -105,6 +120,7 @@ impl Faults {
             plan: Some(Arc::new(Plan {
                 crash: Mutex::new(crash_at),
                 hold: Mutex::new(hold_at.map(|point| (point, gate))),
+                panic: Mutex::new(None),
             })),
         };
         let hold = Hold {
@@ -123,6 +139,9 @@ impl Faults {
         if let Some(gate) = gate {
             let _ = gate.reached.send(());
             let _ = gate.release.await;
+        }
+        if take_if(&plan.panic, |panic| *panic == point).is_some() {
+            panic!("injected panic at {}", point.as_str());
         }
         match take_if(&plan.crash, |crash| *crash == point) {
             Some(point) => Err(HandleError::Crashed(point)),

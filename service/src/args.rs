@@ -284,3 +284,30 @@ pub fn natural_key_path() -> impl TypedValueParser<Value = NaturalKeyPath> {
         [NaturalKeyPath::OneStatement, NaturalKeyPath::Orm];
     one_of(&ON_THE_COMMAND_LINE, NaturalKeyPath::as_str)
 }
+
+/// Where `/metrics` and the health endpoints listen: an address, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsAddr(pub Option<std::net::SocketAddr>);
+
+/// On every interface, so that an orchestrator's probes reach it.
+pub const DEFAULT_METRICS_ADDR: &str = "0.0.0.0:9090";
+
+impl std::str::FromStr for MetricsAddr {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        if value.eq_ignore_ascii_case("off") {
+            return Ok(Self(None));
+        }
+        value.parse().map(|addr| Self(Some(addr)))
+    }
+}
+
+/// The flag of `serve` and `relay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MetricsArgs {
+    /// Serves /metrics, /livez, /readyz and /healthz at this address, from before the set-up
+    /// begins; `off` serves none of them.
+    #[arg(long, env = "METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
+    pub metrics_addr: MetricsAddr,
+}

@@ -8,7 +8,8 @@
 //!   [`policy`]: what becomes of a delivery (ack, nak after a delay, dead letter), as a pure
 //!   function.
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
-//!   horizon guard ([`retention`]), Prometheus metrics and the health check ([`metrics`]).
+//!   horizon guard ([`retention`]), Prometheus metrics ([`metrics`]) and the health endpoints
+//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]).
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands.
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
@@ -19,6 +20,7 @@
 pub mod args;
 pub mod cli;
 pub mod dlq;
+pub mod health;
 pub mod metrics;
 pub mod policy;
 pub mod publish;

@@ -1,33 +1,17 @@
-//! Prometheus metrics and the health check of `inventory serve`, on `--metrics-addr`.
-//!
-//! `GET /metrics`: the text exposition of the `prometheus` crate's registry. `GET /healthz`:
-//! 200 with `{"nats":"connected","database":"reachable"}` when both hold, else 503 with what
-//! failed, so an orchestrator restarts or stops routing to an instance that cannot work. The
-//! database is asked on a connection of the check's own ([`Probe`]), not through the pool: a
-//! pool whose connections are all taken says nothing of whether the database answers. Where
-//! an outbox relay runs, `"relay"` says `"publishing"`, or `"failing"` (503) once it has failed
-//! for longer than its `--relay-unhealthy-after` to publish rows that wait.
+//! Prometheus metrics of `inventory serve` and `inventory relay`, served on `--metrics-addr`
+//! beside the health endpoints ([`crate::health`]).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use inventory_infra::db::{DatabaseConnection, Probe};
-use inventory_infra::jetstream::{self, ConsumerState};
+use inventory_infra::jetstream::ConsumerState;
 use inventory_infra::outbox::RelayStatus;
 use prometheus::{
     Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
-use tokio_util::sync::CancellationToken;
 
 use crate::runtime::Disposition;
 
@@ -47,6 +31,7 @@ pub struct Metrics {
     ack_pending: IntGaugeVec,
     purged: IntCounter,
     processing_older: IntGauge,
+    task_failures: IntCounterVec,
     outbox: OutboxMetrics,
     /// The relay of this process, once one runs: read at each scrape and health check.
     relay: Arc<Mutex<Option<WatchedRelay>>>,
@@ -65,14 +50,14 @@ struct OutboxMetrics {
 }
 
 #[derive(Clone)]
-struct WatchedRelay {
+pub(crate) struct WatchedRelay {
     outbox: String,
     status: RelayStatus,
     unhealthy_after: Duration,
 }
 
 impl WatchedRelay {
-    fn failing(&self) -> bool {
+    pub(crate) fn failing(&self) -> bool {
         self.status
             .failing_for()
             .is_some_and(|failing| failing > self.unhealthy_after)
@@ -253,7 +238,17 @@ impl Metrics {
         registry.register(Box::new(pending.clone()))?;
         registry.register(Box::new(ack_pending.clone()))?;
         registry.register(Box::new(purged.clone()))?;
+        let task_failures = IntCounterVec::new(
+            Opts::new(
+                "inventory_task_failures_total",
+                "Tasks of the process that ended while the service ran (a lane whose handler \
+                 panicked, the relay): the process then stops, with an error, for its \
+                 supervisor to restart it.",
+            ),
+            &["task"],
+        )?;
         registry.register(Box::new(processing_older.clone()))?;
+        registry.register(Box::new(task_failures.clone()))?;
         let outbox = OutboxMetrics::new(&registry)?;
         Ok(Self {
             outbox,
@@ -269,6 +264,7 @@ impl Metrics {
             ack_pending,
             purged,
             processing_older,
+            task_failures,
         })
     }
 
@@ -276,6 +272,7 @@ impl Metrics {
     pub fn consumer(&self, consumer: &str) -> ConsumerMetrics {
         ConsumerMetrics {
             consumer: consumer.to_owned(),
+            task_failures: self.task_failures.clone(),
             messages: self.messages.clone(),
             dead_letters: self.dead_letters.clone(),
             handling: self.handling.with_label_values(&[consumer]),
@@ -307,8 +304,22 @@ impl Metrics {
         *lock(&self.relay) = Some(watched);
     }
 
-    fn watched_relay(&self) -> Option<WatchedRelay> {
+    pub(crate) fn watched_relay(&self) -> Option<WatchedRelay> {
         lock(&self.relay).clone()
+    }
+
+    /// How long the oldest delivery in flight, of any consumer, has been handled.
+    pub fn oldest_in_flight(&self) -> Duration {
+        lock(&self.in_flight_since)
+            .values()
+            .map(InFlightSince::oldest_age)
+            .max()
+            .unwrap_or(Duration::ZERO)
+    }
+
+    /// Counts a task of the process (a lane, the relay) that ended while the service ran.
+    pub fn task_failed(&self, task: &str) {
+        self.task_failures.with_label_values(&[task]).inc();
     }
 
     /// The text exposition format.
@@ -331,6 +342,7 @@ impl Metrics {
 #[derive(Clone)]
 pub struct ConsumerMetrics {
     consumer: String,
+    task_failures: IntCounterVec,
     messages: IntCounterVec,
     dead_letters: IntCounterVec,
     handling: Histogram,
@@ -373,6 +385,11 @@ impl Drop for InFlight {
 }
 
 impl ConsumerMetrics {
+    /// Counts a task of the process that ended while the service ran.
+    pub fn task_failed(&self, task: &str) {
+        self.task_failures.with_label_values(&[task]).inc();
+    }
+
     /// The consumer's counts as the server has them.
     pub fn record_lag(&self, state: &ConsumerState) {
         self.pending
@@ -410,91 +427,4 @@ impl ConsumerMetrics {
             .inc();
         self.handling.observe(elapsed.as_secs_f64());
     }
-}
-
-/// What `/healthz` checks.
-#[derive(Clone)]
-struct Health {
-    metrics: Metrics,
-    nats: jetstream::Client,
-    database: Arc<Probe>,
-}
-
-/// Binds `addr` and serves `/metrics` and `/healthz` until `stop` fires. Returns the bound
-/// address (useful with port 0) once it listens.
-pub async fn serve(
-    addr: SocketAddr,
-    metrics: Metrics,
-    nats: jetstream::Client,
-    db: DatabaseConnection,
-    stop: CancellationToken,
-) -> anyhow::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics address {addr}"))?;
-    let bound = listener.local_addr()?;
-    let app = Router::new()
-        .route("/metrics", get(render_metrics))
-        .route("/healthz", get(healthz))
-        .with_state(Health {
-            metrics,
-            nats,
-            database: Arc::new(Probe::new(&db)),
-        });
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await;
-        if let Err(error) = served {
-            tracing::error!(%error, "metrics server stopped");
-        }
-    });
-    tracing::info!(addr = %bound, "serving /metrics and /healthz");
-    Ok(bound)
-}
-
-async fn render_metrics(State(health): State<Health>) -> impl IntoResponse {
-    match health.metrics.render() {
-        Ok(text) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            text,
-        ),
-        Err(error) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(header::CONTENT_TYPE, "text/plain")],
-            error.to_string(),
-        ),
-    }
-}
-
-async fn healthz(State(health): State<Health>) -> impl IntoResponse {
-    let nats_ok = jetstream::is_connected(&health.nats);
-    // Bounded: a database that hangs must not hang the probe too.
-    let db_ok = match health.database.check(Duration::from_secs(2)).await {
-        Ok(()) => true,
-        Err(error) => {
-            // Every poll during an outage fails: the 503 says it; DEBUG says why.
-            tracing::debug!(%error, "health check: database unreachable");
-            false
-        }
-    };
-    let relay_ok = health.metrics.watched_relay().map(|relay| !relay.failing());
-    let status = if nats_ok && db_ok && relay_ok != Some(false) {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    let mut body = serde_json::json!({
-        "nats": if nats_ok { "connected" } else { "disconnected" },
-        "database": if db_ok { "reachable" } else { "unreachable" },
-    });
-    if let Some(ok) = relay_ok {
-        body["relay"] = if ok { "publishing" } else { "failing" }.into();
-    }
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
 }

@@ -14,7 +14,8 @@ use inventory_infra::redact::redact_url;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::args::{NatsArgs, OrdersDatabaseArgs, TopologyArgs};
+use crate::args::{MetricsAddr, MetricsArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
+use crate::health::{Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::runtime::Shutdown;
 
@@ -112,10 +113,8 @@ pub struct RelayCommandArgs {
     pub topology: TopologyArgs,
     #[command(flatten)]
     pub relay: RelayArgs,
-    /// Serves Prometheus metrics on /metrics and a health check on /healthz at this address
-    /// (e.g. 0.0.0.0:9090); off when absent.
-    #[arg(long, env = "METRICS_ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
 }
 
 /// Sets the relay up: its stream created if absent (differences of an existing one logged),
@@ -138,7 +137,20 @@ pub async fn prepare(
 pub struct RunningRelay {
     stop: CancellationToken,
     task: JoinHandle<()>,
+    /// Why the relay ended while it should have run, once [`Self::ended`] saw it.
+    failure: Option<String>,
     pub status: RelayStatus,
+}
+
+/// How a relay came to its end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RelayEnd {
+    /// Asked to stop, it finished its last pass and gave its partitions back.
+    Stopped,
+    /// Cut short by an immediate stop: rows published and not yet removed stay in the outbox.
+    Abandoned,
+    /// It ended while it should have run: why.
+    Failed(String),
 }
 
 impl RunningRelay {
@@ -152,24 +164,61 @@ impl RunningRelay {
             "relaying the outbox"
         );
         let task = tokio::spawn(relay.run(stop.clone()));
-        Self { stop, task, status }
+        Self {
+            stop,
+            task,
+            failure: None,
+            status,
+        }
+    }
+
+    /// Resolves only if the relay ends before it is asked to stop (it panicked), with why; its
+    /// rows then wait for another relay. The caller reports it (`report_task_failure`) and
+    /// stops the process.
+    pub async fn ended(&mut self) -> String {
+        if self.failure.is_none() {
+            let ended = (&mut self.task).await;
+            self.failure = Some(match ended {
+                Ok(()) => "returned while the service ran".to_owned(),
+                Err(error) => match error.try_into_panic() {
+                    Ok(panic) => {
+                        format!("panicked: {}", crate::runtime::panic_text(panic.as_ref()))
+                    }
+                    Err(error) => format!("was cancelled: {error}"),
+                },
+            });
+        }
+        self.failure.clone().unwrap_or_default()
     }
 
     /// Stops the relay: the pass in flight finishes, one last pass publishes what was just
     /// committed, and its partitions are given back. `immediate` cuts that short, leaving
     /// published rows that were not yet removed for the next relay to republish (the stream
-    /// drops them as duplicates). True when it stopped on its own.
-    pub async fn stop(self, immediate: &CancellationToken) -> bool {
+    /// drops them as duplicates).
+    pub async fn stop(self, immediate: &CancellationToken) -> RelayEnd {
+        if let Some(failure) = self.failure {
+            return RelayEnd::Failed(failure);
+        }
         self.stop.cancel();
         let mut task = self.task;
         tokio::select! {
-            _ = &mut task => true,
+            ended = &mut task => match ended {
+                Ok(()) => RelayEnd::Stopped,
+                Err(error) => RelayEnd::Failed(error.to_string()),
+            },
             () = immediate.cancelled() => {
                 task.abort();
-                false
+                RelayEnd::Abandoned
             }
         }
     }
+}
+
+/// The ERROR line, the metric and `/livez` for a task that ended while the service ran.
+pub(crate) fn report_task_failure(task: &str, why: &str, metrics: &Metrics, liveness: &Liveness) {
+    tracing::error!(task, %why, "a task of the service ended; stopping");
+    metrics.task_failed(task);
+    liveness.task_failed(task, why);
 }
 
 /// `inventory relay`: publishes the outbox until SIGINT or SIGTERM. Ok(true) when it stopped
@@ -177,6 +226,23 @@ impl RunningRelay {
 pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     crate::serve::listen_for_signals(shutdown.clone())?;
+    let background = CancellationToken::new();
+    let _stop_background = background.clone().drop_guard();
+    let (metrics, liveness, readiness) =
+        (Metrics::new()?, Liveness::default(), Readiness::default());
+    if let MetricsAddr(Some(addr)) = args.metrics.metrics_addr {
+        // Up before the set-up. Nothing is in flight here, so nothing is ever stuck.
+        let health = (metrics.clone(), liveness.clone(), readiness.clone());
+        crate::health::serve(
+            addr,
+            health.0,
+            health.1,
+            health.2,
+            Duration::MAX,
+            background.clone(),
+        )
+        .await?;
+    }
     let url = database_url(args.source, &args.databases);
     let db = db::open(
         url,
@@ -194,29 +260,35 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
         ..args.relay.settings()
     };
     let relay = prepare(&js, db.clone(), source, &stream, settings).await?;
-    let background = CancellationToken::new();
-    let _stop_background = background.clone().drop_guard();
-    if let Some(addr) = args.metrics_addr {
-        let metrics = Metrics::new()?;
-        metrics.watch_relay(
-            relay.source().table(),
-            relay.status(),
-            args.relay.relay_unhealthy_after,
-        );
-        crate::metrics::serve(addr, metrics, client.clone(), db, background.clone()).await?;
+    metrics.watch_relay(
+        relay.source().table(),
+        relay.status(),
+        args.relay.relay_unhealthy_after,
+    );
+    readiness.ready(client.clone(), &db);
+    let mut running = RunningRelay::start(relay);
+    tokio::select! {
+        () = shutdown.graceful.cancelled() => {}
+        why = running.ended() => report_task_failure("relay", &why, &metrics, &liveness),
     }
-    let running = RunningRelay::start(relay);
-    shutdown.graceful.cancelled().await;
-    if !running.stop(&shutdown.immediate).await {
-        eprintln!(
-            "error: stopped at once; rows published and not yet removed will be republished \
-             by the next relay (the stream drops them as duplicates)"
-        );
-        return Ok(false);
+    match running.stop(&shutdown.immediate).await {
+        RelayEnd::Stopped => {
+            client.drain().await?;
+            tracing::info!("relay stopped; bye");
+            Ok(true)
+        }
+        RelayEnd::Abandoned => {
+            eprintln!(
+                "error: stopped at once; rows published and not yet removed will be \
+                 republished by the next relay (the stream drops them as duplicates)"
+            );
+            Ok(false)
+        }
+        RelayEnd::Failed(why) => {
+            client.drain().await?;
+            anyhow::bail!("the relay {why}; its rows wait for another relay")
+        }
     }
-    client.drain().await?;
-    tracing::info!("relay stopped; bye");
-    Ok(true)
 }
 
 /// `inventory outbox …`

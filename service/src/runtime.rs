@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
@@ -29,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, field};
 
+use crate::health::Liveness;
 use crate::metrics::ConsumerMetrics;
 use crate::policy::{self, Acked, Action, RetryPolicy};
 
@@ -103,6 +105,8 @@ pub enum RuntimeError {
     ConsumerName(#[from] inventory_domain::FieldError),
     #[error("the message stream of consumer {0} ended")]
     StreamEnded(String),
+    #[error("a lane {0}: the other lanes were stopped")]
+    LaneFailed(String),
 }
 
 /// A consumer set up on the server, ready to start.
@@ -117,6 +121,7 @@ pub struct ConsumerRuntime {
     /// The stream's `max_age`; zero: none.
     max_age: Duration,
     relay_wake: Option<RelayWake>,
+    liveness: Liveness,
 }
 
 impl ConsumerRuntime {
@@ -157,6 +162,7 @@ impl ConsumerRuntime {
             consumer,
             server_consumer,
             relay_wake: None,
+            liveness: Liveness::default(),
         })
     }
 
@@ -165,6 +171,11 @@ impl ConsumerRuntime {
     /// event to the relay's backup poll.
     pub fn wake_relay_on_events(&mut self, wake: RelayWake) {
         self.relay_wake = Some(wake);
+    }
+
+    /// Where a lane that ends while the others run is reported (`/livez`).
+    pub fn report_failures_to(&mut self, liveness: Liveness) {
+        self.liveness = liveness;
     }
 
     pub fn settings(&self) -> &RuntimeSettings {
@@ -232,7 +243,19 @@ impl ConsumerRuntime {
         let lanes = TaskTracker::new();
         let task = tokio::spawn({
             let (shutdown, lanes) = (shutdown.clone(), lanes.clone());
-            async move { run(&self.consumer, worker, self.db, lanes, shutdown, timeout).await }
+            let liveness = self.liveness;
+            async move {
+                run(
+                    &self.consumer,
+                    worker,
+                    self.db,
+                    lanes,
+                    shutdown,
+                    timeout,
+                    liveness,
+                )
+                .await
+            }
         });
         Running {
             shutdown,
@@ -337,6 +360,12 @@ struct LaneSettings {
 /// `concurrency` lanes each take the next message from the shared pull stream and handle it to
 /// its end. Each lane holds its own clone of the handler, so a handler that keeps a connection
 /// per clone keeps one per lane, for as long as the loop runs.
+///
+/// A lane ends only once told to stop. One that ends before (its handler panicked) is a fault
+/// the other lanes cannot serve around: it is reported (an ERROR line, the task-failure metric,
+/// `/livez`), the other lanes stop as on a signal, and the loop returns
+/// [`RuntimeError::LaneFailed`], so the process exits with an error for its supervisor to
+/// restart it, rather than idle with fewer lanes or none.
 async fn run<H: MessageHandler>(
     consumer: &PullConsumer,
     worker: Worker<H>,
@@ -344,6 +373,7 @@ async fn run<H: MessageHandler>(
     tracker: TaskTracker,
     shutdown: Shutdown,
     shutdown_timeout: Duration,
+    liveness: Liveness,
 ) -> Result<Ending, RuntimeError> {
     let lanes = worker.lanes.concurrency;
     // The client asks for more once half a pull is used up: pulling twice what the lanes hold
@@ -354,16 +384,43 @@ async fn run<H: MessageHandler>(
     // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
     let stop = shutdown.graceful.child_token();
     let stream_ended = Arc::new(AtomicBool::new(false));
-    for _ in 0..lanes {
-        tracker.spawn(lane(
-            worker.clone(),
-            messages.clone(),
-            db.clone(),
-            stop.clone(),
-            stream_ended.clone(),
-        ));
-    }
+    let mut running: FuturesUnordered<_> = (0..lanes)
+        .map(|_| {
+            tracker.spawn(lane(
+                worker.clone(),
+                messages.clone(),
+                db.clone(),
+                stop.clone(),
+                stream_ended.clone(),
+            ))
+        })
+        .collect();
     tracker.close();
+    let ended_early = tokio::select! {
+        () = stop.cancelled() => None,
+        Some(ended) = running.next() => (!stop.is_cancelled()).then_some(ended),
+    };
+    if let Some(ended) = ended_early {
+        let why = match ended {
+            Ok(()) => "returned while the service ran".to_owned(),
+            Err(error) => match error.try_into_panic() {
+                Ok(panic) => format!("panicked: {}", panic_text(panic.as_ref())),
+                Err(error) => format!("was cancelled: {error}"),
+            },
+        };
+        tracing::error!(%why, "a lane ended; stopping the other lanes");
+        liveness.task_failed("lane", &why);
+        if let Some(metrics) = &worker.metrics {
+            metrics.task_failed("lane");
+        }
+        stop.cancel();
+        tokio::select! {
+            () = tracker.wait() => {}
+            () = shutdown.immediate.cancelled() => {}
+            () = tokio::time::sleep(shutdown_timeout) => {}
+        }
+        return Err(RuntimeError::LaneFailed(why));
+    }
     stop.cancelled().await;
     if stream_ended.load(Ordering::Relaxed) {
         return Err(RuntimeError::StreamEnded(
@@ -376,6 +433,15 @@ async fn run<H: MessageHandler>(
         () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
         () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
     }
+}
+
+/// What a panic said, if it said it as text.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 /// One lane: fetch, handle to the end, repeat, until `stop`.

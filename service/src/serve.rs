@@ -12,14 +12,22 @@ use inventory_infra::redact::redact_url;
 use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
 
-use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, detect_mode, natural_key_path};
+use crate::args::{
+    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, TopologyArgs, detect_mode, natural_key_path,
+};
+use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
-use crate::relay::{RelayArgs, RunningRelay};
+use crate::relay::{RelayArgs, RelayEnd, RunningRelay};
 use crate::retention::{self, AllowanceArgs, PurgeSettings};
 use crate::runtime::{ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
 const LAG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How far past its bound (the database work's, else the ack wait) a delivery may stay in
+/// flight before `/livez` calls the lane stuck: the ack or the dead letter after the work
+/// needs NATS, whose own requests are bounded well inside it.
+const STUCK_MARGIN: Duration = Duration::from_secs(30);
 
 /// The strategy `serve` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -119,10 +127,8 @@ pub struct ServeArgs {
     /// instead of a refusal).
     #[arg(long)]
     pub accept_short_retention: bool,
-    /// Serves Prometheus metrics on /metrics and a health check on /healthz at this address
-    /// (e.g. 0.0.0.0:9090); off when absent.
-    #[arg(long, env = "METRICS_ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
 }
 
 /// SQLite's defaults, shaped for its one writer. Two lanes: one in the writer while the other
@@ -215,6 +221,26 @@ pub(crate) fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
 pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     listen_for_signals(shutdown.clone())?;
+    let background = CancellationToken::new();
+    // Stops the purge and the health server however start() returns.
+    let _stop_background = background.clone().drop_guard();
+    // The health endpoints are up before the set-up: /livez answers at once, /readyz says
+    // "starting" until the database, NATS and the relay are set up.
+    let (metrics, liveness, readiness) =
+        (Metrics::new()?, Liveness::default(), Readiness::default());
+    if let MetricsAddr(Some(addr)) = args.metrics.metrics_addr {
+        let stuck_after = args.database.timeouts().work().unwrap_or(args.ack_wait) + STUCK_MARGIN;
+        let health = (metrics.clone(), liveness.clone(), readiness.clone());
+        health::serve(
+            addr,
+            health.0,
+            health.1,
+            health.2,
+            stuck_after,
+            background.clone(),
+        )
+        .await?;
+    }
 
     let db = db::open(
         &args.database.database_url,
@@ -234,10 +260,8 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let settings = args.runtime_settings(db.get_database_backend());
     let consumer_name = settings.consumer.durable_name.clone();
     let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
+    runtime.report_failures_to(liveness.clone());
 
-    let background = CancellationToken::new();
-    // Stops the purge and the metrics server however start() returns.
-    let _stop_background = background.clone().drop_guard();
     if !args.purge_interval.is_zero() {
         // The server's values rule, whatever this process would have set.
         let horizon = retention::horizon(
@@ -272,31 +296,14 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             )
             .await?;
             runtime.wake_relay_on_events(relay.wake());
+            metrics.watch_relay(
+                relay.source().table(),
+                relay.status(),
+                args.relay.relay_unhealthy_after,
+            );
             Some(relay)
         }
         StrategyArg::Inbox | StrategyArg::Email => None,
-    };
-    let metrics = match args.metrics_addr {
-        Some(addr) => {
-            let metrics = Metrics::new()?;
-            if let Some(relay) = &relay {
-                metrics.watch_relay(
-                    relay.source().table(),
-                    relay.status(),
-                    args.relay.relay_unhealthy_after,
-                );
-            }
-            crate::metrics::serve(
-                addr,
-                metrics.clone(),
-                client.clone(),
-                db.clone(),
-                background.clone(),
-            )
-            .await?;
-            Some(metrics)
-        }
-        None => None,
     };
     let mut purge_guard = None;
     if !args.purge_interval.is_zero() {
@@ -311,7 +318,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             db.clone(),
             consumer_name.clone(),
             settings,
-            metrics.clone(),
+            Some(metrics.clone()),
             stop.clone(),
         )?;
         purge_guard = Some(stop.drop_guard());
@@ -333,21 +340,51 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         concurrency = runtime.settings().concurrency,
         "consuming"
     );
-    let metrics = metrics.map(|metrics| metrics.consumer(&consumer_name));
-    let relay = relay.map(RunningRelay::start);
-    let immediate = shutdown.immediate.clone();
-    let running = runtime.start(handler, metrics.clone(), shutdown);
-    if let Some(metrics) = metrics {
-        running.report_lag(metrics, LAG_INTERVAL);
-    }
-    let ending = running.wait().await?;
+    let consumer_metrics = metrics.consumer(&consumer_name);
+    let mut relay = relay.map(RunningRelay::start);
+    let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
+    let running = runtime.start(handler, Some(consumer_metrics.clone()), shutdown);
+    running.report_lag(consumer_metrics, LAG_INTERVAL);
+    readiness.ready(client.clone(), &db);
+    let lanes = running.wait();
+    tokio::pin!(lanes);
+    // The relay must run as long as the lanes: one that ends stops them, and the process.
+    let relay_ended = async {
+        match relay.as_mut() {
+            Some(relay) => relay.ended().await,
+            None => std::future::pending().await,
+        }
+    };
+    let lanes_ended = tokio::select! {
+        ended = &mut lanes => ended,
+        why = relay_ended => {
+            crate::relay::report_task_failure("relay", &why, &metrics, &liveness);
+            graceful.cancel();
+            lanes.await
+        }
+    };
     drop(purge_guard);
     // After the lanes: the relay's last pass publishes what their last messages committed.
-    if let Some(relay) = relay
-        && !relay.stop(&immediate).await
-    {
-        tracing::warn!("outbox relay stopped at once; the rows it had not removed stay");
-    }
+    let relay_end = match relay {
+        Some(relay) => relay.stop(&immediate).await,
+        None => RelayEnd::Stopped,
+    };
+    let ending = match (lanes_ended, relay_end) {
+        (Err(error), _) => {
+            // What finished was acked: flush those acks before failing.
+            let _ = client.drain().await;
+            return Err(error);
+        }
+        (Ok(_), RelayEnd::Failed(why)) => {
+            let _ = client.drain().await;
+            anyhow::bail!("the outbox relay {why}; its rows wait for another relay")
+        }
+        (Ok(ending), RelayEnd::Abandoned) => {
+            tracing::warn!("outbox relay stopped at once; the rows it had not removed stay");
+            ending
+        }
+        (Ok(ending), RelayEnd::Stopped) => ending,
+    };
     match ending {
         Ending::Drained => {
             // Flushes the acks of the last messages before the process ends.

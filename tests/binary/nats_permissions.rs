@@ -45,6 +45,7 @@ fn command(run: &BinaryRun, server: &NatsServer, name: &str, password: &str) -> 
         .env("NATS_URL", server.url())
         .env("NATS_USER", name)
         .env("NATS_PASSWORD", password)
+        .env("METRICS_ADDR", "127.0.0.1:0")
         .env("RUST_LOG", "info,sqlx=warn");
     command
 }

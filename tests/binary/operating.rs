@@ -252,12 +252,14 @@ async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
         "--purge-batch-size",
         "100",
     ]);
+    // The listener is up before the set-up, saying `starting` until it is done; `/livez`
+    // answers 200 all along.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while http_get(port, "/healthz").is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the metrics server never listened"
-        );
+    while http_get(port, "/healthz").is_none_or(|(_, body)| body.contains("starting")) {
+        assert!(Instant::now() < deadline, "never done starting");
+        if let Some((status, body)) = http_get(port, "/livez") {
+            assert_eq!(status, 200, "/livez during the set-up: {body}");
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
     let (status, health) = http_get(port, "/healthz").unwrap();

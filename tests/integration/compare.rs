@@ -153,7 +153,7 @@ async fn every_row_as_predicted_on_sqlite() {
     assert_eq!(report.workload.instances_per_strategy, 1);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_rates_are_refused_before_anything_is_made() {
     let mut wrong = settings(1, "postgres://nowhere.invalid/postgres".into()).await;
     wrong.rates.redelivery = 0.7;

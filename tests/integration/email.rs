@@ -351,7 +351,7 @@ on_both_backends!(
     email_with_a_file_mailbox_is_reconciled_after_a_restart,
 );
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_mailbox_keeps_sent_mail_across_a_reopen() {
     let file = TempFile::new();
     let mailbox = FileMailbox::open(&file.0).await.unwrap();
@@ -372,7 +372,7 @@ async fn file_mailbox_keeps_sent_mail_across_a_reopen() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_mailbox_sends_once_per_idempotency_key() {
     let file = TempFile::new();
     let mailbox = FileMailbox::open(&file.0).await.unwrap();
@@ -415,7 +415,7 @@ async fn file_mailbox_concurrent_sends_of_one_key_write_one_line() {
     assert_eq!(lines_in(&file.0).len(), 1);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_mailbox_cuts_off_a_torn_last_line() {
     let file = TempFile::new();
     let mailbox = FileMailbox::open(&file.0).await.unwrap();
@@ -443,7 +443,7 @@ async fn file_mailbox_cuts_off_a_torn_last_line() {
     assert_eq!(again.sent_count().await, 2);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_mailbox_refuses_a_corrupt_line_before_the_last() {
     let file = TempFile::new();
     let mailbox = FileMailbox::open(&file.0).await.unwrap();
@@ -457,7 +457,7 @@ async fn file_mailbox_refuses_a_corrupt_line_before_the_last() {
     ));
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_mailbox_is_owned_by_one_opener_at_a_time() {
     let file = TempFile::new();
     let first = FileMailbox::open(&file.0).await.unwrap();

@@ -75,7 +75,7 @@ fn is_permanent(result: &Result<Outcome, HandleError>) -> bool {
     )
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_error_keeps_its_sqlstate_and_is_classified_by_it() {
     let db = fresh_postgres().await;
     let error = |statement: &'static str| {
@@ -158,7 +158,7 @@ async fn reserved(db: &FreshDatabase, book: BookId) -> i64 {
         .reserved
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_batch_path_keeps_each_error_its_code_and_kind() {
     let db = fresh_postgres().await;
     db.conn
@@ -197,7 +197,7 @@ async fn the_batch_path_keeps_each_error_its_code_and_kind() {
     db.remove().await.expect("database removed");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_reservation_is_refused_on_every_path_and_alone() {
     let db = fresh_postgres().await;
     let (reference, one_statement) = handlers(&db);

@@ -1,6 +1,8 @@
-//! `/healthz` follows the database and NATS: 503 while either is gone, 200 again once it is
-//! back. An orchestrator's probe acts on it, so a health check that stays 503 after an outage
-//! would take a working instance out.
+//! `/readyz` (and `/healthz`, its first name) follows the database and NATS: 503 while either
+//! is gone, 200 again once it is back; `/livez` does not, so that an outage never restarts the
+//! instances that will resume by themselves. An orchestrator's probes act on them: a readiness
+//! that stays 503 after an outage would take a working instance out, a liveness that follows
+//! the database would restart every instance at once.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -8,7 +10,8 @@ use std::time::{Duration, Instant};
 use inventory_benches::fresh::FreshDatabase;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream;
-use inventory_service::metrics::{self, Metrics};
+use inventory_service::health::{self, Liveness, Readiness};
+use inventory_service::metrics::Metrics;
 use inventory_tests::broker::eventually;
 use inventory_tests::nats::NatsServer;
 use inventory_tests::pg_server::PostgresServer;
@@ -17,7 +20,8 @@ use sea_orm::TransactionTrait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-/// `/healthz` served in-process on `db` and a client of `nats_url`, until `stop`.
+/// The health endpoints served in-process, ready on `db` and a client of `nats_url`, until
+/// `stop`.
 async fn serve_health(
     nats_url: &str,
     db: DatabaseConnection,
@@ -26,11 +30,14 @@ async fn serve_health(
     let client = jetstream::connect(nats_url, "inventory health test")
         .await
         .unwrap();
-    metrics::serve(
+    let readiness = Readiness::default();
+    readiness.ready(client, &db);
+    health::serve(
         "127.0.0.1:0".parse().unwrap(),
         Metrics::new().unwrap(),
-        client,
-        db,
+        Liveness::default(),
+        readiness,
+        Duration::from_secs(60),
         stop.clone(),
     )
     .await
@@ -39,9 +46,14 @@ async fn serve_health(
 
 /// The status and the JSON body of `GET /healthz`.
 pub(crate) async fn healthz(addr: SocketAddr) -> (u16, serde_json::Value) {
+    get(addr, "/healthz").await
+}
+
+/// The status and the JSON body of `GET path`.
+pub(crate) async fn get(addr: SocketAddr, path: &str) -> (u16, serde_json::Value) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     stream
-        .write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut response = String::new();
@@ -79,12 +91,18 @@ async fn healthz_is_503_while_the_database_is_down_and_200_once_it_is_back() {
     // Twice: the second outage finds the pool the first one left behind.
     for _ in 0..2 {
         server.stop().await;
-        let (status, body) = healthz(addr).await;
-        assert_eq!(status, 503, "{body}");
-        assert_eq!(body["database"], "unreachable");
-        assert_eq!(body["nats"], "connected");
+        for path in ["/healthz", "/readyz"] {
+            let (status, body) = get(addr, path).await;
+            assert_eq!(status, 503, "{path}: {body}");
+            assert_eq!(body["database"], "unreachable");
+            assert_eq!(body["nats"], "connected");
+        }
+        let (status, body) = get(addr, "/livez").await;
+        assert_eq!(status, 200, "/livez followed the database: {body}");
         server.start_again().await;
         wait_for_health(addr, 200, "database", "reachable").await;
+        assert_eq!(get(addr, "/readyz").await.0, 200);
+        assert_eq!(get(addr, "/livez").await.0, 200);
     }
     stop.cancel();
 }
@@ -151,5 +169,47 @@ async fn healthz_is_503_while_nats_is_disconnected_and_200_once_it_is_back() {
     assert_eq!(healthz(addr).await.1["database"], "reachable");
     server.start_again().await;
     wait_for_health(addr, 200, "nats", "connected").await;
+    stop.cancel();
+}
+
+/// Before the set-up is done `/readyz` says `starting` and `/livez` is 200: a slow start (the
+/// migrations, a stream electing its leader) is not a dead process. A task that ended while
+/// the service ran makes `/livez` 503, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_starting_until_set_up_and_livez_follows_the_tasks() {
+    let (liveness, readiness) = (Liveness::default(), Readiness::default());
+    let stop = CancellationToken::new();
+    let addr = health::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        Metrics::new().unwrap(),
+        liveness.clone(),
+        readiness.clone(),
+        Duration::from_secs(60),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let (status, body) = get(addr, "/readyz").await;
+    assert_eq!((status, body["status"].as_str()), (503, Some("starting")));
+    assert_eq!(
+        get(addr, "/livez").await,
+        (
+            200,
+            serde_json::json!({"tasks": "running", "oldest_in_flight_seconds": 0.0})
+        )
+    );
+
+    let db = TestDb::new(Backend::Postgres).await;
+    let client = jetstream::connect(&inventory_tests::nats::shared_url().await, "health test")
+        .await
+        .unwrap();
+    readiness.ready(client, &db.conn);
+    assert_eq!(get(addr, "/readyz").await.0, 200);
+
+    liveness.task_failed("lane", "panicked: injected");
+    let (status, body) = get(addr, "/livez").await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["tasks"], "failed");
+    assert_eq!(body["failure"], "lane panicked: injected");
     stop.cancel();
 }

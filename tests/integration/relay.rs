@@ -10,7 +10,8 @@ use inventory_infra::CrashPoint;
 use inventory_infra::jetstream;
 use inventory_infra::outbox::{OutboxSource, Relay, RelaySettings, Retry};
 use inventory_infra::{Faults, Handler, HandlerKind, NaturalKeyPath};
-use inventory_service::metrics::{self, Metrics};
+use inventory_service::health::{self, Liveness, Readiness};
+use inventory_service::metrics::Metrics;
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::nats::NatsServer;
 use inventory_tests::outbox::{
@@ -583,11 +584,14 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
     let metrics = Metrics::new().unwrap();
     metrics.watch_relay(TABLE, status.clone(), Duration::from_millis(300));
     let stop = CancellationToken::new();
-    let addr = metrics::serve(
+    let readiness = Readiness::default();
+    readiness.ready(broker.client.clone(), &db.conn);
+    let addr = health::serve(
         "127.0.0.1:0".parse().unwrap(),
         metrics.clone(),
-        broker.client.clone(),
-        db.conn.clone(),
+        Liveness::default(),
+        readiness,
+        Duration::from_secs(60),
         stop.clone(),
     )
     .await

@@ -492,3 +492,43 @@ async fn an_existing_stream_and_consumer_are_kept_and_their_differences_reported
     assert_eq!(drifts[0].setting, "max_deliver");
     assert_eq!(consumer.info().await.unwrap().config.max_deliver, 5);
 }
+
+/// A lane whose handler panics takes no more messages and must not leave the process idling
+/// with fewer lanes, or none, and a healthy look: the loop reports it (`/livez` reads the
+/// liveness), stops the other lanes and ends with an error, for the supervisor to restart the
+/// process. The message is left unacked, and a new loop (the restarted process) reserves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_whose_handler_panics_stops_the_loop_with_an_error() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let book = db.dune(10).await;
+    let natural = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement));
+    let panicking = natural.with_faults(Faults::panic_once_at(CrashPoint::BeforeStatement));
+    let service =
+        RunningService::start(&broker, panicking, db.conn.clone(), broker.settings(4, 5)).await;
+    let liveness = service.liveness.clone();
+    broker.publisher().publish(&placed(book, 2)).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(30), service.wait())
+        .await
+        .expect("the loop ended")
+        .expect_err("the loop failed");
+    assert!(
+        ended
+            .to_string()
+            .contains("panicked: injected panic at before-statement"),
+        "{ended}"
+    );
+    assert!(
+        liveness
+            .failure()
+            .is_some_and(|why| why.contains("panicked")),
+        "{:?}",
+        liveness.failure()
+    );
+    assert_eq!(db.reserved(book).await, 0);
+
+    let restarted =
+        RunningService::start(&broker, natural, db.conn.clone(), broker.settings(4, 5)).await;
+    reserved_reaches(&db, book, 2).await;
+    assert_eq!(restarted.stop().await, Ending::Drained);
+}

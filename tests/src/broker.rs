@@ -10,6 +10,7 @@ use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
 use inventory_infra::outbox::RelayWake;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_service::health::Liveness;
 use inventory_service::runtime::{
     ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
 };
@@ -193,6 +194,8 @@ impl Drop for Broker {
 pub struct RunningService {
     running: Running,
     pub stats: Arc<Stats>,
+    /// Where the loop reports a lane that ended while it ran, as `/livez` reads it.
+    pub liveness: Liveness,
 }
 
 impl RunningService {
@@ -221,10 +224,13 @@ impl RunningService {
         if let Some(wake) = relay {
             runtime.wake_relay_on_events(wake);
         }
+        let liveness = Liveness::default();
+        runtime.report_failures_to(liveness.clone());
         let running = runtime.start(handler, None, Shutdown::default());
         Self {
             stats: running.stats.clone(),
             running,
+            liveness,
         }
     }
 
@@ -244,6 +250,11 @@ impl RunningService {
     /// Asks for a graceful stop and waits for the loop to end.
     pub async fn stop(self) -> Ending {
         self.running.stop().await.unwrap()
+    }
+
+    /// Waits for the loop to end by itself: how it ended.
+    pub async fn wait(self) -> anyhow::Result<Ending> {
+        self.running.wait().await
     }
 }
 
