@@ -44,12 +44,10 @@ async fn work_abandoned_on_a_silent_connection_gives_its_pool_slot_back() {
     let db = TestDb::new(Backend::Postgres).await;
     let proxy = FaultProxy::in_front_of(&db.url).await;
     // One connection: a slot kept by the silent one would leave none.
-    // Without TLS: over TLS, sqlx 0.9 closes a connection by shutting its TLS session down,
-    // which waits on the silent peer, and the slot stays taken (seen here: this test fails
-    // over TLS). docs/deploying.md says so under the network's bounds.
-    let url = proxy.url_for(&db.url);
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let pool = db::connect_with(&format!("{url}{separator}sslmode=disable"), 1, TIMEOUTS)
+    // Without TLS, as the proxy's URL says: over TLS, sqlx 0.9 closes a connection by shutting
+    // its TLS session down, which waits on the silent peer, and the slot stays taken (this test
+    // fails that way over TLS). docs/deploying.md says so under the network's bounds.
+    let pool = db::connect_with(&proxy.url_for(&db.url), 1, TIMEOUTS)
         .await
         .unwrap();
     let select = || pool.execute_unprepared("SELECT 1");

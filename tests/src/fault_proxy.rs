@@ -116,8 +116,16 @@ impl FaultProxy {
 
     /// `url` (`postgres://…@host:port/…`, `nats://host:port`) with its host and port
     /// replaced by the proxy's.
+    /// `url` through this proxy. A PostgreSQL URL that says nothing of TLS gets
+    /// `sslmode=disable`: the proxy reads the protocol to place its faults (after a commit,
+    /// after a query naming a table), which TLS would hide from it.
     pub fn url_for(&self, url: &str) -> String {
-        with_address(url, self.addr)
+        let url = with_address(url, self.addr);
+        if !inventory_infra::db::is_postgres(&url) || url.contains("sslmode=") {
+            return url;
+        }
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}sslmode=disable")
     }
 
     /// Forwards as is; new connections go through again after a blackhole.
