@@ -16,10 +16,20 @@ use crate::args::{DatabaseArgs, MigrateArgs, NatsArgs, OrdersDatabaseArgs, Topol
 use crate::retention::{AllowanceArgs, PURGE_FLAGS, horizon, refusal_message};
 use crate::{dlq, publish, relay, serve, study};
 
+/// `inventory --version`: the release, the commit it was built from and the build's date.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("INVENTORY_GIT_COMMIT"),
+    ", built ",
+    env!("INVENTORY_BUILD_DATE"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "inventory",
-    version,
+    version = VERSION,
     about = "Idempotent consumers of OrderPlaced: the bookstore's Inventory service and its study"
 )]
 pub struct Cli {

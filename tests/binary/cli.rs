@@ -184,3 +184,38 @@ fn inbox_purge_reports_what_it_did() {
     let bad = inventory(&["inbox", "purge", "--older-than", "soon"], &db.url());
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// `--version` names the release, the commit the binary was built from and the build's date,
+/// so a running instance can be traced to its source.
+#[test]
+fn version_names_the_commit_and_the_build_date() {
+    let output = Command::new(inventory_tests::binary::inventory())
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let version = String::from_utf8(output.stdout).unwrap();
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let head = String::from_utf8(head.stdout).unwrap();
+    let (_, date) = version
+        .trim_end()
+        .strip_suffix(')')
+        .and_then(|rest| rest.rsplit_once(", built "))
+        .unwrap_or_else(|| panic!("no build date in {version:?}"));
+    assert!(
+        version.starts_with(&format!(
+            "inventory {} (commit {}, built ",
+            env!("CARGO_PKG_VERSION"),
+            head.trim()
+        )),
+        "{version:?}, HEAD {head:?}"
+    );
+    assert!(
+        date.len() == 10 && date.as_bytes()[4] == b'-' && date.as_bytes()[7] == b'-',
+        "{date:?}"
+    );
+}
