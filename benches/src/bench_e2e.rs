@@ -179,7 +179,7 @@ async fn measure(
         events_subject_prefix: format!("bench{suffix}.inventory"),
         ..Topology::default()
     };
-    let client = jetstream::connect(&args.nats.nats_url, "inventory bench").await?;
+    let client = jetstream::connect(args.nats.url(), "inventory bench").await?;
     let js = jetstream::context(client.clone());
     jetstream::ensure_streams(&js, &topology).await?;
     let outcome = publish_and_consume(args, consumer, lanes, fresh, &books, &js, &topology).await;

@@ -52,7 +52,7 @@ pub async fn run(args: &RelayArgs) -> Result<()> {
     if !args.database_url.starts_with("postgres") {
         bail!("the relay benchmark runs on PostgreSQL");
     }
-    let client = jetstream::connect(&args.nats.nats_url, "inventory bench relay").await?;
+    let client = jetstream::connect(args.nats.url(), "inventory bench relay").await?;
     let js = jetstream::context(client.clone());
     drain(args, &js).await?;
     latency(args, &client, &js).await

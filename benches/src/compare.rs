@@ -147,7 +147,7 @@ impl CompareArgs {
                 .database_url
                 .clone()
                 .unwrap_or_else(|| LOCAL_POSTGRES.to_owned()),
-            nats_url: self.nats.nats_url.clone(),
+            nats_url: self.nats.url().to_owned(),
             ack_wait: self.ack_wait,
             concurrency: self.concurrency,
         }

@@ -21,6 +21,7 @@ use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
 use inventory_domain::{EventKind, Message, StockEvent};
+use secrecy::{ExposeSecret as _, SecretString};
 
 pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, dlq_headers};
 
@@ -714,36 +715,21 @@ pub fn header_map(headers: Option<&HeaderMap>) -> BTreeMap<String, String> {
 }
 
 /// How to authenticate to NATS and secure the connection; all empty by default (no auth, TLS
-/// only if the URL says `tls://` or the server requires it). Secrets are never printed: `Debug`
-/// shows only which ones are set.
-#[derive(Clone, Default)]
+/// only if the URL says `tls://` or the server requires it). The secrets are `secrecy`'s:
+/// `Debug` never prints them.
+#[derive(Debug, Clone, Default)]
 pub struct NatsSecurity {
     /// A `.creds` file (JWT and NKey seed).
     pub credentials_file: Option<PathBuf>,
     pub user: Option<String>,
-    pub password: Option<String>,
-    pub token: Option<String>,
+    pub password: Option<SecretString>,
+    pub token: Option<SecretString>,
     /// PEM file of the CA that signed the server's certificate.
     pub tls_ca: Option<PathBuf>,
     /// PEM client certificate and key, for servers that verify clients.
     pub tls_client_cert: Option<(PathBuf, PathBuf)>,
     /// Refuse a connection without TLS.
     pub require_tls: bool,
-}
-
-impl std::fmt::Debug for NatsSecurity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let set = |present: bool| if present { "<set>" } else { "<unset>" };
-        f.debug_struct("NatsSecurity")
-            .field("credentials_file", &self.credentials_file)
-            .field("user", &self.user)
-            .field("password", &set(self.password.is_some()))
-            .field("token", &set(self.token.is_some()))
-            .field("tls_ca", &self.tls_ca)
-            .field("tls_client_cert", &self.tls_client_cert)
-            .field("require_tls", &self.require_tls)
-            .finish()
-    }
 }
 
 /// How long NATS may stay silent before the client acts.
@@ -826,11 +812,17 @@ pub async fn connect_with(
             )))?;
     }
     if let Some(user) = &security.user {
-        options =
-            options.user_and_password(user.clone(), security.password.clone().unwrap_or_default());
+        options = options.user_and_password(
+            user.clone(),
+            security
+                .password
+                .as_ref()
+                .map(|password| password.expose_secret().to_owned())
+                .unwrap_or_default(),
+        );
     }
     if let Some(token) = &security.token {
-        options = options.token(token.clone());
+        options = options.token(token.expose_secret().to_owned());
     }
     if let Some(ca) = &security.tls_ca {
         options = options.add_root_certificates(ca.clone());

@@ -1,4 +1,6 @@
-//! Flags shared by several commands.
+//! Flags shared by several commands. Each default is the one its settings type gives
+//! (`DbTimeouts::default()`, `NatsTimeouts::default()`, `Topology::default()`, …), shown by
+//! `--help`; the environment variables and the configuration file are [`crate::config`]'s.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -7,31 +9,94 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use inventory_infra::db::{DEFAULT_DATABASE_URL, DbTimeouts, SchemaPolicy};
 use inventory_infra::jetstream::{self, NatsSecurity, NatsTimeouts, Topology};
 use inventory_infra::{DetectMode, NaturalKeyPath};
+use secrecy::{ExposeSecret as _, SecretString};
+use tokio_util::sync::CancellationToken;
 
-/// `Debug` masks the URL's password.
-#[derive(Clone, clap::Args)]
+use crate::runtime::RuntimeSettings;
+
+/// A default `--help` can show: a duration as it is written (`30s`, `2m`).
+pub fn shown(duration: Duration) -> String {
+    humantime::format_duration(duration).to_string()
+}
+
+/// A secret's flag: the value held so that `Debug` never prints it.
+pub fn secret(value: &str) -> Result<SecretString, std::convert::Infallible> {
+    Ok(SecretString::from(value))
+}
+
+/// Which database, and whether it must be named.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Database")]
+pub struct DatabaseUrlArgs {
+    /// Database URL: postgres://… or sqlite://…. Unset: an embedded SQLite file, inventory.db
+    /// in the working directory, which is this process's own.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = secret)]
+    pub database_url: Option<SecretString>,
+    /// Refuses to run unless the database is named (DATABASE_URL), rather than use the
+    /// embedded SQLite file: for an image or a unit, where that file would be one instance's
+    /// alone and a restart may lose it.
+    #[arg(long)]
+    pub require_database_url: bool,
+}
+
+impl DatabaseUrlArgs {
+    /// The URL named, or the embedded SQLite file's.
+    pub fn url(&self) -> &str {
+        self.database_url
+            .as_ref()
+            .map_or(DEFAULT_DATABASE_URL, |url| url.expose_secret())
+    }
+
+    /// Logs, at WARN, that no database was named and which file is used instead: a long-running
+    /// command says so at start, since another instance would keep stock of its own.
+    pub fn warn_if_implicit(&self) {
+        if self.database_url.is_none() {
+            let file = std::env::current_dir()
+                .unwrap_or_default()
+                .join(embedded_file());
+            tracing::warn!(
+                file = %file.display(),
+                "no DATABASE_URL: using the embedded SQLite file {}, this process's own; another \
+                 instance keeps its own stock, and a container loses it when it is replaced",
+                file.display()
+            );
+        }
+    }
+}
+
+/// The file of [`DEFAULT_DATABASE_URL`].
+fn embedded_file() -> &'static str {
+    let path = DEFAULT_DATABASE_URL.trim_start_matches("sqlite://");
+    path.split_once('?').map_or(path, |(path, _)| path)
+}
+
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Database")]
 pub struct DatabaseArgs {
-    /// Database URL: postgres://… or sqlite://….
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true, default_value = DEFAULT_DATABASE_URL)]
-    pub database_url: String,
+    #[command(flatten)]
+    pub url: DatabaseUrlArgs,
     /// Runs no DDL: checks that every migration is applied and that the role holds the grants
     /// of deploy/grants.sql, and refuses to start otherwise (for a role that may not change the
     /// schema; `inventory migrate` applies them).
-    #[arg(long, env = "INVENTORY_SKIP_MIGRATIONS", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long)]
     pub skip_migrations: bool,
     /// How long opening a database connection may take (TCP, TLS, start-up, authentication);
     /// a connection from the pool is waited for twice as long.
-    #[arg(long, env = "DB_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(DbTimeouts::default().connect), value_parser = humantime::parse_duration)]
     pub db_connect_timeout: Duration,
     /// PostgreSQL's statement_timeout on every connection, and the client's own bound (this
     /// plus 1 s) on a message's database work, which alone catches a server that went silent:
     /// past it the work is abandoned, its connection closed, and the message retried. 0s: no
     /// bound. Migrations are never bounded.
-    #[arg(long, env = "DB_STATEMENT_TIMEOUT", default_value = "15s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(DbTimeouts::default().statement), value_parser = humantime::parse_duration)]
     pub db_statement_timeout: Duration,
 }
 
 impl DatabaseArgs {
+    pub fn url(&self) -> &str {
+        self.url.url()
+    }
+
     pub fn timeouts(&self) -> DbTimeouts {
         DbTimeouts {
             connect: self.db_connect_timeout,
@@ -48,21 +113,13 @@ impl DatabaseArgs {
     }
 }
 
-/// The database `inventory migrate` changes. `Debug` masks the URL's password.
-#[derive(Clone, clap::Args)]
-pub struct MigrateArgs {
-    /// Database URL: postgres://… or sqlite://….
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true, default_value = DEFAULT_DATABASE_URL)]
-    pub database_url: String,
-}
-
-/// The orders producer's database; the inventory database unless named. `Debug` masks the
-/// URLs' passwords.
-#[derive(Clone, clap::Args)]
+/// The orders producer's database; the inventory database unless named.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Database")]
 pub struct OrdersDatabaseArgs {
     /// The orders database URL: postgres://… or sqlite://…; DATABASE_URL's by default.
-    #[arg(long, env = "ORDERS_DATABASE_URL", hide_env_values = true)]
-    pub orders_database_url: Option<String>,
+    #[arg(long, env = "ORDERS_DATABASE_URL", hide_env_values = true, value_parser = secret)]
+    pub orders_database_url: Option<SecretString>,
     #[command(flatten)]
     pub database: DatabaseArgs,
 }
@@ -70,74 +127,66 @@ pub struct OrdersDatabaseArgs {
 impl OrdersDatabaseArgs {
     pub fn url(&self) -> &str {
         self.orders_database_url
-            .as_deref()
-            .unwrap_or(&self.database.database_url)
+            .as_ref()
+            .map_or_else(|| self.database.url(), |url| url.expose_secret())
     }
 }
 
-/// The NATS server and how to reach it. `Debug` is not derived: it would print the secrets.
-#[derive(Clone, clap::Args)]
+/// The NATS server and how to reach it.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "NATS")]
 pub struct NatsArgs {
-    /// NATS server URL.
+    /// NATS server URL; several servers of a cluster, comma separated.
     #[arg(
         long,
         env = "NATS_URL",
         hide_env_values = true,
-        default_value = "nats://127.0.0.1:4222"
+        default_value = "nats://127.0.0.1:4222",
+        value_parser = secret
     )]
-    pub nats_url: String,
+    pub nats_url: SecretString,
     /// NATS credentials file (JWT and NKey seed).
-    #[arg(long, env = "NATS_CREDS", hide_env_values = true)]
+    #[arg(long)]
     pub nats_creds: Option<PathBuf>,
     /// NATS user, with --nats-password.
-    #[arg(long, env = "NATS_USER", hide_env_values = true)]
+    #[arg(long)]
     pub nats_user: Option<String>,
-    /// NATS password; prefer the environment variable to the flag, which `ps` shows.
-    #[arg(
-        long,
-        env = "NATS_PASSWORD",
-        hide_env_values = true,
-        requires = "nats_user"
-    )]
-    pub nats_password: Option<String>,
-    /// NATS token; prefer the environment variable to the flag, which `ps` shows.
-    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
-    pub nats_token: Option<String>,
+    /// NATS password; prefer the environment variable or its file to the flag, which `ps`
+    /// shows.
+    #[arg(long, requires = "nats_user", value_parser = secret)]
+    pub nats_password: Option<SecretString>,
+    /// NATS token; prefer the environment variable or its file to the flag, which `ps` shows.
+    #[arg(long, value_parser = secret)]
+    pub nats_token: Option<SecretString>,
     /// PEM file of the CA that signed the NATS server's certificate.
-    #[arg(long, env = "NATS_TLS_CA", hide_env_values = true)]
+    #[arg(long)]
     pub nats_tls_ca: Option<PathBuf>,
     /// PEM client certificate, for a NATS server that verifies clients (with --nats-tls-key).
-    #[arg(
-        long,
-        env = "NATS_TLS_CERT",
-        hide_env_values = true,
-        requires = "nats_tls_key"
-    )]
+    #[arg(long, requires = "nats_tls_key")]
     pub nats_tls_cert: Option<PathBuf>,
     /// PEM key of the client certificate.
-    #[arg(
-        long,
-        env = "NATS_TLS_KEY",
-        hide_env_values = true,
-        requires = "nats_tls_cert"
-    )]
+    #[arg(long, requires = "nats_tls_cert")]
     pub nats_tls_key: Option<PathBuf>,
     /// Refuse to connect to NATS without TLS.
-    #[arg(long, env = "NATS_REQUIRE_TLS", hide_env_values = true)]
+    #[arg(long)]
     pub nats_require_tls: bool,
     /// How long dialling a NATS server may take, at start and on each reconnect.
-    #[arg(long, env = "NATS_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(NatsTimeouts::default().connect), value_parser = humantime::parse_duration)]
     pub nats_connect_timeout: Duration,
     /// How often the client pings the NATS server; two pings unanswered and it reconnects, so
     /// a connection gone silent without closing is given up after two to three of these.
-    #[arg(long, env = "NATS_PING_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(NatsTimeouts::default().ping_interval), value_parser = humantime::parse_duration)]
     pub nats_ping_interval: Duration,
     /// How long a JetStream API request or a publish waits for its answer.
-    #[arg(long, env = "NATS_REQUEST_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(NatsTimeouts::default().request), value_parser = humantime::parse_duration)]
     pub nats_request_timeout: Duration,
 }
 
 impl NatsArgs {
+    pub fn url(&self) -> &str {
+        self.nats_url.expose_secret()
+    }
+
     pub fn security(&self) -> NatsSecurity {
         NatsSecurity {
             credentials_file: self.nats_creds.clone(),
@@ -160,37 +209,38 @@ impl NatsArgs {
 
     /// Connects with these flags' URL, credentials, TLS and timeouts.
     pub async fn connect(&self, name: &str) -> Result<jetstream::Client, jetstream::NatsError> {
-        jetstream::connect_with(&self.nats_url, name, &self.security(), self.timeouts()).await
+        jetstream::connect_with(self.url(), name, &self.security(), self.timeouts()).await
     }
 }
 
 /// Stream and subject names; the contract's by default.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Streams")]
 pub struct TopologyArgs {
     /// The orders stream.
-    #[arg(long, global = true, default_value = "ORDERS")]
+    #[arg(long, global = true, default_value = Topology::default().stream)]
     pub stream: String,
     /// Subjects of the orders stream: `<prefix>.placed`, `<prefix>.cancelled`.
-    #[arg(long, global = true, default_value = "orders")]
+    #[arg(long, global = true, default_value = Topology::default().subject_prefix)]
     pub subject_prefix: String,
     /// The dead-letter stream.
-    #[arg(long, global = true, default_value = "ORDERS_DLQ")]
+    #[arg(long, global = true, default_value = Topology::default().dlq_stream)]
     pub dlq_stream: String,
     /// Subjects of the dead-letter stream: `<prefix>.<consumer>`.
-    #[arg(long, global = true, default_value = "dlq")]
+    #[arg(long, global = true, default_value = Topology::default().dlq_subject_prefix)]
     pub dlq_subject_prefix: String,
     /// The stream of Inventory's events, which the outbox relay publishes to.
-    #[arg(long, global = true, default_value = "INVENTORY")]
+    #[arg(long, global = true, default_value = Topology::default().events_stream)]
     pub events_stream: String,
     /// Subjects of the events stream: `<prefix>.stock.reserved`, `.rejected`, `.released`.
-    #[arg(long, global = true, default_value = "inventory")]
+    #[arg(long, global = true, default_value = Topology::default().events_subject_prefix)]
     pub events_subject_prefix: String,
     /// How long the stream drops a resend of a `Nats-Msg-Id` it has stored (when it creates the
     /// streams).
-    #[arg(long, global = true, default_value = "2m", value_parser = humantime::parse_duration)]
+    #[arg(long, global = true, default_value = shown(Topology::default().duplicate_window), value_parser = humantime::parse_duration)]
     pub duplicate_window: Duration,
     /// Stream replicas (when it creates the streams); 3 on a JetStream cluster.
-    #[arg(long, global = true, default_value_t = 1)]
+    #[arg(long, global = true, default_value_t = Topology::default().replicas)]
     pub replicas: usize,
 }
 
@@ -209,55 +259,28 @@ impl TopologyArgs {
     }
 }
 
-impl std::fmt::Debug for NatsArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsArgs")
-            .field(
-                "nats_url",
-                &inventory_infra::redact::redact_url(&self.nats_url),
-            )
-            .field("security", &self.security())
-            .field("timeouts", &self.timeouts())
-            .finish()
-    }
+/// The stop of `serve` and `relay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StopArgs {
+    /// How long the whole stop may take after SIGINT or SIGTERM: the in-flight messages, the
+    /// relay's last pass and the NATS drain. What has not finished by then is left for
+    /// redelivery or for the next relay, and the process exits 1.
+    #[arg(long, default_value = shown(RuntimeSettings::SHUTDOWN_TIMEOUT), value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: Duration,
 }
 
-impl std::fmt::Debug for OrdersDatabaseArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OrdersDatabaseArgs")
-            .field(
-                "orders_database_url",
-                &self
-                    .orders_database_url
-                    .as_deref()
-                    .map(inventory_infra::redact::redact_url),
-            )
-            .field("database", &self.database)
-            .finish()
-    }
-}
-
-impl std::fmt::Debug for DatabaseArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DatabaseArgs")
-            .field(
-                "database_url",
-                &inventory_infra::redact::redact_url(&self.database_url),
-            )
-            .field("skip_migrations", &self.skip_migrations)
-            .field("timeouts", &self.timeouts())
-            .finish()
-    }
-}
-
-impl std::fmt::Debug for MigrateArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MigrateArgs")
-            .field(
-                "database_url",
-                &inventory_infra::redact::redact_url(&self.database_url),
-            )
-            .finish()
+/// Drains the NATS connection (flushing the acks and publishes it holds) unless the stop's time
+/// runs out first; whether it drained.
+pub async fn drain(client: &jetstream::Client, immediate: &CancellationToken) -> bool {
+    tokio::select! {
+        drained = client.drain() => match drained {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "draining the NATS connection");
+                false
+            }
+        },
+        () = immediate.cancelled() => false,
     }
 }
 
@@ -305,9 +328,10 @@ impl std::str::FromStr for MetricsAddr {
 
 /// The flag of `serve` and `relay`.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Health and metrics")]
 pub struct MetricsArgs {
     /// Serves /metrics, /livez, /readyz and /healthz at this address, from before the set-up
     /// begins; `off` serves none of them.
-    #[arg(long, env = "METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
+    #[arg(long, default_value = DEFAULT_METRICS_ADDR)]
     pub metrics_addr: MetricsAddr,
 }

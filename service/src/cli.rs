@@ -1,6 +1,6 @@
-//! The command line: `inventory <command>`. Every flag that names a service also reads its
-//! environment variable; values read from the environment are never echoed by `--help`, since a
-//! URL can carry a password.
+//! The command line: `inventory <command>`. The flags of the commands that run as a service and
+//! of those run beside them are settings, also read from the environment and a file
+//! ([`crate::config`]); a secret's value is never echoed by `--help`.
 
 use std::io::Write;
 
@@ -12,8 +12,8 @@ use inventory_infra::orders::{Cancellation, OrdersRepository, Placement};
 use inventory_infra::{db, jetstream, retention};
 use serde::Serialize;
 
-use crate::args::{DatabaseArgs, MigrateArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
-use crate::retention::{AllowanceArgs, PURGE_FLAGS, horizon, refusal_message};
+use crate::args::{DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
+use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refusal_message};
 use crate::{dlq, publish, relay, serve, study};
 
 /// `inventory --version`: the release, the commit it was built from and the build's date.
@@ -33,6 +33,10 @@ pub const VERSION: &str = concat!(
     about = "Idempotent consumers of OrderPlaced: the bookstore's Inventory service and its study"
 )]
 pub struct Cli {
+    /// A TOML file of settings, keyed by the flags' long names (`ack-wait = "30s"`): above the
+    /// defaults, below the environment and the command line.
+    #[arg(long, global = true, env = "INVENTORY_CONFIG", value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -47,7 +51,7 @@ pub enum Command {
     /// Applies the migrations to the database.
     Migrate {
         #[command(flatten)]
-        database: MigrateArgs,
+        database: DatabaseUrlArgs,
     },
     /// Sets and shows stock.
     Stock {
@@ -113,15 +117,13 @@ pub struct PurgeArgs {
     /// who knows no copy of these messages can come any more.
     #[arg(long)]
     force: bool,
-    /// The longest nak delay of the service consuming (its --max-retry-delay); part of the
-    /// horizon.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    max_retry_delay: std::time::Duration,
+    /// The settings of the horizon: give `inbox purge` the service's (its configuration file,
+    /// its environment) so that both check the same horizon.
     #[command(flatten)]
-    allowances: AllowanceArgs,
+    horizon: HorizonArgs,
     /// Rows per batch; each batch is one short transaction.
-    #[arg(long, default_value_t = 1_000)]
-    batch_size: u64,
+    #[arg(long, alias = "batch-size", default_value_t = PURGE_BATCH_SIZE)]
+    purge_batch_size: u64,
     /// Counts what would be deleted, deletes nothing.
     #[arg(long)]
     dry_run: bool,
@@ -237,7 +239,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Demo(args) => study::forward("demo", args),
         Command::Migrate { database } => {
             let conn = db::connect_with(
-                &database.database_url,
+                database.url(),
                 COMMAND_POOL,
                 db::DbTimeouts::unbounded_statements(),
             )
@@ -312,7 +314,7 @@ struct StockRow {
 
 async fn repository(database: &DatabaseArgs) -> Result<StockRepository> {
     let conn = db::open(
-        &database.database_url,
+        database.url(),
         COMMAND_POOL,
         database.schema(),
         database.timeouts(),
@@ -453,7 +455,7 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
 /// `--force`), one line for the whole and one per consumer.
 async fn purge_inbox(args: PurgeArgs) -> Result<()> {
     let conn = db::open(
-        &args.database.database_url,
+        args.database.url(),
         COMMAND_POOL,
         args.database.schema(),
         args.database.timeouts(),
@@ -486,8 +488,7 @@ async fn purge_inbox(args: PurgeArgs) -> Result<()> {
                 &config,
                 stream.duplicate_window,
                 stream.max_age,
-                args.max_retry_delay,
-                &args.allowances,
+                &args.horizon,
             );
             if let Err(refusal) = horizon.check(args.older_than) {
                 anyhow::bail!(refusal_message(consumer, &horizon, refusal, PURGE_FLAGS));
@@ -502,7 +503,7 @@ async fn purge_inbox(args: PurgeArgs) -> Result<()> {
             &conn,
             consumer,
             cutoff,
-            args.batch_size.max(1),
+            args.purge_batch_size.max(1),
             args.dry_run,
         )
         .await?;

@@ -10,7 +10,9 @@
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
 //!   horizon guard ([`retention`]), Prometheus metrics ([`metrics`]) and the health endpoints
 //!   an orchestrator probes, `/livez` and `/readyz` ([`health`]).
-//! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands.
+//! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands;
+//!   [`config`]: the settings' layers (defaults, a TOML file, the environment, the flags) and
+//!   `--print-config`.
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
 //! - [`dlq`]: listing and replaying dead letters; [`publish`]: the producer command.
@@ -19,6 +21,7 @@
 
 pub mod args;
 pub mod cli;
+pub mod config;
 pub mod dlq;
 pub mod health;
 pub mod metrics;

@@ -1,13 +1,19 @@
 use std::process::ExitCode;
 
-use clap::Parser;
-use inventory_service::cli::{self, Cli, Command};
+use inventory_service::cli::{self, Command};
+use inventory_service::config::{self, Parsed};
 use inventory_service::telemetry;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Usage errors exit with 2 inside `parse`.
-    let cli = Cli::parse();
+    // Usage errors, in a flag or in any layer of the settings, exit with 2 inside `parse`.
+    let cli = match config::parse() {
+        Parsed::Run(cli) => *cli,
+        Parsed::Print(settings) => {
+            print!("{settings}");
+            return ExitCode::SUCCESS;
+        }
+    };
     // A long-running service says what it does; one-shot commands speak only of trouble.
     let default_filter = match cli.command {
         Command::Serve(_) | Command::Relay(_) => "info,sqlx=warn,sea_orm_migration=warn",

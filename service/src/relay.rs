@@ -14,7 +14,9 @@ use inventory_infra::redact::redact_url;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::args::{MetricsAddr, MetricsArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
+use crate::args::{
+    MetricsAddr, MetricsArgs, NatsArgs, OrdersDatabaseArgs, StopArgs, TopologyArgs, drain, shown,
+};
 use crate::health::{Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::runtime::Shutdown;
@@ -43,39 +45,40 @@ impl SourceArg {
 /// The database that holds `source`'s outbox: the orders database for `orders`.
 pub fn database_url(source: SourceArg, databases: &OrdersDatabaseArgs) -> &str {
     match source {
-        SourceArg::Inventory => &databases.database.database_url,
+        SourceArg::Inventory => databases.database.url(),
         SourceArg::Orders => databases.url(),
     }
 }
 
 /// How the relay runs; shared by `relay` and `serve`.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Outbox relay")]
 pub struct RelayArgs {
     /// How long a relay's lease on a partition of the outbox lasts without renewal; renewed
     /// every fifth of it. A relay that dies leaves its partitions to the others after this.
     /// With the publish timeout, at most a quarter of the stream's duplicate window.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(RelaySettings::default().lease), value_parser = humantime::parse_duration)]
     pub relay_lease: Duration,
     /// The backup poll for rows the relay was not woken for (another process wrote them).
-    #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(RelaySettings::default().poll_interval), value_parser = humantime::parse_duration)]
     pub relay_poll_interval: Duration,
     /// Outbox rows read per pass.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = RelaySettings::default().batch_size)]
     pub relay_batch_size: usize,
     /// Orders with a publish in flight at once (one publish per order at a time).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = RelaySettings::default().max_in_flight)]
     pub relay_max_in_flight: usize,
     /// How long a publish waits for its PubAck.
-    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(RelaySettings::default().publish_timeout), value_parser = humantime::parse_duration)]
     pub relay_publish_timeout: Duration,
     /// Delay after a failed pass (broker unreachable); doubles per failed pass.
-    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(RelaySettings::default().retry_delay), value_parser = humantime::parse_duration)]
     pub relay_retry_delay: Duration,
     /// Longest delay between failed passes.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(RelaySettings::default().max_retry_delay), value_parser = humantime::parse_duration)]
     pub relay_max_retry_delay: Duration,
-    /// /healthz reports the relay "failing" (503) once it has failed this long to publish
-    /// rows that wait.
+    /// /readyz reports the relay "failing" (503) once it has failed this long to publish rows
+    /// that wait.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub relay_unhealthy_after: Duration,
 }
@@ -100,12 +103,16 @@ pub struct RelayCommandArgs {
     /// The outbox to publish.
     #[arg(long, value_enum, default_value = "inventory")]
     pub source: SourceArg,
+    /// Prints the settings in effect, each with where it came from (default, file, environment,
+    /// command line) and secrets masked, then exits.
+    #[arg(long)]
+    pub print_config: bool,
     /// `DATABASE_URL` for `inventory`, `ORDERS_DATABASE_URL` (by default the same) for
     /// `orders`.
     #[command(flatten)]
     pub databases: OrdersDatabaseArgs,
     /// Database connections in the pool.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, help_heading = "Database")]
     pub db_pool_size: u32,
     #[command(flatten)]
     pub nats: NatsArgs,
@@ -115,6 +122,8 @@ pub struct RelayCommandArgs {
     pub relay: RelayArgs,
     #[command(flatten)]
     pub metrics: MetricsArgs,
+    #[command(flatten)]
+    pub stop: StopArgs,
 }
 
 /// Sets the relay up: its stream created if absent (differences of an existing one logged),
@@ -164,6 +173,11 @@ impl RunningRelay {
             "relaying the outbox"
         );
         let task = tokio::spawn(relay.run(stop.clone()));
+        Self::supervise(task, stop, status)
+    }
+
+    /// `task`, which runs until `stop`, watched as the relay.
+    fn supervise(task: JoinHandle<()>, stop: CancellationToken, status: RelayStatus) -> Self {
         Self {
             stop,
             task,
@@ -178,15 +192,7 @@ impl RunningRelay {
     pub async fn ended(&mut self) -> String {
         if self.failure.is_none() {
             let ended = (&mut self.task).await;
-            self.failure = Some(match ended {
-                Ok(()) => "returned while the service ran".to_owned(),
-                Err(error) => match error.try_into_panic() {
-                    Ok(panic) => {
-                        format!("panicked: {}", crate::runtime::panic_text(panic.as_ref()))
-                    }
-                    Err(error) => format!("was cancelled: {error}"),
-                },
-            });
+            self.failure = Some(crate::runtime::early_end(ended));
         }
         self.failure.clone().unwrap_or_default()
     }
@@ -226,6 +232,7 @@ pub(crate) fn report_task_failure(task: &str, why: &str, metrics: &Metrics, live
 pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     crate::serve::listen_for_signals(shutdown.clone())?;
+    shutdown.bound(args.stop.shutdown_timeout);
     let background = CancellationToken::new();
     let _stop_background = background.clone().drop_guard();
     let (metrics, liveness, readiness) =
@@ -242,6 +249,9 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
             background.clone(),
         )
         .await?;
+    }
+    if args.source == SourceArg::Inventory || args.databases.orders_database_url.is_none() {
+        args.databases.database.url.warn_if_implicit();
     }
     let url = database_url(args.source, &args.databases);
     let db = db::open(
@@ -271,23 +281,21 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
         () = shutdown.graceful.cancelled() => {}
         why = running.ended() => report_task_failure("relay", &why, &metrics, &liveness),
     }
-    match running.stop(&shutdown.immediate).await {
-        RelayEnd::Stopped => {
-            client.drain().await?;
+    let end = running.stop(&shutdown.immediate).await;
+    let drained = drain(&client, &shutdown.immediate).await;
+    match end {
+        RelayEnd::Stopped if drained => {
             tracing::info!("relay stopped; bye");
             Ok(true)
         }
-        RelayEnd::Abandoned => {
+        RelayEnd::Stopped | RelayEnd::Abandoned => {
             eprintln!(
                 "error: stopped at once; rows published and not yet removed will be \
                  republished by the next relay (the stream drops them as duplicates)"
             );
             Ok(false)
         }
-        RelayEnd::Failed(why) => {
-            client.drain().await?;
-            anyhow::bail!("the relay {why}; its rows wait for another relay")
-        }
+        RelayEnd::Failed(why) => anyhow::bail!("the relay {why}; its rows wait for another relay"),
     }
 }
 
@@ -405,4 +413,46 @@ fn print_parked(out: &mut impl std::io::Write, rows: &[ParkedRow]) -> std::io::R
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_relay_that_panics_is_seen_to_end_and_stops_as_failed() {
+        let stop = CancellationToken::new();
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                tokio::task::yield_now().await;
+                if !stop.is_cancelled() {
+                    panic!("injected relay panic");
+                }
+            }
+        });
+        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::default());
+        let why = tokio::time::timeout(Duration::from_secs(5), relay.ended())
+            .await
+            .expect("the end is seen");
+        assert_eq!(why, "panicked: injected relay panic");
+        let end = relay.stop(&CancellationToken::new()).await;
+        assert_eq!(end, RelayEnd::Failed(why));
+    }
+
+    #[tokio::test]
+    async fn a_relay_asked_to_stop_stops_cleanly_and_is_never_seen_to_end_early() {
+        let stop = CancellationToken::new();
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move { stop.cancelled().await }
+        });
+        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::default());
+        let early = tokio::time::timeout(Duration::from_millis(200), relay.ended()).await;
+        assert!(early.is_err(), "a running relay has not ended");
+        assert_eq!(
+            relay.stop(&CancellationToken::new()).await,
+            RelayEnd::Stopped
+        );
+    }
 }

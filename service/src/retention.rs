@@ -12,41 +12,52 @@ use inventory_infra::retention::purge_completed;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::args::shown;
 use crate::metrics::Metrics;
+use crate::runtime::RuntimeSettings;
 
-/// What the operator allows for in the redelivery horizon, beside what the server's settings
-/// say: shared by `serve` and `inbox purge`, so both check the same horizon.
+/// What the redelivery horizon takes beside the server's settings: shared by `serve` and
+/// `inbox purge`, so that both check the same horizon from the same settings (one file, the
+/// same environment).
 #[derive(Debug, Clone, clap::Args)]
-pub struct AllowanceArgs {
+#[command(next_help_heading = "Retention and the redelivery horizon")]
+pub struct HorizonArgs {
+    /// The longest delay between retries of a message that failed transiently (serve's nak
+    /// delay doubles per delivery up to this); part of the horizon.
+    #[arg(long, default_value = shown(RuntimeSettings::MAX_RETRY_DELAY), value_parser = humantime::parse_duration)]
+    pub max_retry_delay: Duration,
     /// How long after a dead letter operators may still replay it; part of the horizon.
-    #[arg(long, env = "REPLAY_ALLOWANCE", default_value = "7days", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "7days", value_parser = humantime::parse_duration)]
     pub replay_allowance: Duration,
     /// How far the consumer may fall behind its stream, when the stream has no max_age: a copy
     /// stored meanwhile waits that long for its first delivery. Part of the horizon; a stream's
     /// max_age takes its place.
-    #[arg(long, env = "LAG_ALLOWANCE", default_value = "1day", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1day", value_parser = humantime::parse_duration)]
     pub lag_allowance: Duration,
 }
 
+/// Rows per purge batch, each batch one short transaction: `serve`'s background purge and
+/// `inbox purge` alike.
+pub const PURGE_BATCH_SIZE: u64 = 1_000;
+
 /// The horizon of `consumer` as the server has it and its stream (`duplicate_window`,
-/// `max_age`, zero for none), with the consuming service's longest nak delay.
+/// `max_age`, zero for none), with the consuming service's retry and allowances.
 pub fn horizon(
     consumer: &ConsumerConfig,
     duplicate_window: Duration,
     max_age: Duration,
-    longest_nak_delay: Duration,
-    allowances: &AllowanceArgs,
+    settings: &HorizonArgs,
 ) -> Horizon {
     Horizon::new(
         &RedeliveryPolicy {
             ack_wait: consumer.ack_wait,
             backoff: consumer.backoff.clone(),
             max_deliver: consumer.max_deliver,
-            longest_nak_delay,
+            longest_nak_delay: settings.max_retry_delay,
         },
         duplicate_window,
-        FirstDelivery::new(max_age, allowances.lag_allowance),
-        allowances.replay_allowance,
+        FirstDelivery::new(max_age, settings.lag_allowance),
+        settings.replay_allowance,
     )
 }
 

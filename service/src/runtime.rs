@@ -51,7 +51,7 @@ pub struct RuntimeSettings {
     /// Delay before retrying a transient failure; doubles per delivery up to `max_retry_delay`.
     pub retry_delay: Duration,
     pub max_retry_delay: Duration,
-    /// How long a graceful stop waits for in-flight messages.
+    /// How long the whole stop may take once the graceful one began ([`Shutdown::bound`]).
     pub shutdown_timeout: Duration,
     /// The client's bound on a handler's database work for one message or batch (and on a
     /// lane's check that the database answers): past it the work is abandoned and the
@@ -60,6 +60,17 @@ pub struct RuntimeSettings {
 }
 
 impl RuntimeSettings {
+    /// `serve`'s defaults, which its flags show.
+    pub const ACK_WAIT: Duration = Duration::from_secs(30);
+    pub const MAX_DELIVER: i64 = 10;
+    pub const MAX_ACK_PENDING: i64 = 1_000;
+    pub const MAX_BODY_BYTES: usize = 64 * 1024;
+    pub const RETRY_DELAY: Duration = Duration::from_millis(500);
+    pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
+    /// The whole stop: the lanes' drain, the relay's last pass and hand-back, the NATS drain.
+    /// Well inside the 30 s an orchestrator waits by default before it kills the process.
+    pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
+
     /// The contract's consumer for `handler`, reading `topology`'s subjects, with the `serve`
     /// defaults: what a caller changes is set on the value returned.
     pub fn new(topology: Topology, handler: HandlerKind, concurrency: usize) -> Self {
@@ -77,19 +88,19 @@ impl RuntimeSettings {
             consumer: ConsumerSettings {
                 durable_name: handler.default_consumer().to_owned(),
                 filter_subject,
-                ack_wait: Duration::from_secs(30),
-                max_deliver: 10,
+                ack_wait: Self::ACK_WAIT,
+                max_deliver: Self::MAX_DELIVER,
                 backoff: Vec::new(),
-                max_ack_pending: 1_000,
+                max_ack_pending: Self::MAX_ACK_PENDING,
             },
             topology,
             handler,
             concurrency,
             batch_size: 1,
-            max_body_bytes: 64 * 1024,
-            retry_delay: Duration::from_millis(500),
-            max_retry_delay: Duration::from_secs(30),
-            shutdown_timeout: Duration::from_secs(30),
+            max_body_bytes: Self::MAX_BODY_BYTES,
+            retry_delay: Self::RETRY_DELAY,
+            max_retry_delay: Self::MAX_RETRY_DELAY,
+            shutdown_timeout: Self::SHUTDOWN_TIMEOUT,
             work_timeout: None,
         }
     }
@@ -238,24 +249,13 @@ impl ConsumerRuntime {
             relay_wake: self.relay_wake,
         };
         let stats = worker.stats.clone();
-        let timeout = self.settings.shutdown_timeout;
+        shutdown.bound(self.settings.shutdown_timeout);
         let consumer = self.consumer.clone();
         let lanes = TaskTracker::new();
         let task = tokio::spawn({
             let (shutdown, lanes) = (shutdown.clone(), lanes.clone());
             let liveness = self.liveness;
-            async move {
-                run(
-                    &self.consumer,
-                    worker,
-                    self.db,
-                    lanes,
-                    shutdown,
-                    timeout,
-                    liveness,
-                )
-                .await
-            }
+            async move { run(&self.consumer, worker, self.db, lanes, shutdown, liveness).await }
         });
         Running {
             shutdown,
@@ -333,6 +333,28 @@ pub struct Shutdown {
     pub immediate: CancellationToken,
 }
 
+impl Shutdown {
+    /// Bounds the stop as a whole: `timeout` after the graceful stop begins, the immediate one
+    /// follows and cuts short whatever still waits on it (in-flight messages, the relay's last
+    /// pass, the NATS drain), so that the process ends before its supervisor kills it.
+    pub fn bound(&self, timeout: Duration) {
+        let (graceful, immediate) = (self.graceful.clone(), self.immediate.clone());
+        tokio::spawn(async move {
+            graceful.cancelled().await;
+            tokio::select! {
+                () = immediate.cancelled() => {}
+                () = tokio::time::sleep(timeout) => {
+                    tracing::warn!(
+                        timeout = %humantime::format_duration(timeout),
+                        "the shutdown timeout ran out: stopping at once"
+                    );
+                    immediate.cancel();
+                }
+            }
+        });
+    }
+}
+
 /// How the loop ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -354,8 +376,8 @@ struct LaneSettings {
     retry: RetryPolicy,
 }
 
-/// Runs the consumer until `shutdown.graceful` fires, then waits up to `shutdown_timeout` for
-/// in-flight messages.
+/// Runs the consumer until `shutdown.graceful` fires, then waits for in-flight messages until
+/// `shutdown.immediate`.
 ///
 /// `concurrency` lanes each take the next message from the shared pull stream and handle it to
 /// its end. Each lane holds its own clone of the handler, so a handler that keeps a connection
@@ -372,7 +394,6 @@ async fn run<H: MessageHandler>(
     db: DatabaseConnection,
     tracker: TaskTracker,
     shutdown: Shutdown,
-    shutdown_timeout: Duration,
     liveness: Liveness,
 ) -> Result<Ending, RuntimeError> {
     let lanes = worker.lanes.concurrency;
@@ -401,23 +422,17 @@ async fn run<H: MessageHandler>(
         Some(ended) = running.next() => (!stop.is_cancelled()).then_some(ended),
     };
     if let Some(ended) = ended_early {
-        let why = match ended {
-            Ok(()) => "returned while the service ran".to_owned(),
-            Err(error) => match error.try_into_panic() {
-                Ok(panic) => format!("panicked: {}", panic_text(panic.as_ref())),
-                Err(error) => format!("was cancelled: {error}"),
-            },
-        };
+        let why = early_end(ended);
         tracing::error!(%why, "a lane ended; stopping the other lanes");
         liveness.task_failed("lane", &why);
         if let Some(metrics) = &worker.metrics {
             metrics.task_failed("lane");
         }
-        stop.cancel();
+        // The whole service stops, as on a signal, within the same bound.
+        shutdown.graceful.cancel();
         tokio::select! {
             () = tracker.wait() => {}
             () = shutdown.immediate.cancelled() => {}
-            () = tokio::time::sleep(shutdown_timeout) => {}
         }
         return Err(RuntimeError::LaneFailed(why));
     }
@@ -431,12 +446,23 @@ async fn run<H: MessageHandler>(
     tokio::select! {
         () = tracker.wait() => Ok(Ending::Drained),
         () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
-        () = tokio::time::sleep(shutdown_timeout) => Ok(Ending::Abandoned),
+    }
+}
+
+/// Why a task of the service (a lane, the relay) ended while it should have run, from what its
+/// join handle gave.
+pub(crate) fn early_end(ended: Result<(), tokio::task::JoinError>) -> String {
+    match ended {
+        Ok(()) => "returned while the service ran".to_owned(),
+        Err(error) => match error.try_into_panic() {
+            Ok(panic) => format!("panicked: {}", panic_text(panic.as_ref())),
+            Err(error) => format!("was cancelled: {error}"),
+        },
     }
 }
 
 /// What a panic said, if it said it as text.
-pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()

@@ -13,12 +13,13 @@ use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyP
 use tokio_util::sync::CancellationToken;
 
 use crate::args::{
-    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, TopologyArgs, detect_mode, natural_key_path,
+    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, detect_mode, drain,
+    natural_key_path, shown,
 };
 use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::relay::{RelayArgs, RelayEnd, RunningRelay};
-use crate::retention::{self, AllowanceArgs, PurgeSettings};
+use crate::retention::{self, HorizonArgs, PURGE_BATCH_SIZE, PurgeSettings};
 use crate::runtime::{ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
@@ -46,25 +47,67 @@ pub struct ServeArgs {
     /// Which handler runs.
     #[arg(long, value_enum)]
     pub strategy: StrategyArg,
-    /// Durable consumer name; the contract's name for the strategy by default.
+    /// Prints the settings in effect, each with where it came from (default, file, environment,
+    /// command line) and secrets masked, then exits.
     #[arg(long)]
+    pub print_config: bool,
+    /// Durable consumer name; the contract's name for the strategy by default.
+    #[arg(long, help_heading = "Consumer")]
     pub consumer: Option<String>,
     /// The natural-key handler: the backend's fast path (on PostgreSQL one statement per
     /// message on a connection each lane holds, on SQLite the one writer connection every lane
     /// shares), or the sea-orm entity transaction on the pool, the reference.
-    #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
+    #[arg(long, default_value = "one-statement", value_parser = natural_key_path(), help_heading = "Consumer")]
     pub natural_handler: NaturalKeyPath,
     /// Duplicate detection of the inbox strategy.
-    #[arg(long, default_value = "on-conflict", value_parser = detect_mode())]
+    #[arg(long, default_value = "on-conflict", value_parser = detect_mode(), help_heading = "Consumer")]
     pub inbox_detect: DetectMode,
-    #[command(flatten)]
-    pub database: DatabaseArgs,
     /// The email strategy's provider: sent mail as JSON lines in this file, looked up by
     /// idempotency key to reconcile an interrupted send.
-    #[arg(long, default_value = "inventory-mailbox.jsonl")]
+    #[arg(
+        long,
+        default_value = "inventory-mailbox.jsonl",
+        help_heading = "Consumer"
+    )]
     pub mailbox: std::path::PathBuf,
+    /// Messages a lane hands the handler at once, of those already fetched (a batch never
+    /// waits for more). The natural key commits each run of placements in a batch together (a
+    /// cancellation between them is handled in its place) and acks each message after the
+    /// commit; other handlers take them one by one. By default 1 (no batching) on PostgreSQL,
+    /// 64 on SQLite.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1000), help_heading = "Consumer")]
+    pub batch_size: Option<u16>,
+    /// Messages (or batches) handled at once; by default the pool size on PostgreSQL, 2 on
+    /// SQLite.
+    #[arg(long, help_heading = "Consumer")]
+    pub concurrency: Option<usize>,
+    /// How long JetStream waits for an ack before redelivering (when it creates the consumer).
+    #[arg(long, default_value = shown(RuntimeSettings::ACK_WAIT), value_parser = humantime::parse_duration, help_heading = "Consumer")]
+    pub ack_wait: Duration,
+    /// Deliveries of one message before it is dead-lettered as max-deliveries (when it creates
+    /// the consumer).
+    #[arg(long, default_value_t = RuntimeSettings::MAX_DELIVER, help_heading = "Consumer")]
+    pub max_deliver: i64,
+    /// JetStream redelivery backoff after ack-wait timeouts, comma separated (e.g. 5s,30s,2m);
+    /// none by default (when it creates the consumer).
+    #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration, help_heading = "Consumer")]
+    pub backoff: Vec<Duration>,
+    /// Unacked messages the server lets this consumer hold (when it creates the consumer).
+    #[arg(long, default_value_t = RuntimeSettings::MAX_ACK_PENDING, help_heading = "Consumer")]
+    pub max_ack_pending: i64,
+    /// Delay before retrying a message that failed transiently; doubles per delivery up to
+    /// --max-retry-delay.
+    #[arg(long, default_value = shown(RuntimeSettings::RETRY_DELAY), value_parser = humantime::parse_duration, help_heading = "Consumer")]
+    pub retry_delay: Duration,
+    /// Bodies larger than this are dead letters, never parsed.
+    #[arg(long, default_value_t = RuntimeSettings::MAX_BODY_BYTES, help_heading = "Consumer")]
+    pub max_body_bytes: usize,
+    #[command(flatten)]
+    pub stop: StopArgs,
+    #[command(flatten)]
+    pub database: DatabaseArgs,
     /// Database connections in the pool.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, help_heading = "Database")]
     pub db_pool_size: u32,
     #[command(flatten)]
     pub nats: NatsArgs,
@@ -73,60 +116,23 @@ pub struct ServeArgs {
     /// The outbox relay `--strategy natural` runs beside its lanes.
     #[command(flatten)]
     pub relay: RelayArgs,
-    /// Messages a lane hands the handler at once, of those already fetched (a batch never
-    /// waits for more). The natural key commits each run of placements in a batch together (a
-    /// cancellation between them is handled in its place) and acks each message after the
-    /// commit; other handlers take them one by one. By default 1 (no batching) on PostgreSQL,
-    /// 64 on SQLite.
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1000))]
-    pub batch_size: Option<u16>,
-    /// Messages (or batches) handled at once; by default the pool size on PostgreSQL, 2 on
-    /// SQLite.
-    #[arg(long)]
-    pub concurrency: Option<usize>,
-    /// How long JetStream waits for an ack before redelivering (when it creates the consumer).
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    pub ack_wait: Duration,
-    /// Deliveries of one message before it is dead-lettered as max-deliveries (when it creates
-    /// the consumer).
-    #[arg(long, default_value_t = 10)]
-    pub max_deliver: i64,
-    /// JetStream redelivery backoff after ack-wait timeouts, comma separated (e.g. 5s,30s,2m);
-    /// none by default (when it creates the consumer).
-    #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
-    pub backoff: Vec<Duration>,
-    /// Unacked messages the server lets this consumer hold (when it creates the consumer).
-    #[arg(long, default_value_t = 1_000)]
-    pub max_ack_pending: i64,
-    /// Delay before retrying a message that failed transiently; doubles per delivery.
-    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
-    pub retry_delay: Duration,
-    /// Longest delay between retries.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    pub max_retry_delay: Duration,
-    /// Bodies larger than this are dead letters, never parsed.
-    #[arg(long, default_value_t = 64 * 1024)]
-    pub max_body_bytes: usize,
-    /// How long shutdown waits for in-flight messages before leaving them for redelivery.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    pub shutdown_timeout: Duration,
     /// Completed inbox rows older than this are purged in the background. Must cover the
     /// redelivery horizon (redeliveries + duplicate window + the stream's max_age or the lag
     /// allowance + replay allowance).
-    #[arg(long, env = "INBOX_RETENTION", default_value = "14days", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "14days", value_parser = humantime::parse_duration, help_heading = "Retention and the redelivery horizon")]
     pub inbox_retention: Duration,
     /// Time between background purges; 0s turns the purge (and its horizon check) off.
-    #[arg(long, env = "PURGE_INTERVAL", default_value = "10m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, help_heading = "Retention and the redelivery horizon")]
     pub purge_interval: Duration,
     /// Rows per purge batch; each batch is one short transaction.
-    #[arg(long, default_value_t = 1_000)]
+    #[arg(long, default_value_t = PURGE_BATCH_SIZE, help_heading = "Retention and the redelivery horizon")]
     pub purge_batch_size: u64,
-    #[command(flatten)]
-    pub allowances: AllowanceArgs,
     /// Starts even when --inbox-retention is shorter than the redelivery horizon (a warning
     /// instead of a refusal).
-    #[arg(long)]
+    #[arg(long, help_heading = "Retention and the redelivery horizon")]
     pub accept_short_retention: bool,
+    #[command(flatten)]
+    pub horizon: HorizonArgs,
     #[command(flatten)]
     pub metrics: MetricsArgs,
 }
@@ -183,8 +189,8 @@ impl ServeArgs {
             batch_size: self.batch_size(backend),
             max_body_bytes: self.max_body_bytes,
             retry_delay: self.retry_delay,
-            max_retry_delay: self.max_retry_delay,
-            shutdown_timeout: self.shutdown_timeout,
+            max_retry_delay: self.horizon.max_retry_delay,
+            shutdown_timeout: self.stop.shutdown_timeout,
             // SQLite has no network to go silent, and its writer is shared by the lanes: no
             // lane abandons its work there.
             work_timeout: match backend {
@@ -242,8 +248,9 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         .await?;
     }
 
+    args.database.url.warn_if_implicit();
     let db = db::open(
-        &args.database.database_url,
+        args.database.url(),
         args.db_pool_size,
         args.database.schema(),
         args.database.timeouts(),
@@ -252,7 +259,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     .with_context(|| {
         format!(
             "opening the database at {}",
-            redact_url(&args.database.database_url)
+            redact_url(args.database.url())
         )
     })?;
     let client = args.nats.connect("inventory serve").await?;
@@ -268,8 +275,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             runtime.server_consumer(),
             runtime.duplicate_window(),
             runtime.stream_max_age(),
-            args.max_retry_delay,
-            &args.allowances,
+            &args.horizon,
         );
         retention::guard(
             &consumer_name,
@@ -372,11 +378,11 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let ending = match (lanes_ended, relay_end) {
         (Err(error), _) => {
             // What finished was acked: flush those acks before failing.
-            let _ = client.drain().await;
+            drain(&client, &immediate).await;
             return Err(error);
         }
         (Ok(_), RelayEnd::Failed(why)) => {
-            let _ = client.drain().await;
+            drain(&client, &immediate).await;
             anyhow::bail!("the outbox relay {why}; its rows wait for another relay")
         }
         (Ok(ending), RelayEnd::Abandoned) => {
@@ -385,20 +391,23 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         }
         (Ok(ending), RelayEnd::Stopped) => ending,
     };
-    match ending {
-        Ending::Drained => {
-            // Flushes the acks of the last messages before the process ends.
-            client.drain().await?;
-            tracing::info!("drained; bye");
-            Ok(true)
-        }
-        Ending::Abandoned => {
-            eprintln!(
-                "error: stopped before in-flight messages finished; they were not acked and will be redelivered"
-            );
-            Ok(false)
-        }
+    if ending == Ending::Abandoned {
+        eprintln!(
+            "error: stopped before in-flight messages finished; they were not acked and will be \
+             redelivered"
+        );
+        return Ok(false);
     }
+    // Flushes the acks of the last messages before the process ends.
+    if !drain(&client, &immediate).await {
+        eprintln!(
+            "error: the NATS connection did not drain before the shutdown timeout; messages whose \
+             acks were not sent will be redelivered"
+        );
+        return Ok(false);
+    }
+    tracing::info!("drained; bye");
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 )]
 
 mod cli;
+mod configuration;
 mod deploy;
 mod least_privilege;
 mod nats_permissions;
