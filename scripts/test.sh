@@ -2,8 +2,9 @@
 # Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432,
 # NATS with JetStream on 127.0.0.1:4222 and Redis on 127.0.0.1:6379, started if they are not
 # running and installed from Debian's packages if absent, promtool (Debian's prometheus
-# package) for the alert rules, and HAProxy for the failover test. DATABASE_URL, NATS_URL and
-# REDIS_URL, when set, name other servers instead.
+# package) for the alert rules, kubectl and systemd-analyze for the deployment files, and
+# HAProxy for the failover test. DATABASE_URL, NATS_URL and REDIS_URL, when set, name other
+# servers instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -86,6 +87,16 @@ ensure_promtool() {
   command -v promtool >/dev/null || apt_install prometheus
 }
 
+# The deployment files' tests (tests/binary/deploy.rs) render the Kustomize base with kubectl
+# (Debian's kubernetes-client, when no kubectl is on the machine) and check the systemd unit
+# with systemd-analyze.
+ensure_deploy_tools() {
+  local missing=()
+  command -v kubectl >/dev/null || missing+=(kubernetes-client)
+  command -v systemd-analyze >/dev/null || missing+=(systemd)
+  if [ "${#missing[@]}" -gt 0 ]; then apt_install "${missing[@]}"; fi
+}
+
 # HAProxy fronts the primary and the standby in the failover test
 # (tests/reliability/failover.rs); the test starts its own, so the package's service is not used.
 ensure_haproxy() {
@@ -96,6 +107,7 @@ ensure_postgres
 ensure_nats
 ensure_redis
 ensure_promtool
+ensure_deploy_tools
 ensure_haproxy
 fast=$(mktemp)
 slow=$(mktemp)

@@ -13,6 +13,6 @@ async fn main() -> ExitCode {
         Command::Compare(_) => "warn,inventory_service::runtime=error",
         _ => "warn",
     };
-    telemetry::init(default_filter);
+    telemetry::init(default_filter, telemetry::LogFormat::Text);
     inventory_service::cli::exit_code(cli::run(cli).await)
 }

@@ -269,18 +269,25 @@ pub struct StopArgs {
     pub shutdown_timeout: Duration,
 }
 
-/// Drains the NATS connection (flushing the acks and publishes it holds) unless the stop's time
-/// runs out first; whether it drained.
+/// Flushes what the NATS connection holds (the acks of the last messages, the relay's last
+/// publishes) onto the socket, then drains it, unless the stop's time runs out first; whether
+/// it did. The flush is what waits: the client's `drain` only asks for one and returns.
 pub async fn drain(client: &jetstream::Client, immediate: &CancellationToken) -> bool {
+    let flushed = async {
+        client.flush().await?;
+        client.drain().await?;
+        Ok::<_, anyhow::Error>(())
+    };
     tokio::select! {
-        drained = client.drain() => match drained {
+        biased;
+        () = immediate.cancelled() => false,
+        done = flushed => match done {
             Ok(()) => true,
             Err(error) => {
-                tracing::warn!(%error, "draining the NATS connection");
+                tracing::warn!(%error, "flushing and draining the NATS connection");
                 false
             }
         },
-        () = immediate.cancelled() => false,
     }
 }
 

@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::args::{DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
 use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refusal_message};
+use crate::telemetry::LogFormat;
 use crate::{dlq, publish, relay, serve, study};
 
 /// `inventory --version`: the release, the commit it was built from and the build's date.
@@ -37,6 +38,16 @@ pub struct Cli {
     /// defaults, below the environment and the command line.
     #[arg(long, global = true, env = "INVENTORY_CONFIG", value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,
+    /// How logs are written to stderr: `text` for a person, `json` (one object a line) for a
+    /// collector.
+    #[arg(
+        long,
+        global = true,
+        env = "INVENTORY_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }

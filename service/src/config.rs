@@ -132,7 +132,10 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Parsed, clap::Error> {
     let command = Cli::command();
     let settings = setting_names(&command);
     let defaults = Layers::read(file.as_deref(), &settings)?;
-    let command = configure(command, &mut Vec::new(), &settings, &defaults)?;
+    let mut command = configure(command, &mut Vec::new(), &settings, &defaults)?;
+    // Built, so that each command shows the program's own flags (`--log-format`) among its
+    // settings.
+    command.build();
     let matches = command.clone().try_get_matches_from(args)?;
     let (run, run_matches) = innermost(&command, &matches);
     require_database_url(run_matches)?;
@@ -183,9 +186,16 @@ fn setting_names(root: &Command) -> SettingNames {
             .map(str::to_owned)
             .collect()
     };
+    // The program's own flags (`--log-format`) are every command's.
+    let global: BTreeSet<String> = root
+        .get_arguments()
+        .filter_map(Arg::get_long)
+        .filter(|long| !NOT_SETTINGS.contains(long))
+        .map(str::to_owned)
+        .collect();
     SettingNames {
-        all: longs(&CONFIGURED),
-        shared: longs(&SERVICES),
+        all: longs(&CONFIGURED).union(&global).cloned().collect(),
+        shared: longs(&SERVICES).union(&global).cloned().collect(),
     }
 }
 
@@ -599,7 +609,8 @@ mod tests {
     #[test]
     fn the_file_is_under_the_command_line_and_over_the_defaults() {
         let config = file(
-            "ack-wait = \"45s\"\nmax-deliver = 7\nbackoff = [\"1s\", \"5s\"]\nstrategy = \"inbox\"\n",
+            "ack-wait = \"45s\"\nmax-deliver = 7\nbackoff = [\"1s\", \"5s\"]\nstrategy = \"inbox\"\n\
+             log-format = \"json\"\n",
         );
         let text = printed(&[
             "inventory",
@@ -625,6 +636,7 @@ mod tests {
             line(&text, "max-ack-pending").ends_with("# default"),
             "{text}"
         );
+        assert!(line(&text, "log-format").contains("\"json\""), "{text}");
     }
 
     #[test]

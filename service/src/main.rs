@@ -19,6 +19,6 @@ async fn main() -> ExitCode {
         Command::Serve(_) | Command::Relay(_) => "info,sqlx=warn,sea_orm_migration=warn",
         _ => "warn",
     };
-    telemetry::init(default_filter);
+    telemetry::init(default_filter, cli.log_format);
     cli::exit_code(cli::run(cli).await)
 }

@@ -375,7 +375,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         Some(relay) => relay.stop(&immediate).await,
         None => RelayEnd::Stopped,
     };
-    let ending = match (lanes_ended, relay_end) {
+    match (lanes_ended, relay_end) {
         (Err(error), _) => {
             // What finished was acked: flush those acks before failing.
             drain(&client, &immediate).await;
@@ -385,19 +385,23 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             drain(&client, &immediate).await;
             anyhow::bail!("the outbox relay {why}; its rows wait for another relay")
         }
-        (Ok(ending), RelayEnd::Abandoned) => {
-            tracing::warn!("outbox relay stopped at once; the rows it had not removed stay");
-            ending
+        (Ok(Ending::Abandoned), _) => {
+            eprintln!(
+                "error: stopped before in-flight messages finished; they were not acked and \
+                 will be redelivered"
+            );
+            return Ok(false);
         }
-        (Ok(ending), RelayEnd::Stopped) => ending,
+        (Ok(Ending::Drained), RelayEnd::Abandoned) => {
+            eprintln!(
+                "error: the outbox relay was stopped at once; its rows published and not yet \
+                 removed will be republished by the next relay (the stream drops them as \
+                 duplicates)"
+            );
+            return Ok(false);
+        }
+        (Ok(Ending::Drained), RelayEnd::Stopped) => {}
     };
-    if ending == Ending::Abandoned {
-        eprintln!(
-            "error: stopped before in-flight messages finished; they were not acked and will be \
-             redelivered"
-        );
-        return Ok(false);
-    }
     // Flushes the acks of the last messages before the process ends.
     if !drain(&client, &immediate).await {
         eprintln!(

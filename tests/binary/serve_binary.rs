@@ -377,3 +377,47 @@ async fn a_shutdown_timeout_running_out_exits_1_with_nothing_acked() {
     assert!(logs.contains("delivered=2"), "{logs}");
     assert_eq!(setup.reserved().await, 2);
 }
+
+/// The stop is bounded as a whole. NATS goes silent while a reservation waits on a row lock;
+/// once it commits, the relay's publish of its event waits for a PubAck that never comes (up to
+/// its 9 s publish timeout), and the NATS connection's drain after it would wait as long as
+/// the client's pings take to give the connection up. `--shutdown-timeout` ends the process
+/// 3 s after the signal, with exit 1 for what was left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_nats_gone_silent_ends_within_the_shutdown_timeout() {
+    let nats = inventory_tests::nats::shared_url().await;
+    let broker = FaultProxy::in_front_of(&nats).await;
+    let mut setup = Setup::new().await;
+    setup.0.nats_url = broker.url_for(&nats);
+    setup.put_stock(BOOK, "Dune", 100);
+    let blocker = setup.hold_stock_row().await;
+    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
+    let mut service = setup.spawn(&[
+        "serve",
+        "--strategy",
+        "natural",
+        "--natural-handler",
+        "orm",
+        "--shutdown-timeout",
+        "3s",
+        "--relay-lease",
+        "20s",
+        "--relay-publish-timeout",
+        "9s",
+    ]);
+    setup.wait_until_blocked().await;
+    broker.blackhole();
+    blocker.rollback().await.unwrap();
+    setup.wait_for_reserved(2).await;
+    let signalled = std::time::Instant::now();
+    signal(&service, "TERM");
+    let status = exited_within(&mut service, Duration::from_secs(20));
+    let took = signalled.elapsed();
+    let _ = service.kill();
+    let output = service.wait_with_output().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    let status = status.unwrap_or_else(|| panic!("still running 20 s after the signal:\n{logs}"));
+    assert!(took < Duration::from_secs(6), "took {took:?}:\n{logs}");
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(logs.contains("the shutdown timeout ran out"), "{logs}");
+}
