@@ -8,24 +8,12 @@
 # Overrides: INVENTORY_IMAGE (localhost/inventory), DEBIAN_MIRROR, INVENTORY_IMAGE_PROFILE (the
 # cargo profile, `release`; CI's `dev` reuses the binaries its tests built, saves the release
 # build of every dependency, and tags the image `…-dev` so it is not taken for a release one).
-# The podman settings this
-# sandbox needs (no crun with hybrid cgroups, no raising ulimits) are the defaults here, not in
-# the Containerfile: PODMAN_RUNTIME (runc), PODMAN_CGROUP_MANAGER (cgroupfs), CONTAINERS_CONF
-# (a file with `default_ulimits = []`); set one to empty for podman's own default.
+# PODMAN_RUNTIME, PODMAN_CGROUP_MANAGER and CONTAINERS_CONF as scripts/lib.sh says: this
+# sandbox's podman settings, kept out of the Containerfile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '==> %s\n' "$*" >&2; }
-
-as_root() {
-  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
-}
-
-apt_install() {
-  log "installing $* from Debian's packages"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
-}
+source scripts/lib.sh
 
 timed() {
   local what=$1 start=$SECONDS; shift
@@ -44,18 +32,7 @@ mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 work=target/image
 mkdir -p "$work"
 
-PODMAN_RUNTIME=${PODMAN_RUNTIME-runc}
-PODMAN_CGROUP_MANAGER=${PODMAN_CGROUP_MANAGER-cgroupfs}
-if [ -z "${CONTAINERS_CONF+set}" ]; then
-  printf '[containers]\ndefault_ulimits = []\n' >"$work/containers.conf"
-  CONTAINERS_CONF=$PWD/$work/containers.conf
-fi
-
-pod() {
-  as_root env ${CONTAINERS_CONF:+CONTAINERS_CONF="$CONTAINERS_CONF"} podman \
-    ${PODMAN_RUNTIME:+--runtime "$PODMAN_RUNTIME"} \
-    ${PODMAN_CGROUP_MANAGER:+--cgroup-manager "$PODMAN_CGROUP_MANAGER"} "$@"
-}
+podman_settings
 
 ensure_tools() {
   local missing=()

@@ -5,31 +5,12 @@
 # on SIGTERM and exits 0. The servers are scripts/test.sh's (PostgreSQL on 127.0.0.1:5432, NATS on
 # 127.0.0.1:4222; DATABASE_URL and NATS_URL name others). The test's database and its streams
 # have names of their own, dropped at the end. One PASS or FAIL line a check; exit 1 on any FAIL.
-# PODMAN_RUNTIME, PODMAN_CGROUP_MANAGER and CONTAINERS_CONF as in scripts/image.sh.
+# PODMAN_RUNTIME, PODMAN_CGROUP_MANAGER and CONTAINERS_CONF as in scripts/lib.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '==> %s\n' "$*" >&2; }
-
-as_root() {
-  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
-}
-
-# The same podman settings as scripts/image.sh (exported, so that it uses these).
-mkdir -p target/image
-export PODMAN_RUNTIME=${PODMAN_RUNTIME-runc}
-export PODMAN_CGROUP_MANAGER=${PODMAN_CGROUP_MANAGER-cgroupfs}
-if [ -z "${CONTAINERS_CONF+set}" ]; then
-  printf '[containers]\ndefault_ulimits = []\n' >target/image/containers.conf
-  CONTAINERS_CONF=$PWD/target/image/containers.conf
-fi
-export CONTAINERS_CONF
-
-pod() {
-  as_root env ${CONTAINERS_CONF:+CONTAINERS_CONF="$CONTAINERS_CONF"} podman \
-    ${PODMAN_RUNTIME:+--runtime "$PODMAN_RUNTIME"} \
-    ${PODMAN_CGROUP_MANAGER:+--cgroup-manager "$PODMAN_CGROUP_MANAGER"} "$@"
-}
+source scripts/lib.sh
+podman_settings
 
 failures=0
 pass() { printf 'PASS: %s\n' "$*"; }

@@ -119,9 +119,9 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<DatabaseConnecti
 /// about messages. SQLite runs in WAL mode with a busy timeout, so concurrent writers queue
 /// instead of failing at once.
 ///
-/// PostgreSQL over TLS is opt-in through the URL (`?sslmode=verify-full&sslrootcert=ca.pem`):
-/// a URL that names no `sslmode` (and no `PGSSLMODE` in the environment) gets `disable`, not the
-/// driver's `prefer`, which would quietly negotiate TLS with any local server that offers it.
+/// PostgreSQL's TLS is as the URL says (`?sslmode=verify-full&sslrootcert=ca.pem`, or
+/// `ssl-mode`), else as `PGSSLMODE` says, else the driver's `prefer`: the URL is never amended,
+/// so nothing here weakens what it asks for.
 ///
 /// A connection coming back to the pool is pinged by sqlx before it is reused, without a
 /// bound: one whose work was abandoned on a silent network would hang that ping and hold its

@@ -663,20 +663,23 @@ mod tests {
 
     #[test]
     fn a_secret_from_the_file_is_masked_in_what_is_printed() {
+        // Keys the test's environment leaves unset (scripts/test.sh exports DATABASE_URL and
+        // NATS_URL, which rank above the file).
         let config = file(
-            "database-url = \"postgres://inventory:s3cret@db/stock?password=s3cret\"\nnats-password = \"s3cret\"\nnats-user = \"inventory\"\n",
+            "orders-database-url = \"postgres://inventory:s3cret@db/stock?password=s3cret\"\n\
+             nats-password = \"s3cret\"\nnats-user = \"inventory\"\n",
         );
         let text = printed(&[
             "inventory",
-            "serve",
-            "--strategy",
-            "natural",
+            "relay",
+            "--source",
+            "orders",
             &config.arg(),
             "--print-config",
         ]);
         assert!(!text.contains("s3cret"), "{text}");
         assert!(
-            line(&text, "database-url").contains("postgres://***@db/stock?password=***"),
+            line(&text, "orders-database-url").contains("postgres://***@db/stock?password=***"),
             "{text}"
         );
         assert!(line(&text, "nats-password").contains("\"***\""), "{text}");
