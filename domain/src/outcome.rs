@@ -21,6 +21,16 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    pub const ALL: [Self; 7] = [
+        Self::Malformed,
+        Self::Invalid,
+        Self::UnknownBook,
+        Self::PayloadMismatch,
+        Self::ConflictingReservation,
+        Self::MaxDeliveries,
+        Self::NeedsReconciliation,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Malformed => "malformed",

@@ -132,6 +132,8 @@ fn json(status: StatusCode, body: &serde_json::Value) -> impl IntoResponse + use
 }
 
 async fn render_metrics(State(health): State<Health>) -> impl IntoResponse {
+    // The dependencies' gauges are as fresh as the scrape.
+    check_dependencies(&health).await;
     match health.metrics.render() {
         Ok(text) => (
             StatusCode::OK,
@@ -167,16 +169,21 @@ async fn livez(State(health): State<Health>) -> impl IntoResponse {
     json(status, &body)
 }
 
-async fn readyz(State(health): State<Health>) -> impl IntoResponse {
-    let Some(dependencies) = health.readiness.0.get() else {
-        return json(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &serde_json::json!({ "status": "starting" }),
-        );
-    };
-    let nats_ok = jetstream::is_connected(&dependencies.nats);
+/// What the readiness check found.
+struct Checked {
+    nats: bool,
+    database: bool,
+    /// Where a relay runs: whether it publishes.
+    relay: Option<bool>,
+}
+
+/// Asks the dependencies, once the set-up is done (`None` before), and records the answers in
+/// `inventory_dependency_up`.
+async fn check_dependencies(health: &Health) -> Option<Checked> {
+    let dependencies = health.readiness.0.get()?;
+    let nats = jetstream::is_connected(&dependencies.nats);
     // Bounded: a database that hangs must not hang the probe too.
-    let db_ok = match dependencies.database.check(DATABASE_BUDGET).await {
+    let database = match dependencies.database.check(DATABASE_BUDGET).await {
         Ok(()) => true,
         Err(error) => {
             // Every poll during an outage fails: the 503 says it; DEBUG says why.
@@ -184,18 +191,35 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
             false
         }
     };
-    let relay_ok = health.metrics.watched_relay().map(|relay| !relay.failing());
-    let status = if nats_ok && db_ok && relay_ok != Some(false) {
+    let relay = health.metrics.watched_relay().map(|relay| !relay.failing());
+    let mut up = vec![("database", database), ("nats", nats)];
+    up.extend(relay.map(|publishing| ("relay", publishing)));
+    health.metrics.record_dependencies(&up);
+    Some(Checked {
+        nats,
+        database,
+        relay,
+    })
+}
+
+async fn readyz(State(health): State<Health>) -> impl IntoResponse {
+    let Some(checked) = check_dependencies(&health).await else {
+        return json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &serde_json::json!({ "status": "starting" }),
+        );
+    };
+    let status = if checked.nats && checked.database && checked.relay != Some(false) {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let mut body = serde_json::json!({
-        "nats": if nats_ok { "connected" } else { "disconnected" },
-        "database": if db_ok { "reachable" } else { "unreachable" },
+        "nats": if checked.nats { "connected" } else { "disconnected" },
+        "database": if checked.database { "reachable" } else { "unreachable" },
     });
-    if let Some(ok) = relay_ok {
-        body["relay"] = if ok { "publishing" } else { "failing" }.into();
+    if let Some(publishing) = checked.relay {
+        body["relay"] = if publishing { "publishing" } else { "failing" }.into();
     }
     json(status, &body)
 }

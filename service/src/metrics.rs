@@ -13,6 +13,9 @@ use prometheus::{
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use inventory_domain::DeadLetterReason;
+
+use crate::policy::Acked;
 use crate::runtime::Disposition;
 
 /// The service's metrics, registered in a registry of their own (no process-global state, so
@@ -20,6 +23,7 @@ use crate::runtime::Disposition;
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    dependency_up: IntGaugeVec,
     messages: IntCounterVec,
     dead_letters: IntCounterVec,
     handling: HistogramVec,
@@ -29,8 +33,14 @@ pub struct Metrics {
     in_flight_since: Arc<Mutex<BTreeMap<String, InFlightSince>>>,
     pending: IntGaugeVec,
     ack_pending: IntGaugeVec,
+    max_ack_pending: IntGaugeVec,
+    lanes: IntGaugeVec,
+    dead_letters_waiting: IntGaugeVec,
+    dead_letters_oldest: GaugeVec,
+    dead_letters_past_allowance: IntGaugeVec,
     purged: IntCounter,
-    processing_older: IntGauge,
+    processing_older: IntGaugeVec,
+    purge_failing: IntGaugeVec,
     task_failures: IntCounterVec,
     outbox: OutboxMetrics,
     /// The relay of this process, once one runs: read at each scrape and health check.
@@ -162,98 +172,199 @@ impl OutboxMetrics {
     }
 }
 
+/// Registers `collector` in `registry` and hands it back.
+fn registered<C: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    collector: C,
+) -> Result<C, prometheus::Error> {
+    registry.register(Box::new(collector.clone()))?;
+    Ok(collector)
+}
+
+fn gauges(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntGaugeVec, prometheus::Error> {
+    registered(registry, IntGaugeVec::new(Opts::new(name, help), labels)?)
+}
+
+fn counters(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntCounterVec, prometheus::Error> {
+    registered(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
+}
+
+/// The outcomes `inventory_messages_total` counts beside the acked ones ([`Acked::ALL`]).
+const UNACKED_OUTCOMES: [&str; 3] = ["dead_lettered", "retried", "left_for_redelivery"];
+
+/// The tasks `inventory_task_failures_total` counts.
+const TASKS: [&str; 2] = ["lane", "relay"];
+
+/// A delivery's time, from 1 ms to the ack wait's 30 s and past it: a message's database work
+/// may take its statement timeout (15 s) plus the client's grace, and its ack after that.
+const HANDLING_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let messages = IntCounterVec::new(
-            Opts::new(
-                "inventory_messages_total",
-                "Deliveries handled, by consumer and outcome (processed, duplicate, rejected, \
-                 reconciled, dead_lettered, retried, left_for_redelivery).",
-            ),
+        // CPU, resident memory, file descriptors, start time: `process_*`.
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
+        let build_info = gauges(
+            &registry,
+            "inventory_build_info",
+            "1, labelled with the release and the commit this process was built from.",
+            &["version", "commit"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), env!("INVENTORY_GIT_COMMIT")])
+            .set(1);
+        let dependency_up = gauges(
+            &registry,
+            "inventory_dependency_up",
+            "1 while a dependency answers as /readyz sees it (database: a ping within 2 s; nats: \
+             connected; relay: publishing), 0 while it does not; read at each scrape once the \
+             set-up is done.",
+            &["dependency"],
+        )?;
+        let messages = counters(
+            &registry,
+            "inventory_messages_total",
+            "Deliveries handled, by consumer and outcome (processed, duplicate, rejected, \
+             reconciled, dead_lettered, retried, left_for_redelivery).",
             &["consumer", "outcome"],
         )?;
-        let dead_letters = IntCounterVec::new(
-            Opts::new(
-                "inventory_dead_letters_total",
-                "Messages dead-lettered, by consumer and Dlq-Reason.",
-            ),
+        let dead_letters = counters(
+            &registry,
+            "inventory_dead_letters_total",
+            "Messages dead-lettered, by consumer and Dlq-Reason.",
             &["consumer", "reason"],
         )?;
-        let handling = HistogramVec::new(
-            HistogramOpts::new(
-                "inventory_message_handling_seconds",
-                "Time from a delivery's arrival to its ack, nak or dead letter.",
-            )
-            .buckets(vec![
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-            ]),
+        let handling = registered(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "inventory_message_handling_seconds",
+                    "Time from a delivery's arrival to its ack, nak or dead letter.",
+                )
+                .buckets(HANDLING_BUCKETS.to_vec()),
+                &["consumer"],
+            )?,
+        )?;
+        let in_flight = gauges(
+            &registry,
+            "inventory_messages_in_flight",
+            "Deliveries being handled now.",
             &["consumer"],
         )?;
-        let in_flight = IntGaugeVec::new(
-            Opts::new(
-                "inventory_messages_in_flight",
-                "Deliveries being handled now.",
-            ),
+        let oldest_in_flight = registered(
+            &registry,
+            GaugeVec::new(
+                Opts::new(
+                    "inventory_oldest_in_flight_seconds",
+                    "How long the oldest delivery being handled now has been in its lane (0 \
+                     when none): a lane stuck on one message shows here.",
+                ),
+                &["consumer"],
+            )?,
+        )?;
+        let pending = gauges(
+            &registry,
+            "inventory_consumer_pending_messages",
+            "Messages of the stream the durable consumer has not delivered yet (its lag), as \
+             the server counted at the last look (every 10 s).",
             &["consumer"],
         )?;
-        let oldest_in_flight = GaugeVec::new(
-            Opts::new(
-                "inventory_oldest_in_flight_seconds",
-                "How long the oldest delivery being handled now has been in its lane (0 when \
-                 none): a lane stuck on one message shows here.",
-            ),
+        let ack_pending = gauges(
+            &registry,
+            "inventory_consumer_ack_pending_messages",
+            "Messages delivered to the durable consumer and not acked yet, by any instance, at \
+             the last look.",
             &["consumer"],
         )?;
-        let pending = IntGaugeVec::new(
-            Opts::new(
-                "inventory_consumer_pending_messages",
-                "Messages of the stream the durable consumer has not delivered yet (its lag), as \
-                 the server counted at the last look (every 10 s).",
-            ),
+        let max_ack_pending = gauges(
+            &registry,
+            "inventory_consumer_max_ack_pending",
+            "The durable consumer's max_ack_pending as the server has it: past it the server \
+             delivers nothing more until acks come.",
             &["consumer"],
         )?;
-        let ack_pending = IntGaugeVec::new(
-            Opts::new(
-                "inventory_consumer_ack_pending_messages",
-                "Messages delivered to the durable consumer and not acked yet, by any instance, \
-                 at the last look.",
-            ),
+        let lanes = gauges(
+            &registry,
+            "inventory_lanes",
+            "Lanes of this process: messages (or batches) it handles at once.",
             &["consumer"],
         )?;
-        let purged = IntCounter::new(
-            "inventory_inbox_rows_purged_total",
-            "Completed inbox rows deleted by the retention purge.",
+        let dead_letters_waiting = gauges(
+            &registry,
+            "inventory_dead_letters_waiting",
+            "Dead letters of the consumer waiting in the dead-letter stream, by Dlq-Reason, at \
+             the last look (every 30 s): they stay until replayed or deleted.",
+            &["consumer", "reason"],
         )?;
-        let processing_older = IntGauge::new(
+        let dead_letters_oldest = registered(
+            &registry,
+            GaugeVec::new(
+                Opts::new(
+                    "inventory_dead_letters_oldest_age_seconds",
+                    "Age of the oldest dead letter of the consumer waiting, by Dlq-Reason; 0 \
+                     when none.",
+                ),
+                &["consumer", "reason"],
+            )?,
+        )?;
+        let dead_letters_past_allowance = gauges(
+            &registry,
+            "inventory_dead_letters_past_replay_allowance",
+            "Dead letters of the consumer older than --replay-allowance: a replay may find \
+             their inbox rows purged and apply them twice.",
+            &["consumer"],
+        )?;
+        let purged = registered(
+            &registry,
+            IntCounter::new(
+                "inventory_inbox_rows_purged_total",
+                "Completed inbox rows deleted by the retention purge.",
+            )?,
+        )?;
+        let processing_older = gauges(
+            &registry,
             "inventory_inbox_processing_older_than_retention",
             "Inbox rows still \"processing\" older than the retention at the last purge: kept, \
              to be reconciled.",
+            &["consumer"],
         )?;
-        registry.register(Box::new(messages.clone()))?;
-        registry.register(Box::new(dead_letters.clone()))?;
-        registry.register(Box::new(handling.clone()))?;
-        registry.register(Box::new(in_flight.clone()))?;
-        registry.register(Box::new(oldest_in_flight.clone()))?;
-        registry.register(Box::new(pending.clone()))?;
-        registry.register(Box::new(ack_pending.clone()))?;
-        registry.register(Box::new(purged.clone()))?;
-        let task_failures = IntCounterVec::new(
-            Opts::new(
-                "inventory_task_failures_total",
-                "Tasks of the process that ended while the service ran (a lane whose handler \
-                 panicked, the relay): the process then stops, with an error, for its \
-                 supervisor to restart it.",
-            ),
+        let purge_failing = gauges(
+            &registry,
+            "inventory_inbox_purge_failing",
+            "1 when the last background purge of the consumer's inbox rows failed, else 0.",
+            &["consumer"],
+        )?;
+        let task_failures = counters(
+            &registry,
+            "inventory_task_failures_total",
+            "Tasks of the process that ended while the service ran (a lane whose handler \
+             panicked, the relay): the process then stops, with an error, for its supervisor \
+             to restart it.",
             &["task"],
         )?;
-        registry.register(Box::new(processing_older.clone()))?;
-        registry.register(Box::new(task_failures.clone()))?;
+        for task in TASKS {
+            task_failures.with_label_values(&[task]);
+        }
         let outbox = OutboxMetrics::new(&registry)?;
         Ok(Self {
             outbox,
             relay: Arc::default(),
             registry,
+            dependency_up,
             messages,
             dead_letters,
             handling,
@@ -262,14 +373,38 @@ impl Metrics {
             in_flight_since: Arc::default(),
             pending,
             ack_pending,
+            max_ack_pending,
+            lanes,
+            dead_letters_waiting,
+            dead_letters_oldest,
+            dead_letters_past_allowance,
             purged,
             processing_older,
+            purge_failing,
             task_failures,
         })
     }
 
     /// The handles one consumer's worker records into.
+    ///
+    /// Every series of the consumer that a rule or the dashboard reads exists from here on, at
+    /// 0: a counter that first appears at 1 has no increase for Prometheus to see.
     pub fn consumer(&self, consumer: &str) -> ConsumerMetrics {
+        let outcomes = Acked::ALL.map(Acked::label);
+        for outcome in outcomes.iter().chain(&UNACKED_OUTCOMES) {
+            self.messages.with_label_values(&[consumer, outcome]);
+        }
+        for reason in DeadLetterReason::ALL {
+            let labels = [consumer, reason.as_str()];
+            self.dead_letters.with_label_values(&labels);
+            self.dead_letters_waiting.with_label_values(&labels);
+            self.dead_letters_oldest.with_label_values(&labels);
+        }
+        self.dead_letters_past_allowance
+            .with_label_values(&[consumer]);
+        self.oldest_in_flight.with_label_values(&[consumer]);
+        self.purge_failing.with_label_values(&[consumer]);
+        self.processing_older.with_label_values(&[consumer]);
         ConsumerMetrics {
             consumer: consumer.to_owned(),
             task_failures: self.task_failures.clone(),
@@ -286,11 +421,62 @@ impl Metrics {
         }
     }
 
-    /// After each purge.
-    pub fn record_purge(&self, deleted: u64, processing_older: u64) {
-        self.purged.inc_by(deleted);
-        self.processing_older
-            .set(i64::try_from(processing_older).unwrap_or(i64::MAX));
+    /// After each purge of `consumer`'s rows: what it did, or that it failed.
+    pub fn record_purge(&self, consumer: &str, purged: Option<(u64, u64)>) {
+        let labels = [consumer];
+        self.purge_failing
+            .with_label_values(&labels)
+            .set(i64::from(purged.is_none()));
+        if let Some((deleted, processing_older)) = purged {
+            self.purged.inc_by(deleted);
+            self.processing_older
+                .with_label_values(&labels)
+                .set(i64::try_from(processing_older).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// The consumer's settings that a saturation reads against: its lanes here, and its
+    /// max_ack_pending as the server has it.
+    pub fn consumer_limits(&self, consumer: &str, lanes: usize, max_ack_pending: i64) {
+        self.lanes
+            .with_label_values(&[consumer])
+            .set(i64::try_from(lanes).unwrap_or(i64::MAX));
+        self.max_ack_pending
+            .with_label_values(&[consumer])
+            .set(max_ack_pending);
+    }
+
+    /// What waits in the dead-letter stream for `consumer`: by reason, how many and the oldest's
+    /// age; and how many are older than the replay allowance.
+    pub fn record_dead_letters(
+        &self,
+        consumer: &str,
+        waiting: &BTreeMap<String, (i64, Duration)>,
+        past_allowance: usize,
+    ) {
+        // Every reason is written, so one replayed or deleted goes back to 0.
+        for reason in DeadLetterReason::ALL.map(DeadLetterReason::as_str) {
+            let (count, oldest) = waiting.get(reason).copied().unwrap_or_default();
+            let labels = [consumer, reason];
+            self.dead_letters_waiting
+                .with_label_values(&labels)
+                .set(count);
+            self.dead_letters_oldest
+                .with_label_values(&labels)
+                .set(oldest.as_secs_f64());
+        }
+        self.dead_letters_past_allowance
+            .with_label_values(&[consumer])
+            .set(i64::try_from(past_allowance).unwrap_or(i64::MAX));
+    }
+
+    /// Whether each dependency answers, as `/readyz` just saw.
+    pub fn record_dependencies(&self, up: &[(&str, bool)]) {
+        for (dependency, answers) in up {
+            self.dependency_up
+                .with_label_values(&[dependency])
+                .set(i64::from(*answers));
+        }
     }
 
     /// Reports `status`, the relay of outbox table `outbox`, in the scrapes and the health
@@ -301,6 +487,7 @@ impl Metrics {
             status,
             unhealthy_after,
         };
+        self.outbox.sync(&watched);
         *lock(&self.relay) = Some(watched);
     }
 

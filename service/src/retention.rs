@@ -214,10 +214,18 @@ pub fn spawn_purge(
                         );
                     }
                     if let Some(metrics) = &metrics {
-                        metrics.record_purge(report.deleted, report.processing_older);
+                        metrics.record_purge(
+                            &consumer,
+                            Some((report.deleted, report.processing_older)),
+                        );
                     }
                 }
-                Err(error) => tracing::warn!(%error, "inbox purge failed; trying again next time"),
+                Err(error) => {
+                    tracing::warn!(%error, "inbox purge failed; trying again next time");
+                    if let Some(metrics) = &metrics {
+                        metrics.record_purge(&consumer, None);
+                    }
+                }
             }
         }
     }))

@@ -2,6 +2,7 @@
 //! [`crate::runtime`]; this module turns the command line into its settings, adds what only a
 //! long-running service needs (signals, the purge and its horizon guard, metrics) and waits.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -24,6 +25,9 @@ use crate::runtime::{ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
 const LAG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How often the dead letters waiting are counted for `/metrics`.
+const DEAD_LETTER_INTERVAL: Duration = Duration::from_secs(30);
 
 /// How far past its bound (the database work's, else the ack wait) a delivery may stay in
 /// flight before `/livez` calls the lane stuck: the ack or the dead letter after the work
@@ -202,6 +206,51 @@ impl ServeArgs {
     }
 }
 
+/// Reads what waits in the dead-letter stream for `consumer` every [`DEAD_LETTER_INTERVAL`] into
+/// `metrics` until `stop`: what a dead letter's alarm stays on for until someone replays or
+/// deletes it. A failed look keeps the last figures.
+fn watch_dead_letters(
+    js: jetstream::Context,
+    topology: jetstream::Topology,
+    consumer: String,
+    replay_allowance: Duration,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    tokio::spawn(async move {
+        let letters = jetstream::DeadLetterStream::new(js, topology);
+        let mut ticks = tokio::time::interval(DEAD_LETTER_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            let read = tokio::select! {
+                () = stop.cancelled() => return,
+                read = letters.read_all(chrono::Utc::now().timestamp()) => read,
+            };
+            let letters = match read {
+                Ok(letters) => letters,
+                Err(error) => {
+                    tracing::debug!(%error, "reading the dead letters");
+                    continue;
+                }
+            };
+            let mut waiting: BTreeMap<String, (i64, Duration)> = BTreeMap::new();
+            let mut past_allowance = 0;
+            for letter in letters.iter().filter(|letter| letter.consumer == consumer) {
+                let age = Duration::from_secs(u64::try_from(letter.age_seconds).unwrap_or(0));
+                let (count, oldest) = waiting.entry(letter.reason.clone()).or_default();
+                *count += 1;
+                *oldest = (*oldest).max(age);
+                past_allowance += usize::from(age > replay_allowance);
+            }
+            metrics.record_dead_letters(&consumer, &waiting, past_allowance);
+        }
+    });
+}
+
 /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
 /// second for an immediate one.
 pub(crate) fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
@@ -347,10 +396,23 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         "consuming"
     );
     let consumer_metrics = metrics.consumer(&consumer_name);
+    metrics.consumer_limits(
+        &consumer_name,
+        runtime.settings().concurrency,
+        runtime.server_consumer().max_ack_pending,
+    );
     let mut relay = relay.map(RunningRelay::start);
     let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
     let running = runtime.start(handler, Some(consumer_metrics.clone()), shutdown);
     running.report_lag(consumer_metrics, LAG_INTERVAL);
+    watch_dead_letters(
+        js.clone(),
+        args.topology.topology(),
+        consumer_name.clone(),
+        args.horizon.replay_allowance,
+        metrics.clone(),
+        graceful.child_token(),
+    );
     readiness.ready(client.clone(), &db);
     let lanes = running.wait();
     tokio::pin!(lanes);

@@ -755,3 +755,416 @@ fn every_variable_of_the_systemd_environment_file_is_one_the_binary_reads() {
         "deploy/systemd/inventory.env sets what `serve --help` does not name: {unknown:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The Grafana dashboard, as provisioned from a file (Grafana's file provider, the Helm chart's
+// sidecar loading the ConfigMap, grafana-operator): nothing fills `__inputs` there, so the data
+// source is a variable of the dashboard's own, and every query is narrowed by its variables.
+
+fn grafana_dashboard() -> Value {
+    let text = std::fs::read_to_string(deploy_dir().join("grafana/inventory.json")).unwrap();
+    serde_json::from_str(&text).expect("the dashboard is JSON")
+}
+
+/// Every panel, those a collapsed row holds in its own `panels` too.
+fn dashboard_panels(dashboard: &Value) -> Vec<&Value> {
+    let mut panels = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        panels.push(panel);
+        panels.extend(panel["panels"].as_array().into_iter().flatten());
+    }
+    panels
+}
+
+/// Every value held under a key named `key`, at any depth.
+fn values_under<'a>(value: &'a Value, key: &str, found: &mut Vec<&'a Value>) {
+    match value {
+        Value::Object(map) => {
+            for (name, inner) in map {
+                if name == key {
+                    found.push(inner);
+                }
+                values_under(inner, key, found);
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|item| values_under(item, key, found)),
+        _ => {}
+    }
+}
+
+/// The metric families with a `consumer` label (service/src/metrics.rs).
+const CONSUMER_LABELLED: &[&str] = &[
+    "inventory_messages_total",
+    "inventory_dead_letters_total",
+    "inventory_message_handling_seconds",
+    "inventory_messages_in_flight",
+    "inventory_oldest_in_flight_seconds",
+    "inventory_consumer_pending_messages",
+    "inventory_consumer_ack_pending_messages",
+    "inventory_consumer_max_ack_pending",
+    "inventory_lanes",
+    "inventory_dead_letters_waiting",
+    "inventory_dead_letters_oldest_age_seconds",
+    "inventory_dead_letters_past_replay_allowance",
+    "inventory_inbox_processing_older_than_retention",
+    "inventory_inbox_purge_failing",
+];
+
+/// The units (Grafana's ids) a panel of this dashboard may use.
+const GRAFANA_UNITS: &[&str] = &[
+    "none",
+    "short",
+    "percentunit",
+    "s",
+    "ms",
+    "bytes",
+    "ops",
+    "opm",
+    "reqps",
+    "cps",
+];
+
+/// A selector's label matchers: {label: (operator, value)}.
+type Matchers = std::collections::BTreeMap<String, (String, String)>;
+
+/// The vector selectors of a PromQL expression: (metric name, its matchers).
+/// Enough PromQL for the dashboard's queries: string literals, grouping lists (`by (…)`),
+/// ranges (`[…]`), numbers and binary keywords are skipped; an identifier followed by `(` is a
+/// function or an aggregation.
+fn selectors(expr: &str) -> Vec<(String, Matchers)> {
+    const KEYWORDS: &[&str] = &["and", "or", "unless", "bool", "offset"];
+    const GROUPING: &[&str] = &[
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+    ];
+    let chars: Vec<char> = expr.chars().collect();
+    let skip_to = |from: usize, close: char| {
+        let mut i = from;
+        let mut quote = None;
+        while i < chars.len() {
+            match (quote, chars[i]) {
+                (Some(_), '\\') => i += 1,
+                (Some(q), c) if c == q => quote = None,
+                (None, '"' | '\'' | '`') => quote = Some(chars[i]),
+                (None, c) if c == close => return i,
+                _ => {}
+            }
+            i += 1;
+        }
+        panic!("unclosed {close:?} in {expr}")
+    };
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '"' || c == '\'' || c == '`' {
+            // A string outside a selector (e.g. label_replace's): skip it whole.
+            let mut j = i + 1;
+            while j < chars.len() && chars[j] != c {
+                j += if chars[j] == '\\' { 2 } else { 1 };
+            }
+            i = j + 1;
+        } else if c == '[' {
+            i = skip_to(i + 1, ']') + 1;
+        } else if c.is_ascii_digit()
+            || (c == '.' && chars.get(i + 1).is_some_and(char::is_ascii_digit))
+        {
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
+                i += 1;
+            }
+        } else if c.is_ascii_alphabetic() || c == '_' || c == ':' || c == '{' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || "_:".contains(chars[i])) {
+                i += 1;
+            }
+            let name: String = chars[start..i].iter().collect();
+            let mut next = i;
+            while next < chars.len() && chars[next].is_whitespace() {
+                next += 1;
+            }
+            let following = chars.get(next).copied();
+            let next_word: String = chars[next..]
+                .iter()
+                .take_while(|c| c.is_ascii_alphanumeric() || **c == '_')
+                .collect();
+            if GROUPING.contains(&name.as_str()) {
+                if following == Some('(') {
+                    i = skip_to(next + 1, ')') + 1;
+                }
+            } else if KEYWORDS.contains(&name.as_str())
+                || following == Some('(')
+                || next_word == "by"
+                || next_word == "without"
+            {
+                // An operator, a function, an aggregation (`sum by (…) (…)` too).
+            } else if following == Some('{') {
+                let end = skip_to(next + 1, '}');
+                let matchers: String = chars[next + 1..end].iter().collect();
+                found.push((name, matchers_of(&matchers, expr)));
+                i = end + 1;
+            } else {
+                found.push((name, Matchers::new()));
+            }
+        } else {
+            i += 1;
+        }
+    }
+    found
+}
+
+/// `a="x", b=~"y"` as {a: ("=", "x"), b: ("=~", "y")}.
+fn matchers_of(text: &str, expr: &str) -> Matchers {
+    let mut matchers = Matchers::new();
+    let mut rest = text.trim();
+    while !rest.is_empty() {
+        let label_end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or_else(|| panic!("a matcher in {expr}"));
+        let label = rest[..label_end].to_owned();
+        let after = rest[label_end..].trim_start();
+        let operator_end = after
+            .find(['"', '\'', '`'])
+            .unwrap_or_else(|| panic!("a quoted value in {expr}"));
+        let operator = after[..operator_end].trim().to_owned();
+        let quote = after[operator_end..].chars().next().unwrap();
+        let value_text = &after[operator_end + 1..];
+        let value_end = value_text
+            .find(quote)
+            .unwrap_or_else(|| panic!("an unclosed value in {expr}"));
+        matchers.insert(label, (operator, value_text[..value_end].to_owned()));
+        rest = value_text[value_end + 1..].trim_start();
+        rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
+    }
+    matchers
+}
+
+/// A variable's query: a string, or the object of Grafana 10's Prometheus query editor.
+fn variable_query(variable: &Value) -> &str {
+    variable["query"]
+        .as_str()
+        .or_else(|| variable["query"]["query"].as_str())
+        .unwrap_or_else(|| panic!("variable {} has no query", variable["name"]))
+}
+
+#[test]
+fn the_dashboard_is_safe_to_provision_and_filtered_by_its_variables() {
+    let dashboard = grafana_dashboard();
+    let text = std::fs::read_to_string(deploy_dir().join("grafana/inventory.json")).unwrap();
+    let provisioned = serde_json::json!({"type": "prometheus", "uid": "${datasource}"});
+
+    // Provisioning: nothing to fill in at import.
+    assert_eq!(
+        dashboard["uid"], "inventory-service",
+        "links and bookmarks use the uid"
+    );
+    assert_eq!(dashboard["title"], "Inventory service");
+    assert_eq!(dashboard["refresh"], "30s");
+    assert!(
+        dashboard.get("__inputs").is_none() && dashboard.get("__requires").is_none(),
+        "__inputs and __requires are filled by the interactive import only: provisioned from a \
+         file, every panel reports a missing data source"
+    );
+    assert!(
+        !text.contains("${DS_"),
+        "an import placeholder (${{DS_…}}) is left in the dashboard"
+    );
+
+    // The variables, chained: datasource, namespace, job, instance, consumer.
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .expect("templating.list");
+    let variable = |name: &str| {
+        variables
+            .iter()
+            .find(|variable| variable["name"] == name)
+            .unwrap_or_else(|| panic!("no template variable {name}"))
+    };
+    let datasource = variable("datasource");
+    assert_eq!(datasource["type"], "datasource", "{datasource}");
+    assert_eq!(datasource["query"], "prometheus", "{datasource}");
+    let chain = [
+        ("namespace", &[][..]),
+        ("job", &["$namespace"][..]),
+        ("instance", &["$namespace", "$job"][..]),
+        ("consumer", &["$namespace", "$job", "$instance"][..]),
+    ];
+    for (name, narrowed_by) in chain {
+        let variable = variable(name);
+        assert_eq!(variable["type"], "query", "{variable}");
+        assert_eq!(variable["datasource"], provisioned, "{variable}");
+        let query = variable_query(variable);
+        assert!(query.starts_with("label_values("), "{name}: {query}");
+        for earlier in narrowed_by {
+            assert!(
+                query.contains(earlier),
+                "{name}'s query ignores {earlier}: {query}"
+            );
+        }
+    }
+    let namespace = variable("namespace");
+    assert!(
+        namespace["includeAll"] == true && namespace["allValue"] == ".*",
+        "namespace's All must be .*, which also matches a series without the label (a \
+         Prometheus outside Kubernetes): {namespace}"
+    );
+    for name in ["instance", "consumer"] {
+        let variable = variable(name);
+        assert!(
+            variable["multi"] == true && variable["includeAll"] == true,
+            "{variable}"
+        );
+    }
+
+    // Every data source the dashboard names is the variable.
+    let mut named = Vec::new();
+    values_under(&dashboard, "datasource", &mut named);
+    for value in named {
+        assert_eq!(
+            *value, provisioned,
+            "a data source other than ${{datasource}}"
+        );
+    }
+
+    let panels = dashboard_panels(&dashboard);
+    let mut ids = BTreeSet::new();
+    let mut exprs = 0;
+    for panel in &panels {
+        let title = panel["title"].as_str().unwrap_or_default();
+        assert!(
+            ids.insert(panel["id"].to_string()),
+            "panel id {} twice",
+            panel["id"]
+        );
+        if panel["type"] == "row" {
+            assert!(panel["targets"].is_null(), "row {title:?} has queries");
+            continue;
+        }
+        assert_eq!(panel["datasource"], provisioned, "panel {title:?}");
+
+        // One unit per panel: its default, which no override changes.
+        let unit = panel["fieldConfig"]["defaults"]["unit"]
+            .as_str()
+            .unwrap_or_else(|| panic!("panel {title:?} sets no unit"));
+        assert!(
+            GRAFANA_UNITS.contains(&unit),
+            "panel {title:?}: unit {unit:?} is not one of {GRAFANA_UNITS:?}"
+        );
+        let overrides = panel["fieldConfig"]["overrides"].as_array();
+        for property in overrides
+            .into_iter()
+            .flatten()
+            .filter_map(|o| o["properties"].as_array())
+            .flatten()
+        {
+            assert!(
+                property["id"] != "unit" || property["value"] == unit,
+                "panel {title:?} plots a second unit through an override: {property}"
+            );
+        }
+
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "panel {title:?} has no query");
+        for target in targets {
+            assert_eq!(
+                target["datasource"], provisioned,
+                "panel {title:?}: {target}"
+            );
+            let expr = target["expr"]
+                .as_str()
+                .unwrap_or_else(|| panic!("panel {title:?}: a query without expr"));
+            exprs += 1;
+            assert!(
+                !(expr.contains("increase(")
+                    && (expr.contains("$__rate_interval") || expr.contains("$__interval"))),
+                "panel {title:?} plots an increase over the step, which changes with the zoom: \
+                 plot rate() instead: {expr}"
+            );
+            let selectors = selectors(expr);
+            assert!(
+                !selectors.is_empty(),
+                "panel {title:?}: no metric in {expr}"
+            );
+            for (metric, matchers) in selectors {
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| metric.strip_suffix(suffix))
+                    .unwrap_or(&metric);
+                let mut wanted = vec!["namespace", "job", "instance"];
+                if CONSUMER_LABELLED.contains(&family) {
+                    wanted.push("consumer");
+                }
+                for label in wanted {
+                    let expected = ("=~".to_owned(), format!("${label}"));
+                    assert_eq!(
+                        matchers.get(label),
+                        Some(&expected),
+                        "panel {title:?}: {metric} is not narrowed by {label}=~\"${label}\" in \
+                         {expr}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(exprs >= 20, "{exprs} queries");
+}
+
+/// Every query of the dashboard is PromQL that Prometheus parses: promtool checks them as
+/// recording rules, with the variables set as Grafana sets them (All is `.*`).
+#[test]
+fn the_dashboard_queries_parse_as_promql() {
+    let dashboard = grafana_dashboard();
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|variable| variable["name"].as_str())
+        .collect();
+    let mut rules = Vec::new();
+    for panel in dashboard_panels(&dashboard) {
+        for (i, target) in panel["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let mut expr = target["expr"].as_str().unwrap_or_default().to_owned();
+            for interval in ["$__rate_interval", "$__interval", "$__range"] {
+                expr = expr.replace(interval, "2m");
+            }
+            for name in &variables {
+                expr = expr
+                    .replace(&format!("${{{name}}}"), ".*")
+                    .replace(&format!("${name}"), ".*");
+            }
+            rules.push(serde_json::json!({
+                "record": format!("dashboard:panel_{}_{i}", panel["id"]),
+                "expr": expr,
+            }));
+        }
+    }
+    assert!(!rules.is_empty());
+    let dir = std::env::temp_dir().join(format!("inventory-dashboard-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("dashboard-queries.yml");
+    // JSON is YAML.
+    let groups = serde_json::json!({"groups": [{"name": "dashboard", "rules": rules}]});
+    std::fs::write(&file, groups.to_string()).unwrap();
+    let output = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&file)
+        .output()
+        .expect(
+            "promtool, from Debian's prometheus package (scripts/test.sh installs it when absent)",
+        );
+    std::fs::remove_dir_all(dir).unwrap();
+    assert!(
+        output.status.success(),
+        "a dashboard query is not PromQL:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

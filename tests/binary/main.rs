@@ -10,8 +10,10 @@
 mod cli;
 mod configuration;
 mod deploy;
+mod logs;
 mod least_privilege;
 mod nats_permissions;
 mod operating;
+mod prometheus;
 mod relay_binary;
 mod serve_binary;
