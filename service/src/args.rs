@@ -19,6 +19,11 @@ pub fn shown(duration: Duration) -> String {
     humantime::format_duration(duration).to_string()
 }
 
+/// `--replay-allowance`'s default: how long after a dead letter operators may still replay it,
+/// the last part of the inbox's redelivery horizon. One value for `serve`, `inbox purge` and
+/// `dlq replay`, which must agree on it.
+pub const REPLAY_ALLOWANCE: &str = "7days";
+
 /// A secret's flag: the value held so that `Debug` never prints it.
 pub fn secret(value: &str) -> Result<SecretString, std::convert::Infallible> {
     Ok(SecretString::from(value))

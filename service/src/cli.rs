@@ -12,7 +12,9 @@ use inventory_infra::orders::{Cancellation, OrdersRepository, Placement};
 use inventory_infra::{db, jetstream, retention};
 use serde::Serialize;
 
-use crate::args::{DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, TopologyArgs};
+use crate::args::{
+    DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, REPLAY_ALLOWANCE, TopologyArgs,
+};
 use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refusal_message};
 use crate::telemetry::LogFormat;
 use crate::{dlq, publish, relay, serve, study};
@@ -74,7 +76,8 @@ pub enum Command {
         #[command(subcommand)]
         command: InboxCommand,
     },
-    /// Dead letters in ORDERS_DLQ: list them, replay them to their original subject.
+    /// Dead letters in ORDERS_DLQ: list them, replay them to their original subject, delete
+    /// them.
     Dlq {
         #[command(subcommand)]
         command: DlqCommand,
@@ -150,7 +153,7 @@ pub struct PurgeArgs {
 pub enum DlqCommand {
     /// Lists the dead letters: reason, detail, original subject and sequence, age.
     List {
-        /// Prints JSON instead of a table.
+        /// Prints JSON instead of a table, with each dead letter's headers and body.
         #[arg(long)]
         json: bool,
         /// Only dead letters with this Dlq-Reason (e.g. unknown-book).
@@ -162,7 +165,8 @@ pub enum DlqCommand {
         topology: TopologyArgs,
     },
     /// Republishes dead letters to their original subject with their original body (the
-    /// consumer's dedup applies: a duplicate is skipped), then deletes them from the DLQ.
+    /// consumer's dedup applies: a duplicate is skipped), then deletes them from the DLQ. One
+    /// older than the replay allowance refuses the whole replay unless --force.
     Replay {
         /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
         #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
@@ -170,6 +174,34 @@ pub enum DlqCommand {
         /// Every dead letter with this Dlq-Reason.
         #[arg(long)]
         reason: Option<String>,
+        /// How long after a dead letter operators may still replay it: the service's own
+        /// --replay-allowance, the last part of the inbox's redelivery horizon. An older one may
+        /// find its inbox row purged and be applied twice, so it is refused unless --force.
+        #[arg(long, default_value = REPLAY_ALLOWANCE, value_parser = humantime::parse_duration)]
+        replay_allowance: std::time::Duration,
+        /// Replays dead letters older than --replay-allowance too.
+        #[arg(long)]
+        force: bool,
+        /// Prints what would be replayed, and publishes and deletes nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        nats: NatsArgs,
+        #[command(flatten)]
+        topology: TopologyArgs,
+    },
+    /// Deletes dead letters from the DLQ without replaying them: those that must never be
+    /// replayed (malformed, invalid), once understood.
+    Delete {
+        /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
+        #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
+        seq: Vec<u64>,
+        /// Every dead letter with this Dlq-Reason.
+        #[arg(long)]
+        reason: Option<String>,
+        /// Prints what would be deleted, and deletes nothing.
+        #[arg(long)]
+        dry_run: bool,
         #[command(flatten)]
         nats: NatsArgs,
         #[command(flatten)]
@@ -424,20 +456,51 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
         DlqCommand::Replay {
             seq,
             reason,
+            replay_allowance,
+            force,
+            dry_run,
             nats,
             topology,
         } => {
             let client = nats.connect("inventory dlq").await?;
             let js = inventory_infra::jetstream::context(client);
-            let selection = match reason {
-                Some(reason) => dlq::Selection::Reason(reason),
-                None => dlq::Selection::Sequences(seq),
+            let options = dlq::ReplayOptions {
+                allowance: replay_allowance,
+                force,
+                dry_run,
             };
-            let report = dlq::replay_selected(&js, &topology.topology(), &selection).await?;
+            let report =
+                dlq::replay(&js, &topology.topology(), &selection(seq, reason), options).await?;
+            let forced = |forced: bool| {
+                if forced {
+                    format!(
+                        " (forced: past the replay allowance {})",
+                        humantime::format_duration(replay_allowance)
+                    )
+                } else {
+                    String::new()
+                }
+            };
+            if dry_run {
+                for planned in &report.planned {
+                    let letter = &planned.letter;
+                    println!(
+                        "would replay dead letter {} ({}, {} old) to {} as {}{}",
+                        letter.seq,
+                        letter.reason,
+                        dlq::short_age(letter.age_seconds),
+                        planned.subject,
+                        planned.message_id(),
+                        forced(planned.forced)
+                    );
+                }
+            }
             for r in &report.replayed {
                 println!(
-                    "replayed dead letter {} to {} as {} -> stored as sequence {}{}",
+                    "replayed dead letter {} ({}, {} old) to {} as {} -> stored as sequence {}{}{}",
                     r.seq,
+                    r.reason,
+                    dlq::short_age(r.age_seconds),
                     r.subject,
                     r.message_id,
                     r.stream_sequence,
@@ -445,21 +508,88 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
                         " (already there: a retried replay)"
                     } else {
                         ""
-                    }
+                    },
+                    forced(r.forced)
                 );
             }
-            if !report.missing.is_empty() {
-                anyhow::bail!(
-                    "no dead letter with sequence {:?} in the DLQ",
-                    report.missing
+            match (report.planned.len(), dry_run) {
+                // A --seq not in the DLQ is the error below.
+                (0, _) if !report.missing.is_empty() => {}
+                (0, _) => println!("no dead letter matched"),
+                (n, true) => println!(
+                    "would replay {}; --dry-run: nothing published or deleted",
+                    dead_letters(n)
+                ),
+                (n, false) => println!("replayed {}", dead_letters(n)),
+            }
+            missing(&report.missing)?;
+        }
+        DlqCommand::Delete {
+            seq,
+            reason,
+            dry_run,
+            nats,
+            topology,
+        } => {
+            let client = nats.connect("inventory dlq").await?;
+            let js = inventory_infra::jetstream::context(client);
+            let report =
+                dlq::delete(&js, &topology.topology(), &selection(seq, reason), dry_run).await?;
+            let verb = if dry_run { "would delete" } else { "deleted" };
+            for letter in &report.deleted {
+                println!(
+                    "{verb} dead letter {} ({}, {} old): consumer {}, original subject {}",
+                    letter.seq,
+                    letter.reason,
+                    dlq::short_age(letter.age_seconds),
+                    letter.consumer,
+                    letter.original_subject.as_deref().unwrap_or("?"),
                 );
             }
-            if report.replayed.is_empty() {
-                println!("no dead letter matched");
+            for seq in &report.gone {
+                println!(
+                    "dead letter {seq} was gone before its delete: deleted or replayed by another"
+                );
             }
+            match (report.deleted.len(), dry_run) {
+                (0, _) if !report.missing.is_empty() => {}
+                (0, _) if report.gone.is_empty() => println!("no dead letter matched"),
+                (n, true) => println!(
+                    "would delete {}; --dry-run: nothing deleted",
+                    dead_letters(n)
+                ),
+                (n, false) => println!("deleted {}", dead_letters(n)),
+            }
+            missing(&report.missing)?;
         }
     }
     Ok(())
+}
+
+/// What `--seq` or `--reason` selects.
+fn selection(seq: Vec<u64>, reason: Option<String>) -> dlq::Selection {
+    match reason {
+        Some(reason) => dlq::Selection::Reason(reason),
+        None => dlq::Selection::Sequences(seq),
+    }
+}
+
+/// `1 dead letter`, `2 dead letters`.
+fn dead_letters(n: usize) -> String {
+    if n == 1 {
+        "1 dead letter".to_owned()
+    } else {
+        format!("{n} dead letters")
+    }
+}
+
+/// Sequences asked for that are not in the DLQ: an error naming them, after the others were
+/// handled.
+fn missing(missing: &[u64]) -> Result<()> {
+    if missing.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!("no dead letter with sequence {missing:?} in the DLQ")
 }
 
 /// `inventory inbox purge`: each consumer's rows, each after its horizon check (unless

@@ -33,20 +33,30 @@ use inventory_infra::redact::redact_url;
 use crate::cli::Cli;
 
 /// The commands each of whose flags is a setting.
-const CONFIGURED: [&[&str]; 5] = [
+const CONFIGURED: [&[&str]; 6] = [
     &["serve"],
     &["relay"],
     &["inbox", "purge"],
     &["dlq", "list"],
     &["dlq", "replay"],
+    &["dlq", "delete"],
 ];
 
 /// The commands whose flags other commands share by name: a flag of `stock` or `orders` reads
 /// the environment and the file when `serve` or `relay` has it too.
 const SERVICES: [&[&str]; 2] = [&["serve"], &["relay"]];
 
-/// Flags that are not settings: they say what to do with the settings.
-const NOT_SETTINGS: [&str; 4] = ["config", "print-config", "help", "version"];
+/// Flags that are not settings: they say what to do with the settings, or decide one run of an
+/// operator's command (`--force`, `--dry-run`), which a variable left in the environment or a
+/// line of a shared file must never decide for every run.
+const NOT_SETTINGS: [&str; 6] = [
+    "config",
+    "print-config",
+    "help",
+    "version",
+    "force",
+    "dry-run",
+];
 
 /// The settings whose environment variables keep the names every tool of their kind reads.
 const OWN_NAMES: [&str; 3] = ["database-url", "nats-url", "orders-database-url"];

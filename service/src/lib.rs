@@ -15,7 +15,7 @@
 //!   `--print-config`.
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
-//! - [`dlq`]: listing and replaying dead letters; [`publish`]: the producer command.
+//! - [`dlq`]: listing, replaying and deleting dead letters; [`publish`]: the producer command.
 //! - [`study`]: `inventory demo|compare|bench`, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.
 

@@ -27,7 +27,7 @@ pub struct HorizonArgs {
     #[arg(long, default_value = shown(RuntimeSettings::MAX_RETRY_DELAY), value_parser = humantime::parse_duration)]
     pub max_retry_delay: Duration,
     /// How long after a dead letter operators may still replay it; part of the horizon.
-    #[arg(long, default_value = "7days", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = crate::args::REPLAY_ALLOWANCE, value_parser = humantime::parse_duration)]
     pub replay_allowance: Duration,
     /// How far the consumer may fall behind its stream, when the stream has no max_age: a copy
     /// stored meanwhile waits that long for its first delivery. Part of the horizon; a stream's

@@ -54,7 +54,10 @@ fn options_and_variables(help: &str) -> Vec<(String, Option<String>)> {
             }
         }
     }
-    options.retain(|(flag, _)| !["help", "version", "print-config"].contains(&flag.as_str()));
+    // What decides one run is no setting: never from the environment (service/src/config.rs).
+    options.retain(|(flag, _)| {
+        !["help", "version", "print-config", "force", "dry-run"].contains(&flag.as_str())
+    });
     options
 }
 
@@ -66,6 +69,7 @@ fn every_option_of_the_service_commands_names_its_environment_variable() {
         &["inbox", "purge"],
         &["dlq", "list"],
         &["dlq", "replay"],
+        &["dlq", "delete"],
     ] {
         let help = stdout(&run(&[command, &["--help"]].concat(), &[]));
         let options = options_and_variables(&help);
@@ -322,4 +326,19 @@ fn serve_on_the_embedded_database_warns_that_it_is_its_own() {
     );
     assert!(stderr.contains("this process's own"), "{stderr}");
     assert!(!output.status.success(), "no NATS there: {stderr}");
+}
+
+/// `--force` and `--dry-run` decide one run of an operator's command: a variable left in the
+/// environment never decides them.
+#[test]
+fn force_and_dry_run_are_never_read_from_the_environment() {
+    for command in [
+        &["inbox", "purge"][..],
+        &["dlq", "replay"],
+        &["dlq", "delete"],
+    ] {
+        let help = stdout(&run(&[command, &["--help"]].concat(), &[]));
+        assert!(!help.contains("INVENTORY_FORCE"), "{command:?}: {help}");
+        assert!(!help.contains("INVENTORY_DRY_RUN"), "{command:?}: {help}");
+    }
 }

@@ -10,8 +10,9 @@
 mod cli;
 mod configuration;
 mod deploy;
-mod logs;
+mod dlq_operator;
 mod least_privilege;
+mod logs;
 mod nats_permissions;
 mod operating;
 mod prometheus;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use inventory_domain::BookId;
 use inventory_infra::jetstream::{self, Context, NatsSecurity, Topology};
-use inventory_tests::binary::{BinaryRun, inventory, stop};
+use inventory_tests::binary::{BinaryRun, free_port, http_get, inventory, sample, stop};
 use inventory_tests::nats::NatsServer;
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
@@ -86,8 +86,11 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
 
     let run = BinaryRun::new("nats_permissions", "info,sqlx=warn").await;
     run.put_stock(BOOK, "Dune", 10);
+    let metrics_port = free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
     let service: Child = command(&run, &server, "inventory", PASSWORD)
         .args(["serve", "--strategy", "natural", "--ack-wait", "2s"])
+        .args(["--metrics-addr", &metrics_addr])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -108,6 +111,17 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
             "reserved {reserved}, dead letters {dead_letters}, events {events}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The dead letter as the service's metrics see it in the DLQ (read every 30 s): the user
+    // may read what its alarms stay on for.
+    let waiting = "inventory_dead_letters_waiting{consumer=\"inventory-reserve-stock\",reason=\"unknown-book\"}";
+    let deadline = Instant::now() + Duration::from_secs(45);
+    while http_get(metrics_port, "/metrics").map_or(0.0, |(_, scrape)| sample(&scrape, waiting))
+        != 1.0
+    {
+        assert!(Instant::now() < deadline, "{waiting} never 1");
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
     let service_user = connect(&server, &user("inventory", PASSWORD)).await;

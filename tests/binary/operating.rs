@@ -341,7 +341,10 @@ async fn purge_metrics_health_and_dead_letters_while_messages_flow() {
     );
     assert!(scrape.contains(&format!("inventory_messages_in_flight{{{consumer}}}")));
     assert_eq!(
-        sample(&scrape, "inventory_inbox_processing_older_than_retention"),
+        sample(
+            &scrape,
+            &format!("inventory_inbox_processing_older_than_retention{{{consumer}}}")
+        ),
         1.0
     );
     // The old completed rows are gone; the new ones and the processing row are kept.

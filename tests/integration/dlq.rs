@@ -1,6 +1,7 @@
-//! Dead letters listed and replayed: a replay goes back to its original subject with its
-//! original body, so the consumer's dedup applies: a fixed message is processed, a copy of one
-//! already handled is skipped.
+//! Dead letters listed, replayed and deleted: a replay goes back to its original subject with
+//! its original body, so the consumer's dedup applies: a fixed message is processed, a copy of
+//! one already handled is skipped. A delete takes exactly what it selects; a dry run of either
+//! changes nothing; a dead letter older than the replay allowance is replayed only when forced.
 
 use std::sync::atomic::Ordering;
 
@@ -9,7 +10,7 @@ use inventory_domain::{DeadLetterReason, StockItem};
 use inventory_infra::HandlerKind;
 use inventory_infra::NaturalKeyPath;
 use inventory_infra::jetstream::Origin;
-use inventory_service::dlq::{self, Selection};
+use inventory_service::dlq::{self, ReplayOptions, ReplayRefused, Selection};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
@@ -161,4 +162,246 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     assert!(again.replayed.is_empty());
     assert_eq!(again.missing, [handled_letter.seq]);
     service.stop().await;
+}
+
+/// Stores a dead letter of `reason` as the consumer would, for an OrderPlaced at
+/// `original_sequence` of the orders stream (no message there: the DLQ is all these tests read);
+/// its DLQ sequence.
+async fn dead_letter(broker: &Broker, reason: DeadLetterReason, original_sequence: u64) -> u64 {
+    let message = placed(inventory_domain::BookId::new_v7(), 1);
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        async_nats::header::NATS_MESSAGE_ID,
+        message.key.storage_key().as_str(),
+    );
+    let origin = Origin {
+        subject: broker.topology.subject(inventory_domain::EventKind::Placed),
+        stream: broker.topology.stream.clone(),
+        stream_sequence: original_sequence,
+        deliveries: 1,
+    };
+    broker
+        .dead_letter_publisher()
+        .publish(
+            &origin,
+            Some(&headers),
+            message.to_plain_json().unwrap().into(),
+            reason,
+            "a test's dead letter",
+        )
+        .await
+        .unwrap()
+        .sequence
+}
+
+/// The DLQ's sequences, oldest first.
+async fn dlq_seqs(broker: &Broker) -> Vec<u64> {
+    dlq::list(&broker.js, &broker.topology, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|letter| letter.seq)
+        .collect()
+}
+
+fn seqs(letters: &[inventory_service::dlq::DeadLetter]) -> Vec<u64> {
+    letters.iter().map(|letter| letter.seq).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_deleted_by_seq_and_by_reason_and_a_dry_run_deletes_nothing() {
+    let broker = Broker::new().await;
+    let malformed_1 = dead_letter(&broker, DeadLetterReason::Malformed, 1).await;
+    let invalid = dead_letter(&broker, DeadLetterReason::Invalid, 2).await;
+    let malformed_2 = dead_letter(&broker, DeadLetterReason::Malformed, 3).await;
+    let unknown = dead_letter(&broker, DeadLetterReason::UnknownBook, 4).await;
+    let all = vec![malformed_1, invalid, malformed_2, unknown];
+    assert_eq!(dlq_seqs(&broker).await, all);
+    let orders_before = broker.stream_messages(&broker.topology.stream).await;
+
+    // A dry run selects as the delete would, and deletes nothing.
+    let by_reason = Selection::Reason("malformed".into());
+    let dry = dlq::delete(&broker.js, &broker.topology, &by_reason, true)
+        .await
+        .unwrap();
+    assert!(dry.dry_run);
+    assert_eq!(seqs(&dry.deleted), [malformed_1, malformed_2]);
+    assert_eq!(dry.deleted[0].consumer, broker.consumer_name);
+    assert_eq!(dlq_seqs(&broker).await, all, "a dry run deleted");
+    let dry = dlq::delete(
+        &broker.js,
+        &broker.topology,
+        &Selection::Sequences(vec![invalid, 9_999]),
+        true,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (seqs(&dry.deleted), dry.missing),
+        (vec![invalid], vec![9_999])
+    );
+    assert_eq!(dlq_seqs(&broker).await, all, "a dry run deleted");
+
+    // By reason: exactly that reason's.
+    let report = dlq::delete(&broker.js, &broker.topology, &by_reason, false)
+        .await
+        .unwrap();
+    assert_eq!(seqs(&report.deleted), [malformed_1, malformed_2]);
+    assert!(report.missing.is_empty() && report.gone.is_empty());
+    assert_eq!(dlq_seqs(&broker).await, [invalid, unknown]);
+
+    // By sequence: exactly those; one not in the DLQ (deleted already) is reported missing.
+    let report = dlq::delete(
+        &broker.js,
+        &broker.topology,
+        &Selection::Sequences(vec![invalid, malformed_1]),
+        false,
+    )
+    .await
+    .unwrap();
+    assert_eq!(seqs(&report.deleted), [invalid]);
+    assert_eq!(report.missing, [malformed_1]);
+    assert_eq!(dlq_seqs(&broker).await, [unknown]);
+
+    // Nothing was published anywhere.
+    assert_eq!(
+        broker.stream_messages(&broker.topology.stream).await,
+        orders_before
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_dry_run_publishes_and_deletes_nothing() {
+    let broker = Broker::new().await;
+    let first = dead_letter(&broker, DeadLetterReason::UnknownBook, 1).await;
+    let second = dead_letter(&broker, DeadLetterReason::UnknownBook, 2).await;
+    let other = dead_letter(&broker, DeadLetterReason::Invalid, 3).await;
+    let orders_before = broker.stream_messages(&broker.topology.stream).await;
+    let letters = dlq::list(&broker.js, &broker.topology, Some("unknown-book"))
+        .await
+        .unwrap();
+
+    let options = ReplayOptions {
+        dry_run: true,
+        ..ReplayOptions::default()
+    };
+    let report = dlq::replay(
+        &broker.js,
+        &broker.topology,
+        &Selection::Reason("unknown-book".into()),
+        options,
+    )
+    .await
+    .unwrap();
+    assert!(report.dry_run);
+    assert!(report.replayed.is_empty());
+    let planned: Vec<(u64, String, String, bool)> = report
+        .planned
+        .iter()
+        .map(|p| (p.letter.seq, p.subject.clone(), p.message_id(), p.forced))
+        .collect();
+    let subject = broker.topology.subject(inventory_domain::EventKind::Placed);
+    assert_eq!(
+        planned,
+        [
+            (
+                first,
+                subject.clone(),
+                letters[0].replay_message_id(),
+                false
+            ),
+            (second, subject, letters[1].replay_message_id(), false),
+        ]
+    );
+    assert!(
+        letters[0]
+            .replay_message_id()
+            .ends_with(&format!(":replay:{first}"))
+    );
+
+    assert_eq!(dlq_seqs(&broker).await, [first, second, other]);
+    assert_eq!(
+        broker.stream_messages(&broker.topology.stream).await,
+        orders_before,
+        "a dry run published"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_older_than_the_replay_allowance_is_refused_unless_forced() {
+    let broker = Broker::new().await;
+    let old = dead_letter(&broker, DeadLetterReason::UnknownBook, 1).await;
+    // Real time: older than the allowance below by the time the replay looks.
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    let fresh = dead_letter(&broker, DeadLetterReason::UnknownBook, 2).await;
+    let orders_before = broker.stream_messages(&broker.topology.stream).await;
+    let allowance = std::time::Duration::from_secs(3);
+    let both = Selection::Reason("unknown-book".into());
+    let guarded = ReplayOptions {
+        allowance,
+        force: false,
+        dry_run: false,
+    };
+
+    // One letter too old refuses the whole selection: nothing replayed, the old one named.
+    let error = dlq::replay(&broker.js, &broker.topology, &both, guarded)
+        .await
+        .expect_err("an old dead letter replayed without --force");
+    let refused = error
+        .downcast_ref::<ReplayRefused>()
+        .unwrap_or_else(|| panic!("not a refusal: {error:#}"));
+    let ReplayRefused::TooOld {
+        letters,
+        allowance: named,
+    } = refused
+    else {
+        panic!("{refused:?}");
+    };
+    assert_eq!(*named, allowance);
+    assert_eq!(
+        letters.iter().map(|letter| letter.seq).collect::<Vec<_>>(),
+        [old]
+    );
+    assert!(letters[0].age_seconds > 3, "{letters:?}");
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("dead letter {old} (unknown-book, "))
+            && message.contains("older than the replay allowance 3s")
+            && message.contains("--force"),
+        "{message}"
+    );
+    assert_eq!(dlq_seqs(&broker).await, [old, fresh]);
+    assert_eq!(
+        broker.stream_messages(&broker.topology.stream).await,
+        orders_before
+    );
+
+    // The fresh one alone is inside the allowance.
+    let report = dlq::replay(
+        &broker.js,
+        &broker.topology,
+        &Selection::Sequences(vec![fresh]),
+        guarded,
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.replayed.len(), 1);
+    assert!(!report.replayed[0].forced);
+
+    // Forced: replayed, and said so.
+    let forced = ReplayOptions {
+        force: true,
+        ..guarded
+    };
+    let report = dlq::replay(&broker.js, &broker.topology, &both, forced)
+        .await
+        .unwrap();
+    assert_eq!(report.replayed.len(), 1);
+    assert_eq!(report.replayed[0].seq, old);
+    assert!(report.replayed[0].forced);
+    assert!(dlq_seqs(&broker).await.is_empty());
+    assert_eq!(
+        broker.stream_messages(&broker.topology.stream).await,
+        orders_before + 2
+    );
 }

@@ -1,5 +1,6 @@
 //! The dead-letter format, written by the consumer and read by `inventory dlq`: the headers a
-//! dead letter carries, its own `Nats-Msg-Id`, how it reads back, and the id of its replay.
+//! dead letter carries, its own `Nats-Msg-Id`, how it reads back, the id of its replay, and the
+//! stream's reads, replays and deletes.
 //!
 //! A dead letter is the original body with the original headers, except its `Nats-Msg-Id`
 //! (kept as `Dlq-Original-Msg-Id`: the dead letter has an id of its own), and the `Dlq-*`
@@ -162,10 +163,15 @@ pub struct DeadLetter {
     /// When the DLQ stored it, Unix seconds; and how long ago that was.
     pub stored_at: i64,
     pub age_seconds: i64,
-    #[serde(skip)]
+    /// Every header it carries, the original's and the `Dlq-*` ones.
     pub headers: BTreeMap<String, String>,
-    #[serde(skip)]
+    /// The original body; in JSON as text, bytes that are not UTF-8 replaced by U+FFFD.
+    #[serde(serialize_with = "as_text")]
     pub body: Bytes,
+}
+
+fn as_text<S: serde::Serializer>(body: &Bytes, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&String::from_utf8_lossy(body))
 }
 
 impl DeadLetter {
@@ -228,7 +234,7 @@ impl DeadLetter {
     }
 }
 
-/// The dead-letter stream as operators work on it: what it holds, and putting one back.
+/// The dead-letter stream as operators work on it: what it holds, putting one back, deleting one.
 pub struct DeadLetterStream {
     js: Context,
     topology: Topology,
@@ -273,6 +279,22 @@ impl DeadLetterStream {
         Ok(letters)
     }
 
+    /// Deletes the dead letter `seq`: whether it was there to delete (another operator's delete
+    /// or replay may have taken it since it was read).
+    pub async fn delete(&self, seq: u64) -> Result<bool, NatsError> {
+        let stream = self.stream().await?;
+        let doing = format!("deleting dead letter {seq}");
+        match stream.delete_message(seq).await {
+            Ok(deleted) => Ok(deleted),
+            // The server refuses to delete a message it does not hold; asked again, it says
+            // which by the error's code, not its text.
+            Err(error) => match stream.get_raw_message(seq).await {
+                Err(gone) if gone.kind() == RawMessageErrorKind::NoMessageFound => Ok(false),
+                _ => Err(unclassified(doing)(error)),
+            },
+        }
+    }
+
     /// Republishes `letter` to `subject` (its original one) with its original headers under
     /// its replay id, and only once the orders stream stored it deletes it from here.
     pub async fn replay(
@@ -297,14 +319,9 @@ impl DeadLetterStream {
             .map_err(nats_error(doing.clone()))?
             .await
             .map_err(nats_error(doing))?;
-        self.stream()
-            .await?
-            .delete_message(letter.seq)
-            .await
-            .map_err(unclassified(format!(
-                "deleting replayed dead letter {}",
-                letter.seq
-            )))?;
+        // Gone already (another operator's delete or replay): the replay stands, and the
+        // consumer's dedup applies to it as to any copy.
+        self.delete(letter.seq).await?;
         Ok(PublishReceipt {
             sequence: ack.sequence,
             duplicate: ack.duplicate,
@@ -410,6 +427,21 @@ mod tests {
             dead_letter_id("inventory-reserve-stock", &origin()),
             "dlq:inventory-reserve-stock:ORDERS:42"
         );
+    }
+
+    #[test]
+    fn the_json_of_a_dead_letter_holds_its_headers_and_body_as_text() {
+        let mut original = HeaderMap::new();
+        original.insert("Trace-Id", "t-9");
+        let written = write_headers(&origin(), Some(&original), DeadLetterReason::Malformed, "x");
+        let mut letter = read_back(&written);
+        let json = serde_json::to_value(&letter).expect("a dead letter serializes");
+        assert_eq!(json["body"], "{\"body\":1}");
+        assert_eq!(json["headers"]["Trace-Id"], "t-9");
+        assert_eq!(json["headers"]["Dlq-Reason"], "malformed");
+        letter.body = Bytes::from_static(b"{\xff");
+        let json = serde_json::to_value(&letter).expect("a dead letter serializes");
+        assert_eq!(json["body"], "{\u{fffd}");
     }
 
     #[test]
