@@ -12,7 +12,7 @@ use async_nats::HeaderMap;
 use inventory_domain::{DeadLetterReason, EventKind};
 use inventory_infra::jetstream::{self, Context, DeadLetters, NatsSecurity, Origin, Topology};
 use inventory_tests::binary::inventory;
-use inventory_tests::nats::NatsServer;
+use inventory_tests::nats::{NatsServer, stream_messages};
 
 const OPERATOR_USER: &str = include_str!("../../deploy/nats/inventory-operator.conf");
 const OPERATOR: &str = "inventory-operator";
@@ -82,17 +82,6 @@ fn succeeded(output: &Output) -> String {
 fn failed(output: &Output) -> String {
     assert_eq!(output.status.code(), Some(1), "{}", text(output));
     String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-async fn messages(js: &Context, stream: &str) -> u64 {
-    js.get_stream(stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages
 }
 
 /// A dead letter of `consumer` as the service would store it; its DLQ sequence.
@@ -182,9 +171,9 @@ async fn the_operator_user_lists_deletes_and_replays_and_may_not_publish_elsewhe
     .await;
     let counts = || async {
         (
-            messages(&admin, &topology.dlq_stream).await,
-            messages(&admin, &topology.stream).await,
-            messages(&admin, &topology.events_stream).await,
+            stream_messages(&admin, &topology.dlq_stream).await,
+            stream_messages(&admin, &topology.stream).await,
+            stream_messages(&admin, &topology.events_stream).await,
         )
     };
     assert_eq!(counts().await, (4, 0, 0));

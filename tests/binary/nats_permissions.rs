@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use inventory_domain::BookId;
 use inventory_infra::jetstream::{self, Context, NatsSecurity, Topology};
 use inventory_tests::binary::{BinaryRun, free_port, http_get, inventory, sample, stop};
-use inventory_tests::nats::NatsServer;
+use inventory_tests::nats::{NatsServer, stream_messages};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
 const INVENTORY_USER: &str = include_str!("../../deploy/nats/inventory-user.conf");
@@ -58,17 +58,6 @@ fn publish(run: &BinaryRun, server: &NatsServer, book: &str) {
     assert!(output.status.success(), "{output:?}");
 }
 
-async fn messages(js: &Context, stream: &str) -> u64 {
-    js.get_stream(stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete_streams() {
     let config = format!(
@@ -101,8 +90,8 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let reserved = run.db.reserved(BookId::parse(BOOK).unwrap()).await;
-        let dead_letters = messages(&admin, &topology.dlq_stream).await;
-        let events = messages(&admin, &topology.events_stream).await;
+        let dead_letters = stream_messages(&admin, &topology.dlq_stream).await;
+        let events = stream_messages(&admin, &topology.events_stream).await;
         if (reserved, dead_letters, events) == (2, 1, 1) {
             break;
         }
@@ -139,7 +128,7 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
         service_user.delete_stream(&topology.stream).await.is_err(),
         "the service user deleted the stream"
     );
-    assert_eq!(messages(&admin, &topology.stream).await, 2);
+    assert_eq!(stream_messages(&admin, &topology.stream).await, 2);
 
     let (status, log) = stop(service);
     assert!(status.success(), "{log}");

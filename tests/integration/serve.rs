@@ -142,6 +142,16 @@ async fn poison_messages_are_dead_lettered_and_the_service_keeps_going() {
 
     let order = placed(book, 2);
     publisher.publish(&order).await.unwrap();
+    let service = RunningService::start(
+        &broker,
+        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
+        db.conn.clone(),
+        broker.settings(2, 5),
+    )
+    .await;
+    // Decided before its conflicting copy comes: two lanes could otherwise take the copy first,
+    // reserve its 3 and refuse the order.
+    reserved_reaches(&db, book, 2).await;
     broker
         .publish_raw("placed", &b"{not json"[..], Some("poison-1"))
         .await;
@@ -170,13 +180,6 @@ async fn poison_messages_are_dead_lettered_and_the_service_keeps_going() {
     let healthy = placed(book, 1);
     publisher.publish(&healthy).await.unwrap();
 
-    let service = RunningService::start(
-        &broker,
-        db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
-        db.conn.clone(),
-        broker.settings(2, 5),
-    )
-    .await;
     reserved_reaches(&db, book, 3).await;
     broker.settled().await;
     assert!(service.is_running());

@@ -145,8 +145,7 @@ impl Broker {
     }
 
     pub async fn stream_messages(&self, name: &str) -> u64 {
-        let mut stream = self.js.get_stream(name).await.unwrap();
-        stream.info().await.unwrap().state.messages
+        crate::nats::stream_messages(&self.js, name).await
     }
 
     pub async fn dead_letters(&self) -> Vec<StoredDeadLetter> {

@@ -533,6 +533,18 @@ pub fn unique_names(label: &str) -> TestNames {
     }
 }
 
+/// How many messages stream `name` holds now, through `js`.
+pub async fn stream_messages(js: &inventory_infra::jetstream::Context, name: &str) -> u64 {
+    js.get_stream(name)
+        .await
+        .expect("the stream exists")
+        .info()
+        .await
+        .expect("its info answers")
+        .state
+        .messages
+}
+
 #[cfg(test)]
 mod tests {
     use super::unique_names;
