@@ -149,6 +149,26 @@ pub struct PurgeArgs {
     topology: TopologyArgs,
 }
 
+/// Which dead letters `dlq replay` and `dlq delete` take.
+#[derive(Debug, clap::Args)]
+pub struct Chosen {
+    /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
+    #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
+    seq: Vec<u64>,
+    /// Every dead letter with this Dlq-Reason.
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+impl Chosen {
+    fn selection(self) -> dlq::Selection {
+        match self.reason {
+            Some(reason) => dlq::Selection::Reason(reason),
+            None => dlq::Selection::Sequences(self.seq),
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum DlqCommand {
     /// Lists the dead letters: reason, detail, original subject and sequence, age.
@@ -168,12 +188,8 @@ pub enum DlqCommand {
     /// consumer's dedup applies: a duplicate is skipped), then deletes them from the DLQ. One
     /// older than the replay allowance refuses the whole replay unless --force.
     Replay {
-        /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
-        #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
-        seq: Vec<u64>,
-        /// Every dead letter with this Dlq-Reason.
-        #[arg(long)]
-        reason: Option<String>,
+        #[command(flatten)]
+        chosen: Chosen,
         /// How long after a dead letter operators may still replay it: the service's own
         /// --replay-allowance, the last part of the inbox's redelivery horizon. An older one may
         /// find its inbox row purged and be applied twice, so it is refused unless --force.
@@ -193,12 +209,8 @@ pub enum DlqCommand {
     /// Deletes dead letters from the DLQ without replaying them: those that must never be
     /// replayed (malformed, invalid), once understood.
     Delete {
-        /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
-        #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
-        seq: Vec<u64>,
-        /// Every dead letter with this Dlq-Reason.
-        #[arg(long)]
-        reason: Option<String>,
+        #[command(flatten)]
+        chosen: Chosen,
         /// Prints what would be deleted, and deletes nothing.
         #[arg(long)]
         dry_run: bool,
@@ -454,8 +466,7 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
             }
         }
         DlqCommand::Replay {
-            seq,
-            reason,
+            chosen,
             replay_allowance,
             force,
             dry_run,
@@ -470,7 +481,7 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
                 dry_run,
             };
             let report =
-                dlq::replay(&js, &topology.topology(), &selection(seq, reason), options).await?;
+                dlq::replay(&js, &topology.topology(), &chosen.selection(), options).await?;
             let forced = |forced: bool| {
                 if forced {
                     format!(
@@ -525,8 +536,7 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
             missing(&report.missing)?;
         }
         DlqCommand::Delete {
-            seq,
-            reason,
+            chosen,
             dry_run,
             nats,
             topology,
@@ -534,7 +544,7 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
             let client = nats.connect("inventory dlq").await?;
             let js = inventory_infra::jetstream::context(client);
             let report =
-                dlq::delete(&js, &topology.topology(), &selection(seq, reason), dry_run).await?;
+                dlq::delete(&js, &topology.topology(), &chosen.selection(), dry_run).await?;
             let verb = if dry_run { "would delete" } else { "deleted" };
             for letter in &report.deleted {
                 println!(
@@ -564,14 +574,6 @@ async fn run_dlq(command: DlqCommand) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// What `--seq` or `--reason` selects.
-fn selection(seq: Vec<u64>, reason: Option<String>) -> dlq::Selection {
-    match reason {
-        Some(reason) => dlq::Selection::Reason(reason),
-        None => dlq::Selection::Sequences(seq),
-    }
 }
 
 /// `1 dead letter`, `2 dead letters`.
