@@ -95,6 +95,46 @@ async fn batch_statement_one_event_per_decision() {
     one_event_per_decision(TestDb::new(Backend::Postgres).await, NaturalKeyPath::Batch).await;
 }
 
+/// On PostgreSQL, an outbox row written by a transaction that does not hold its order's lock
+/// (`lock_order`'s advisory lock) is refused. The relay's per-order order rests on every writer
+/// of an event taking that lock; with this trigger, a writer that forgets it fails here.
+const REQUIRE_THE_ORDERS_LOCK: &str = r"
+CREATE FUNCTION outbox_written_under_the_orders_lock() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    -- lock_order takes pg_advisory_xact_lock(1869767794, uuid_hash(order_id)): in pg_locks,
+    -- classid is the first key, objid the second (an int4 shown as an oid), objsubid 2.
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_locks
+        WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+          AND classid = 1869767794 AND objid = uuid_hash(NEW.order_id)::oid AND objsubid = 2
+    ) THEN
+        RAISE EXCEPTION 'outbox row of order % written without the order''s lock', NEW.order_id;
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER outbox_written_under_the_orders_lock BEFORE INSERT ON outbox
+    FOR EACH ROW EXECUTE FUNCTION outbox_written_under_the_orders_lock();
+";
+
+/// Every path that writes Inventory's events (the one statement, the batch statement, the ORM
+/// transaction) writes each of them holding its order's lock: a reservation, a rejection, a
+/// release, with copies, resends and a placement after its cancellation between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_path_writes_its_events_holding_the_orders_lock() {
+    for path in [
+        NaturalKeyPath::OneStatement,
+        NaturalKeyPath::Batch,
+        NaturalKeyPath::Orm,
+    ] {
+        let db = TestDb::new(Backend::Postgres).await;
+        db.conn
+            .execute_unprepared(REQUIRE_THE_ORDERS_LOCK)
+            .await
+            .unwrap();
+        one_event_per_decision(db, path).await;
+    }
+}
+
 /// A crash inside the transaction rolls the event back with the decision; the redelivery
 /// decides once and writes one.
 async fn crash_before_commit_writes_no_event(db: TestDb) {
