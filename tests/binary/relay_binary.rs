@@ -299,3 +299,88 @@ async fn the_orders_relay_publishes_what_orders_place_and_cancel_wrote() {
     let (status, logs) = stop(relay);
     assert!(status.success(), "{logs}");
 }
+
+/// Two `inventory relay --source orders` share the orders outbox; one reaches NATS through a
+/// proxy that then swallows every byte, its connections kept open. It fails to publish, and
+/// once that has lasted longer than its lease it gives its partitions back: the other relay
+/// takes them, and every order placed after the silence reaches the stream within the lease
+/// plus a margin. A relay that went on renewing its leases held half of the partitions back
+/// for as long as the silence lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cut_off_from_nats_gives_its_partitions_to_one_that_can_publish() {
+    let nats = inventory_tests::nats::shared_url().await;
+    let broker = inventory_tests::fault_proxy::FaultProxy::in_front_of(&nats).await;
+    let run = BinaryRun::new("inventory_relay_cut_off", "info,sqlx=warn").await;
+    let relay = |nats_url: &str| {
+        let port = free_port();
+        let mut command = run.command(&[
+            "relay",
+            "--source",
+            "orders",
+            "--relay-lease",
+            "4s",
+            "--relay-poll-interval",
+            "100ms",
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ]);
+        let child = command
+            .env("NATS_URL", nats_url)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        (child, port)
+    };
+    let (cut_off, cut_off_port) = relay(&broker.url_for(&nats));
+    let (direct, direct_port) = relay(&nats);
+    for port in [cut_off_port, direct_port] {
+        wait_for_health(port);
+    }
+    let client = jetstream::connect(&nats, "relay test").await.unwrap();
+    let js = jetstream::context(client);
+    let place = |count: usize| {
+        for _ in 0..count {
+            run.run(&["orders", "place", "--book-id", BOOK, "--quantity", "1"]);
+        }
+    };
+    let stored = || async { outbox::stored(&js, &run.names.stream).await.len() };
+    // Both relays publish, each its half of the partitions.
+    place(16);
+    eventually("16 orders on the stream", || async { stored().await == 16 }).await;
+
+    broker.blackhole();
+    let silenced = Instant::now();
+    place(48);
+    let deadline = silenced + Duration::from_secs(20);
+    while stored().await < 64 {
+        assert!(
+            Instant::now() < deadline,
+            "{} of 64 orders on the stream 20 s after the silence; {} rows wait",
+            stored().await,
+            scalar(&run, "SELECT count(*) FROM orders_outbox").await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let took = silenced.elapsed();
+    eprintln!("64 of 64 orders on the stream {took:?} after the silence");
+    assert_eq!(scalar(&run, "SELECT count(*) FROM orders_outbox").await, 0);
+    // Each published once.
+    let ids: std::collections::BTreeSet<String> = outbox::stored(&js, &run.names.stream)
+        .await
+        .into_iter()
+        .map(|message| message.message_id)
+        .collect();
+    assert_eq!(ids.len(), 64, "took {took:?}");
+    let (_, direct_metrics) = http_get(direct_port, "/metrics").unwrap();
+    assert_eq!(
+        sample(
+            &direct_metrics,
+            "inventory_outbox_relay_partitions{outbox=\"orders_outbox\"}"
+        ),
+        16.0
+    );
+    let _ = stop(cut_off);
+    let (status, logs) = stop(direct);
+    assert!(status.success(), "{logs}");
+}

@@ -53,7 +53,9 @@
 //! its own order's later rows, which wait behind it so that the order's events stay in order.
 //! Everything else (no connection, a timeout, the relay's whole stream missing) is a failure
 //! of the broker: the rows stay, the relay backs off (doubling up to `max_retry_delay`) and
-//! drains them once the broker is back.
+//! drains them once the broker is back. One that has failed for longer than its lease gives
+//! its partitions back and stands aside until JetStream answers it, so that a relay cut off
+//! from NATS while others are not holds none of the outbox back.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -364,6 +366,9 @@ pub struct Relay {
     holder: String,
     wake: RelayWake,
     status: RelayStatus,
+    /// It has failed to publish for longer than its lease and gave its partitions back: it
+    /// holds none, and is not counted among the live relays, until NATS answers it again.
+    aside: bool,
 }
 
 impl Relay {
@@ -405,6 +410,7 @@ impl Relay {
                 holder,
                 wake: RelayWake::default(),
                 status: RelayStatus::default(),
+                aside: false,
             },
             drifts,
         ))
@@ -444,7 +450,8 @@ impl Relay {
             if now >= next_pass {
                 next_pass = match self.pass().await {
                     Ok(report) if report.failed == 0 => {
-                        if delay.take().is_some() {
+                        // Aside, a pass publishes nothing: no news of the broker.
+                        if delay.take().is_some() && !self.aside {
                             tracing::info!(outbox = self.source.table(), "publishing again");
                         }
                         if report.more {
@@ -523,12 +530,17 @@ impl Relay {
         };
         match failure {
             Some(error) => self.status.failed(error),
+            // Aside, it published nothing: that is no sign the broker answers it.
+            None if self.aside => {}
             None => self.status.succeeded(),
         }
         Ok(report)
     }
 
     async fn lease_round(&mut self) -> Result<(), RelayError> {
+        if !self.stand_aside_while_cut_off().await? {
+            return Ok(());
+        }
         let round = bounded(self.settings.db_timeout, self.leases.round(&self.db)).await?;
         self.status
             .0
@@ -549,6 +561,48 @@ impl Relay {
         let backlog = bounded(self.settings.db_timeout, self.source.backlog(&self.db)).await?;
         *lock(&self.status.0.backlog) = Some(backlog);
         Ok(())
+    }
+
+    /// A relay that has failed to publish for longer than its lease (NATS silent, or
+    /// unreachable from here only) gives its partitions back and stops counting itself among
+    /// the live relays, so that the others take them at their next round instead of waiting
+    /// behind it. Aside, it asks JetStream for its stream's info each round, and takes a share
+    /// again once that answers. Whether it takes part in this round.
+    async fn stand_aside_while_cut_off(&mut self) -> Result<bool, RelayError> {
+        let cut_off = self
+            .status
+            .failing_for()
+            .is_some_and(|failing| failing > self.settings.lease);
+        if cut_off && !self.aside {
+            bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await?;
+            self.status.0.held.store(0, Ordering::Relaxed);
+            self.aside = true;
+            tracing::warn!(
+                outbox = self.source.table(),
+                error = self.status.last_failure().unwrap_or_default(),
+                "outbox relay: cannot publish for longer than its lease; its partitions are \
+                 given back until the broker answers it again"
+            );
+        }
+        if !self.aside {
+            return Ok(true);
+        }
+        self.leases.skip_round(Instant::now());
+        let answers = tokio::time::timeout(
+            self.settings.publish_timeout,
+            self.js.get_stream(self.source.stream()),
+        )
+        .await;
+        if !matches!(answers, Ok(Ok(_))) {
+            return Ok(false);
+        }
+        self.aside = false;
+        self.status.succeeded();
+        tracing::info!(
+            outbox = self.source.table(),
+            "outbox relay: the broker answers again; taking a share of the partitions"
+        );
+        Ok(true)
     }
 
     /// Steps 1 to 3 of a pass: the rows acknowledged by the stream are returned, not yet
