@@ -618,7 +618,7 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
             .all(|row| row.parked_reason.is_none()),
         "nothing parked"
     );
-    // The backlog is looked at every lease round.
+    // The backlog is looked at every fifth of the lease, by a task of its own.
     let pending = format!(
         "inventory_outbox_pending_rows{{outbox=\"{TABLE}\"}} {}",
         waiting.len()

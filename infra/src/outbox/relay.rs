@@ -207,7 +207,7 @@ impl RelayStatus {
         self.0.held.load(Ordering::Relaxed)
     }
 
-    /// The outbox's backlog at the last look (every lease round).
+    /// The outbox's backlog at the last look (every fifth of the lease, apart from the leases).
     pub fn backlog(&self) -> Option<Backlog> {
         *lock(&self.0.backlog)
     }
@@ -355,6 +355,32 @@ struct ChainOutcome {
     held_back: usize,
 }
 
+/// Reads the outbox's backlog for the metrics every `every` until `stop`, apart from the lease
+/// rounds: its sum and its oldest row are slowest when a broker outage has grown the backlog,
+/// and a failure to read them says nothing of whether the relay publishes. A failed look keeps
+/// the last figures.
+async fn watch_backlog(
+    db: DatabaseConnection,
+    source: OutboxSource,
+    status: RelayStatus,
+    every: Duration,
+    db_timeout: Option<Duration>,
+    stop: CancellationToken,
+) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        match bounded(db_timeout, source.backlog(&db)).await {
+            Ok(backlog) => *lock(&status.0.backlog) = Some(backlog),
+            Err(error) => tracing::debug!(%error, "reading the outbox's backlog"),
+        }
+    }
+}
+
 /// A relay of one outbox, set up and ready to run.
 pub struct Relay {
     db: DatabaseConnection,
@@ -440,6 +466,14 @@ impl Relay {
     /// removed; dropping the future instead (an immediate stop) leaves such rows, which the
     /// next holder republishes as duplicates the stream drops.
     pub async fn run(mut self, stop: CancellationToken) {
+        let backlog = tokio::spawn(watch_backlog(
+            self.db.clone(),
+            self.source.clone(),
+            self.status.clone(),
+            self.leases.heartbeat_interval(),
+            self.settings.db_timeout,
+            stop.clone(),
+        ));
         // The current backoff, while passes fail.
         let mut delay: Option<Duration> = None;
         // When the next pass is due: now, after a wake or a full batch; a poll interval after
@@ -505,6 +539,7 @@ impl Relay {
             tracing::warn!(%error, "outbox relay: partitions not released; they expire");
         }
         self.status.0.held.store(0, Ordering::Relaxed);
+        backlog.abort();
         tracing::info!(outbox = self.source.table(), "outbox relay stopped");
     }
 
@@ -558,8 +593,6 @@ impl Relay {
                 "outbox partitions"
             );
         }
-        let backlog = bounded(self.settings.db_timeout, self.source.backlog(&self.db)).await?;
-        *lock(&self.status.0.backlog) = Some(backlog);
         Ok(())
     }
 
