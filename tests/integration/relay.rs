@@ -18,6 +18,7 @@ use inventory_tests::outbox::{
     self, Row, assert_each_order_in_order, assert_published_once_in_order, decide, fast_settings,
 };
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
+use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -466,6 +467,68 @@ async fn relays_share_the_partitions_fairly_and_take_over(db: TestDb) {
 }
 
 inventory_tests::on_both_backends!(relays_share_the_partitions_fairly_and_take_over);
+
+/// The leases are kept on a timer of their own, not between passes: a pass held up for three
+/// leases (its DELETE waits for a row another transaction locked) keeps all 16 partitions,
+/// their expiry moving on ahead of the database's clock; renewed only between passes, they
+/// lapsed within the first lease. Once the lock goes, the row is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_longer_than_the_lease_keeps_its_partitions() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    let plenty = db.dune(1_000).await;
+    orm(&db)
+        .handle(&placed_for(OrderId::new_v7(), plenty, 1))
+        .await
+        .unwrap();
+    assert_eq!(outbox::rows(&db.conn, TABLE).await.len(), 1);
+    let lock = db.conn.begin().await.unwrap();
+    lock.execute_unprepared("SELECT seq FROM outbox FOR UPDATE")
+        .await
+        .unwrap();
+
+    let settings = RelaySettings {
+        db_timeout: None,
+        ..fast_settings()
+    };
+    let relay = relay(&db, &broker, settings.clone()).await;
+    let holder = relay.holder().to_owned();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(relay.run(stop.clone()));
+    eventually("the event on the stream", || async {
+        outbox::stored(&broker.js, &broker.topology.events_stream)
+            .await
+            .len()
+            == 1
+    })
+    .await;
+    db.wait_for_lock_waiter().await;
+    tokio::time::sleep(settings.lease * 3).await;
+    let unexpired = db
+        .conn
+        .query_one_raw(Statement::from_sql_and_values(
+            db.conn.get_database_backend(),
+            "SELECT COUNT(*) AS held FROM outbox_leases WHERE outbox = $1 AND holder = $2 \
+               AND expires_at > CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+            [TABLE.into(), holder.into()],
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get::<i64>("", "held")
+        .unwrap();
+    assert_eq!(unexpired, 16, "partitions still leased after three leases");
+    assert_eq!(
+        outbox::rows(&db.conn, TABLE).await.len(),
+        1,
+        "the pass still waits"
+    );
+
+    lock.rollback().await.unwrap();
+    outbox_is_empty(&db).await;
+    stop.cancel();
+    running.await.unwrap();
+}
 
 /// With a backup poll of an hour, only the lanes' wake-up can get an event out: the service
 /// handles an order, commits its event and wakes the relay, which publishes it.

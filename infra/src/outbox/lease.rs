@@ -13,8 +13,13 @@
 //! every relay shares. A relay's own view of its lease is measured by its monotonic clock
 //! from just *before* it sent the renewal, so it always believes its lease ends no later than
 //! the database says it does.
+//!
+//! The rounds run on a timer of their own (the relay's lease keeper), not between passes: a
+//! pass lasts as long as its slowest chain, which can outlast the lease. The partitions held
+//! and their deadlines are shared with the passes through [`Held`].
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use inventory_domain::outbox::PARTITIONS;
@@ -36,14 +41,47 @@ pub(crate) fn fair_share(partitions: usize, live: usize) -> usize {
     partitions.div_ceil(live.max(1))
 }
 
+/// The partitions a relay holds, each with the instant (local, monotonic) before which it may
+/// publish it: written by the lease rounds, read by the passes while they publish.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Held(Arc<Mutex<BTreeMap<i16, Instant>>>);
+
+impl Held {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<i16, Instant>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The partitions this relay may start a publish in now: held, with at least `margin`
+    /// of the lease left, so a publish started now ends (or gives up) while the lease holds.
+    pub(crate) fn usable(&self, now: Instant, margin: Duration) -> Vec<i16> {
+        self.lock()
+            .iter()
+            .filter(|(_, deadline)| now + margin < **deadline)
+            .map(|(partition, _)| *partition)
+            .collect()
+    }
+
+    /// Whether `partition` is usable now (see [`Self::usable`]).
+    pub(crate) fn still_usable(&self, partition: i16, now: Instant, margin: Duration) -> bool {
+        self.lock()
+            .get(&partition)
+            .is_some_and(|deadline| now + margin < *deadline)
+    }
+
+    pub(crate) fn count(&self) -> usize {
+        self.lock().len()
+    }
+}
+
 /// One relay's leases on one outbox.
 #[derive(Debug)]
 pub(crate) struct Leases {
     outbox: String,
     holder: String,
     lease: Duration,
-    /// Partition → the instant (local, monotonic) before which this relay may publish it.
-    held: BTreeMap<i16, Instant>,
+    held: Held,
     last_round: Option<Instant>,
 }
 
@@ -64,9 +102,14 @@ impl Leases {
             outbox: outbox.to_owned(),
             holder: holder.to_owned(),
             lease,
-            held: BTreeMap::new(),
+            held: Held::default(),
             last_round: None,
         }
+    }
+
+    /// The partitions held, as the passes see them.
+    pub(crate) fn held(&self) -> Held {
+        self.held.clone()
     }
 
     fn lease_ms(&self) -> i64 {
@@ -162,7 +205,7 @@ impl Leases {
 
         // Renewed only where this relay is still the holder: a partition someone else took
         // after it expired is theirs.
-        let renewed = db
+        let mut renewed = db
             .query_all_raw(statement(
                 db,
                 &format!(
@@ -179,28 +222,26 @@ impl Leases {
             .iter()
             .map(|row| row.try_get::<i16>("", "relay_partition"))
             .collect::<Result<Vec<_>, _>>()?;
-        round.lost = self
-            .held
-            .keys()
-            .filter(|partition| !renewed.contains(partition))
-            .copied()
-            .collect();
+        renewed.sort_unstable();
         let deadline = sent + self.lease;
-        self.held = renewed.iter().map(|p| (*p, deadline)).collect();
-
-        if self.held.len() > fair {
-            let extras: Vec<i16> = self
-                .held
+        let held = {
+            let mut held = self.held.lock();
+            round.lost = held
                 .keys()
-                .rev()
-                .take(self.held.len() - fair)
+                .filter(|partition| !renewed.contains(partition))
                 .copied()
                 .collect();
+            *held = renewed.iter().map(|p| (*p, deadline)).collect();
+            held.len()
+        };
+
+        if held > fair {
+            let extras: Vec<i16> = renewed.iter().rev().take(held - fair).copied().collect();
             for partition in extras {
                 self.release_one(db, partition).await?;
                 round.released.push(partition);
             }
-        } else if self.held.len() < fair {
+        } else if held < fair {
             let free = db
                 .query_all_raw(statement(
                     db,
@@ -216,7 +257,7 @@ impl Leases {
                 .map(|row| row.try_get::<i16>("", "relay_partition"))
                 .collect::<Result<Vec<_>, _>>()?;
             for partition in free {
-                if self.held.len() >= fair {
+                if self.held.count() >= fair {
                     break;
                 }
                 // Taken only if still free or expired when the database gets to it: of two
@@ -239,7 +280,7 @@ impl Leases {
                     .await?
                     .rows_affected();
                 if took == 1 {
-                    self.held.insert(partition, deadline);
+                    self.held.lock().insert(partition, deadline);
                     round.taken.push(partition);
                 }
             }
@@ -259,7 +300,7 @@ impl Leases {
         db: &impl ConnectionTrait,
         partition: i16,
     ) -> Result<(), DbErr> {
-        self.held.remove(&partition);
+        self.held.lock().remove(&partition);
         db.execute_raw(statement(
             db,
             "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \
@@ -277,7 +318,7 @@ impl Leases {
     /// Gives every partition back and removes the heartbeat, so the other relays take over
     /// at their next round instead of waiting for the leases to expire.
     pub(crate) async fn release_all(&mut self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
-        self.held.clear();
+        self.held.lock().clear();
         db.execute_raw(statement(
             db,
             "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \
@@ -292,27 +333,6 @@ impl Leases {
         ))
         .await
         .map(drop)
-    }
-
-    /// The partitions this relay may start a publish in now: held, with at least `margin`
-    /// of the lease left, so a publish started now ends (or gives up) while the lease holds.
-    pub(crate) fn usable(&self, now: Instant, margin: Duration) -> Vec<i16> {
-        self.held
-            .iter()
-            .filter(|(_, deadline)| now + margin < **deadline)
-            .map(|(partition, _)| *partition)
-            .collect()
-    }
-
-    /// Whether `partition` is usable now (see [`Self::usable`]).
-    pub(crate) fn still_usable(&self, partition: i16, now: Instant, margin: Duration) -> bool {
-        self.held
-            .get(&partition)
-            .is_some_and(|deadline| now + margin < *deadline)
-    }
-
-    pub(crate) fn held(&self) -> usize {
-        self.held.len()
     }
 }
 

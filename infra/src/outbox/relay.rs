@@ -3,8 +3,9 @@
 //!
 //! # One pass
 //!
-//! 1. Leases (`lease.rs`): every fifth of the lease, heartbeat, renew, and move towards
-//!    the fair share of the 16 partitions.
+//! 1. Leases (`lease.rs`), kept by a task of their own every fifth of the lease whatever the
+//!    passes do: heartbeat, renew, and move towards the fair share of the 16 partitions. A
+//!    pass publishes in the partitions held with time left.
 //! 2. Read every row still waiting in the partitions held, in `seq` order, up to a batch
 //!    (never "seq after the last seen": a row whose transaction commits after a higher seq's
 //!    is found by the next pass instead of being skipped). No transaction is opened.
@@ -74,7 +75,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::lease::Leases;
+use super::lease::{Held, Leases};
 use super::source::{Backlog, OutboxSource, PendingRow};
 use crate::db::bounded;
 use crate::jetstream::{self, ConfigDrift, Context, NatsError, PrefixStream};
@@ -381,6 +382,99 @@ async fn watch_backlog(
     }
 }
 
+impl LeaseKeeper {
+    /// Makes the rounds when due until `stop`, and gives itself back for the last release.
+    async fn keep(mut self, stop: CancellationToken) -> Self {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return self,
+                () = tokio::time::sleep_until(self.leases.next_round().into()) => {}
+            }
+            if let Err(error) = self.round().await {
+                self.status.failed(error.to_string());
+            }
+        }
+    }
+
+    /// One round, unless this relay stands aside; a partition taken wakes the relay, so that
+    /// what waits there goes out now rather than at the next poll.
+    async fn round(&mut self) -> Result<(), RelayError> {
+        if !self.stand_aside_while_cut_off().await? {
+            return Ok(());
+        }
+        let round = bounded(self.settings.db_timeout, self.leases.round(&self.db)).await?;
+        let held = self.leases.held().count();
+        self.status.0.held.store(held, Ordering::Relaxed);
+        if !round.taken.is_empty() || !round.released.is_empty() || !round.lost.is_empty() {
+            tracing::info!(
+                outbox = self.source.table(),
+                live_relays = round.live_relays,
+                fair_share = round.fair_share,
+                taken = ?round.taken,
+                released = ?round.released,
+                lost = ?round.lost,
+                held,
+                "outbox partitions"
+            );
+        }
+        if !round.taken.is_empty() {
+            self.wake.notify();
+        }
+        Ok(())
+    }
+
+    /// A relay that has failed to publish for longer than its lease (NATS silent, or
+    /// unreachable from here only) gives its partitions back and stops counting itself among
+    /// the live relays, so that the others take them at their next round instead of waiting
+    /// behind it. Aside, it asks JetStream for its stream's info each round, and takes a share
+    /// again once that answers. Whether it takes part in this round.
+    async fn stand_aside_while_cut_off(&mut self) -> Result<bool, RelayError> {
+        let cut_off = self
+            .status
+            .failing_for()
+            .is_some_and(|failing| failing > self.settings.lease);
+        if cut_off && !self.aside.load(Ordering::Relaxed) {
+            bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await?;
+            self.status.0.held.store(0, Ordering::Relaxed);
+            self.aside.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                outbox = self.source.table(),
+                error = self.status.last_failure().unwrap_or_default(),
+                "outbox relay: cannot publish for longer than its lease; its partitions are \
+                 given back until the broker answers it again"
+            );
+        }
+        if !self.aside.load(Ordering::Relaxed) {
+            return Ok(true);
+        }
+        self.leases.skip_round(Instant::now());
+        let answers = tokio::time::timeout(
+            self.settings.publish_timeout,
+            self.js.get_stream(self.source.stream()),
+        )
+        .await;
+        if !matches!(answers, Ok(Ok(_))) {
+            return Ok(false);
+        }
+        self.aside.store(false, Ordering::Relaxed);
+        self.status.succeeded();
+        tracing::info!(
+            outbox = self.source.table(),
+            "outbox relay: the broker answers again; taking a share of the partitions"
+        );
+        Ok(true)
+    }
+
+    /// Gives every partition back (a stop).
+    async fn release_all(&mut self) {
+        let released = bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await;
+        if let Err(error) = released {
+            tracing::warn!(%error, "outbox relay: partitions not released; they expire");
+        }
+        self.status.0.held.store(0, Ordering::Relaxed);
+    }
+}
+
 /// A relay of one outbox, set up and ready to run.
 pub struct Relay {
     db: DatabaseConnection,
@@ -388,13 +482,31 @@ pub struct Relay {
     client: async_nats::Client,
     source: OutboxSource,
     settings: RelaySettings,
-    leases: Leases,
+    /// The partitions held, kept by the lease keeper.
+    held: Held,
+    /// Makes the lease rounds. `run` gives it a task of its own; a caller that drives the
+    /// passes itself (a test, a benchmark) has them make the rounds when due.
+    keeper: Option<LeaseKeeper>,
     holder: String,
     wake: RelayWake,
     status: RelayStatus,
+    /// Set by the keeper (see [`LeaseKeeper::stand_aside_while_cut_off`]).
+    aside: Arc<AtomicBool>,
+}
+
+/// Keeps a relay's leases: heartbeat, renewal and fair share every fifth of the lease, and
+/// standing aside while the relay cannot publish.
+struct LeaseKeeper {
+    db: DatabaseConnection,
+    js: Context,
+    source: OutboxSource,
+    settings: RelaySettings,
+    leases: Leases,
+    status: RelayStatus,
+    wake: RelayWake,
     /// It has failed to publish for longer than its lease and gave its partitions back: it
     /// holds none, and is not counted among the live relays, until NATS answers it again.
-    aside: bool,
+    aside: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -425,6 +537,17 @@ impl Relay {
         );
         let leases = Leases::new(source.table(), &holder, settings.lease);
         leases.register(&db).await?;
+        let (wake, status, aside) = (RelayWake::default(), RelayStatus::default(), Arc::default());
+        let keeper = LeaseKeeper {
+            db: db.clone(),
+            js: js.clone(),
+            source: source.clone(),
+            settings: settings.clone(),
+            leases,
+            status: status.clone(),
+            wake: wake.clone(),
+            aside: Arc::clone(&aside),
+        };
         Ok((
             Self {
                 db,
@@ -432,11 +555,12 @@ impl Relay {
                 js: js.clone(),
                 source,
                 settings,
-                leases,
+                held: keeper.leases.held(),
+                keeper: Some(keeper),
                 holder,
-                wake: RelayWake::default(),
-                status: RelayStatus::default(),
-                aside: false,
+                wake,
+                status,
+                aside,
             },
             drifts,
         ))
@@ -470,22 +594,29 @@ impl Relay {
             self.db.clone(),
             self.source.clone(),
             self.status.clone(),
-            self.leases.heartbeat_interval(),
+            self.settings.lease / 5,
             self.settings.db_timeout,
             stop.clone(),
         ));
+        // The leases are kept on their own timer, however long a pass takes, until the last
+        // pass is done (or this future is dropped).
+        let keeping = CancellationToken::new();
+        let _keeping = keeping.clone().drop_guard();
+        let mut keeper = self
+            .keeper
+            .take()
+            .map(|keeper| tokio::spawn(keeper.keep(keeping.clone())));
         // The current backoff, while passes fail.
         let mut delay: Option<Duration> = None;
         // When the next pass is due: now, after a wake or a full batch; a poll interval after
         // a pass; a backoff delay after a failed one.
         let mut next_pass = Instant::now();
         loop {
-            let now = Instant::now();
-            if now >= next_pass {
+            if Instant::now() >= next_pass {
                 next_pass = match self.pass().await {
                     Ok(report) if report.failed == 0 => {
                         // Aside, a pass publishes nothing: no news of the broker.
-                        if delay.take().is_some() && !self.aside {
+                        if delay.take().is_some() && !self.aside.load(Ordering::Relaxed) {
                             tracing::info!(outbox = self.source.table(), "publishing again");
                         }
                         if report.more {
@@ -508,37 +639,50 @@ impl Relay {
                         Instant::now() + next
                     }
                 };
-            } else if self.leases.due(now) {
-                // Between passes (a long poll, a backoff) the leases are renewed all the same,
-                // or they would lapse.
-                if let Err(error) = self.lease_round().await {
-                    self.status.failed(error.to_string());
-                }
             }
             if stop.is_cancelled() {
                 break;
             }
             let backing_off = delay.is_some();
-            let until = next_pass.min(self.leases.next_round());
             tokio::select! {
                 () = stop.cancelled() => break,
                 // A wake does not cut a backoff short: a failing broker is not hammered.
                 () = self.wake.0.notified(), if !backing_off => next_pass = Instant::now(),
-                () = tokio::time::sleep_until(until.into()) => {}
+                () = tokio::time::sleep_until(next_pass.into()) => {}
+                ended = async {
+                    match keeper.as_mut() {
+                        Some(task) => task.await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // Without its leases it would only publish until they lapse.
+                    tracing::error!(
+                        outbox = self.source.table(),
+                        ended = ?ended.err(),
+                        "outbox relay: its lease keeper ended; stopping"
+                    );
+                    backlog.abort();
+                    return;
+                }
             }
         }
+        // The last pass publishes under the leases as they are; the keeper stops first so
+        // that no round takes a partition back while they are given back.
+        keeping.cancel();
+        let keeper = match keeper {
+            Some(task) => task.await.ok(),
+            None => self.keeper.take(),
+        };
         if delay.is_none()
             && jetstream::is_connected(&self.client)
             && let Err(error) = self.pass().await
         {
             tracing::warn!(%error, "outbox relay: last pass failed; the rows stay");
         }
-        if let Err(error) =
-            bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await
-        {
-            tracing::warn!(%error, "outbox relay: partitions not released; they expire");
+        match keeper {
+            Some(mut keeper) => keeper.release_all().await,
+            None => tracing::warn!("outbox relay: partitions not released; they expire"),
         }
-        self.status.0.held.store(0, Ordering::Relaxed);
         backlog.abort();
         tracing::info!(outbox = self.source.table(), "outbox relay stopped");
     }
@@ -566,76 +710,10 @@ impl Relay {
         match failure {
             Some(error) => self.status.failed(error),
             // Aside, it published nothing: that is no sign the broker answers it.
-            None if self.aside => {}
+            None if self.aside.load(Ordering::Relaxed) => {}
             None => self.status.succeeded(),
         }
         Ok(report)
-    }
-
-    async fn lease_round(&mut self) -> Result<(), RelayError> {
-        if !self.stand_aside_while_cut_off().await? {
-            return Ok(());
-        }
-        let round = bounded(self.settings.db_timeout, self.leases.round(&self.db)).await?;
-        self.status
-            .0
-            .held
-            .store(self.leases.held(), Ordering::Relaxed);
-        if !round.taken.is_empty() || !round.released.is_empty() || !round.lost.is_empty() {
-            tracing::info!(
-                outbox = self.source.table(),
-                live_relays = round.live_relays,
-                fair_share = round.fair_share,
-                taken = ?round.taken,
-                released = ?round.released,
-                lost = ?round.lost,
-                held = self.leases.held(),
-                "outbox partitions"
-            );
-        }
-        Ok(())
-    }
-
-    /// A relay that has failed to publish for longer than its lease (NATS silent, or
-    /// unreachable from here only) gives its partitions back and stops counting itself among
-    /// the live relays, so that the others take them at their next round instead of waiting
-    /// behind it. Aside, it asks JetStream for its stream's info each round, and takes a share
-    /// again once that answers. Whether it takes part in this round.
-    async fn stand_aside_while_cut_off(&mut self) -> Result<bool, RelayError> {
-        let cut_off = self
-            .status
-            .failing_for()
-            .is_some_and(|failing| failing > self.settings.lease);
-        if cut_off && !self.aside {
-            bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await?;
-            self.status.0.held.store(0, Ordering::Relaxed);
-            self.aside = true;
-            tracing::warn!(
-                outbox = self.source.table(),
-                error = self.status.last_failure().unwrap_or_default(),
-                "outbox relay: cannot publish for longer than its lease; its partitions are \
-                 given back until the broker answers it again"
-            );
-        }
-        if !self.aside {
-            return Ok(true);
-        }
-        self.leases.skip_round(Instant::now());
-        let answers = tokio::time::timeout(
-            self.settings.publish_timeout,
-            self.js.get_stream(self.source.stream()),
-        )
-        .await;
-        if !matches!(answers, Ok(Ok(_))) {
-            return Ok(false);
-        }
-        self.aside = false;
-        self.status.succeeded();
-        tracing::info!(
-            outbox = self.source.table(),
-            "outbox relay: the broker answers again; taking a share of the partitions"
-        );
-        Ok(true)
     }
 
     /// Steps 1 to 3 of a pass: the rows acknowledged by the stream are returned, not yet
@@ -644,11 +722,13 @@ impl Relay {
     /// feature public, so a test can stop a relay between the two.
     #[cfg_attr(feature = "harness", visibility::make(pub))]
     async fn publish_pending(&mut self) -> Result<Published, RelayError> {
-        if self.leases.due(Instant::now()) {
-            self.lease_round().await?;
+        if let Some(keeper) = &mut self.keeper
+            && keeper.leases.due(Instant::now())
+        {
+            keeper.round().await?;
         }
         let margin = self.settings.publish_timeout;
-        let partitions = self.leases.usable(Instant::now(), margin);
+        let partitions = self.held.usable(Instant::now(), margin);
         if partitions.is_empty() {
             return Ok(Published::default());
         }
@@ -748,7 +828,7 @@ impl Relay {
             let margin = self.settings.publish_timeout;
             if broker_failing.load(Ordering::Relaxed)
                 || !self
-                    .leases
+                    .held
                     .still_usable(row.relay_partition, Instant::now(), margin)
             {
                 outcome.held_back = total - done;
