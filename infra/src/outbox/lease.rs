@@ -41,22 +41,18 @@ pub(crate) fn fair_share(partitions: usize, live: usize) -> usize {
     partitions.div_ceil(live.max(1))
 }
 
-/// The partitions a relay holds, each with the instant (local, monotonic) before which it may
-/// publish it: written by the lease rounds, read by the passes while they publish.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Held(Arc<Mutex<BTreeMap<i16, Instant>>>);
+/// The lease decisions, apart from the statements that carry them out: which partitions a
+/// relay holds and until when (its local, monotonic instant) it may publish each. The relay
+/// runs them on the database's answers; the protocol's model (`model.rs`) runs the same code on
+/// a simulated database, network and clocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub(crate) struct Deadlines(BTreeMap<i16, Instant>);
 
-impl Held {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<i16, Instant>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
+impl Deadlines {
     /// The partitions this relay may start a publish in now: held, with at least `margin`
     /// of the lease left, so a publish started now ends (or gives up) while the lease holds.
     pub(crate) fn usable(&self, now: Instant, margin: Duration) -> Vec<i16> {
-        self.lock()
+        self.0
             .iter()
             .filter(|(_, deadline)| now + margin < **deadline)
             .map(|(partition, _)| *partition)
@@ -65,9 +61,108 @@ impl Held {
 
     /// Whether `partition` is usable now (see [`Self::usable`]).
     pub(crate) fn still_usable(&self, partition: i16, now: Instant, margin: Duration) -> bool {
-        self.lock()
+        self.0
             .get(&partition)
             .is_some_and(|deadline| now + margin < *deadline)
+    }
+
+    /// After a renewal: `renewed` (the partitions the database still has this relay hold) are
+    /// held `until`, measured from before the renewal was sent; returns those held before and
+    /// not renewed, which another relay took after they expired.
+    pub(crate) fn renewed(&mut self, renewed: &[i16], until: Instant) -> Vec<i16> {
+        let lost = self
+            .0
+            .keys()
+            .filter(|partition| !renewed.contains(partition))
+            .copied()
+            .collect();
+        self.0 = renewed
+            .iter()
+            .map(|partition| (*partition, until))
+            .collect();
+        lost
+    }
+
+    /// The partitions held beyond the fair share, the highest first: those to give back.
+    pub(crate) fn beyond(&self, fair: usize) -> Vec<i16> {
+        let extra = self.0.len().saturating_sub(fair);
+        self.0.keys().rev().take(extra).copied().collect()
+    }
+
+    /// How many more partitions it should take to reach the fair share.
+    pub(crate) fn wanted(&self, fair: usize) -> usize {
+        fair.saturating_sub(self.0.len())
+    }
+
+    pub(crate) fn took(&mut self, partition: i16, until: Instant) {
+        self.0.insert(partition, until);
+    }
+
+    /// Forgets a partition before it is given back, so that nothing starts in it meanwhile.
+    pub(crate) fn release(&mut self, partition: i16) {
+        self.0.remove(&partition);
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// When a lease round is due: every fifth of the lease, so a relay renews several times before
+/// its lease can run out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct RoundTimer {
+    every: Duration,
+    last: Option<Instant>,
+}
+
+impl RoundTimer {
+    pub(crate) fn new(lease: Duration) -> Self {
+        Self {
+            every: lease / 5,
+            last: None,
+        }
+    }
+
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        self.last
+            .is_none_or(|last| now.duration_since(last) >= self.every)
+    }
+
+    /// When the next round is due; `now` before the first.
+    pub(crate) fn next(&self, now: Instant) -> Instant {
+        self.last.map_or(now, |last| last + self.every)
+    }
+
+    /// A round made (or skipped) at `now`.
+    pub(crate) fn made(&mut self, now: Instant) {
+        self.last = Some(now);
+    }
+}
+
+/// A relay's [`Deadlines`], written by the lease rounds, read by the passes while they publish.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Held(Arc<Mutex<Deadlines>>);
+
+impl Held {
+    fn lock(&self) -> MutexGuard<'_, Deadlines> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// See [`Deadlines::usable`].
+    pub(crate) fn usable(&self, now: Instant, margin: Duration) -> Vec<i16> {
+        self.lock().usable(now, margin)
+    }
+
+    /// See [`Deadlines::still_usable`].
+    pub(crate) fn still_usable(&self, partition: i16, now: Instant, margin: Duration) -> bool {
+        self.lock().still_usable(partition, now, margin)
     }
 
     pub(crate) fn count(&self) -> usize {
@@ -82,7 +177,7 @@ pub(crate) struct Leases {
     holder: String,
     lease: Duration,
     held: Held,
-    last_round: Option<Instant>,
+    timer: RoundTimer,
 }
 
 /// What one round of [`Leases::round`] did.
@@ -103,7 +198,7 @@ impl Leases {
             holder: holder.to_owned(),
             lease,
             held: Held::default(),
-            last_round: None,
+            timer: RoundTimer::new(lease),
         }
     }
 
@@ -151,27 +246,20 @@ impl Leases {
         .map(drop)
     }
 
-    /// Whether a round is due: every fifth of the lease, so a relay renews several times
-    /// before its lease can run out.
+    /// Whether a round is due (see [`RoundTimer`]).
     pub(crate) fn due(&self, now: Instant) -> bool {
-        self.last_round
-            .is_none_or(|last| now.duration_since(last) >= self.heartbeat_interval())
+        self.timer.due(now)
     }
 
     /// Counts a round as made at `now` without making it: a relay standing aside holds
     /// nothing to renew, and asks again a round later.
     pub(crate) fn skip_round(&mut self, now: Instant) {
-        self.last_round = Some(now);
-    }
-
-    pub(crate) fn heartbeat_interval(&self) -> Duration {
-        self.lease / 5
+        self.timer.made(now);
     }
 
     /// When the next round is due.
     pub(crate) fn next_round(&self) -> Instant {
-        self.last_round
-            .map_or_else(Instant::now, |last| last + self.heartbeat_interval())
+        self.timer.next(Instant::now())
     }
 
     /// Heartbeat, renew what is still this relay's, then move towards the fair share:
@@ -179,7 +267,7 @@ impl Leases {
     /// up to it.
     pub(crate) async fn round(&mut self, db: &impl ConnectionTrait) -> Result<Round, DbErr> {
         let sent = Instant::now();
-        self.last_round = Some(sent);
+        self.timer.made(sent);
         let now = now_ms(backend(db));
         self.heartbeat(db).await?;
         let live = db
@@ -205,7 +293,7 @@ impl Leases {
 
         // Renewed only where this relay is still the holder: a partition someone else took
         // after it expired is theirs.
-        let mut renewed = db
+        let renewed = db
             .query_all_raw(statement(
                 db,
                 &format!(
@@ -222,26 +310,17 @@ impl Leases {
             .iter()
             .map(|row| row.try_get::<i16>("", "relay_partition"))
             .collect::<Result<Vec<_>, _>>()?;
-        renewed.sort_unstable();
-        let deadline = sent + self.lease;
-        let held = {
-            let mut held = self.held.lock();
-            round.lost = held
-                .keys()
-                .filter(|partition| !renewed.contains(partition))
-                .copied()
-                .collect();
-            *held = renewed.iter().map(|p| (*p, deadline)).collect();
-            held.len()
-        };
+        let until = sent + self.lease;
+        round.lost = self.held.lock().renewed(&renewed, until);
 
-        if held > fair {
-            let extras: Vec<i16> = renewed.iter().rev().take(held - fair).copied().collect();
-            for partition in extras {
+        let beyond = self.held.lock().beyond(fair);
+        let wanted = self.held.lock().wanted(fair);
+        if !beyond.is_empty() {
+            for partition in beyond {
                 self.release_one(db, partition).await?;
                 round.released.push(partition);
             }
-        } else if held < fair {
+        } else if wanted > 0 {
             let free = db
                 .query_all_raw(statement(
                     db,
@@ -257,7 +336,7 @@ impl Leases {
                 .map(|row| row.try_get::<i16>("", "relay_partition"))
                 .collect::<Result<Vec<_>, _>>()?;
             for partition in free {
-                if self.held.count() >= fair {
+                if self.held.lock().wanted(fair) == 0 {
                     break;
                 }
                 // Taken only if still free or expired when the database gets to it: of two
@@ -280,7 +359,7 @@ impl Leases {
                     .await?
                     .rows_affected();
                 if took == 1 {
-                    self.held.lock().insert(partition, deadline);
+                    self.held.lock().took(partition, until);
                     round.taken.push(partition);
                 }
             }
@@ -300,7 +379,7 @@ impl Leases {
         db: &impl ConnectionTrait,
         partition: i16,
     ) -> Result<(), DbErr> {
-        self.held.lock().remove(&partition);
+        self.held.lock().release(partition);
         db.execute_raw(statement(
             db,
             "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \

@@ -25,6 +25,8 @@ use sea_orm::{ConnectionTrait, DbErr};
 use uuid::Uuid;
 
 mod lease;
+#[cfg(test)]
+mod model;
 pub mod relay;
 pub mod source;
 

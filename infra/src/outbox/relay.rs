@@ -331,7 +331,7 @@ fn publishable(subject: &str) -> bool {
 
 /// The rows grouped by order, each order's rows in seq order, the orders in the order of
 /// their first row.
-fn chains(rows: Vec<PendingRow>) -> Vec<Vec<PendingRow>> {
+pub(super) fn chains(rows: Vec<PendingRow>) -> Vec<Vec<PendingRow>> {
     let mut index: HashMap<Uuid, usize> = HashMap::new();
     let mut chains: Vec<Vec<PendingRow>> = Vec::new();
     for row in rows {

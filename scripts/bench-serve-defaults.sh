@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# `inventory serve --strategy natural` as a process, with its default flags and with each batch
+# size one can set, on PostgreSQL and on SQLite: whether the default is within 0.9 of the
+# fastest. Each run: a fresh database with 100 books, a backlog of orders published first to
+# streams of the run's own (every tenth book's orders resent under new ids, as a producer's
+# retry), then serve started; messages per second from its start to the last order reserved.
+# The settings run in interleaved rounds (A B C D, A B C D, …), so the machine's drift falls on
+# all alike.
+#
+#   scripts/bench-serve-defaults.sh [orders per run, default 20000] [rounds, default 3]
+#
+# Needs the local PostgreSQL (or DATABASE_URL, a postgres:// URL whose user may create
+# databases), NATS (or NATS_URL), psql and sqlite3. Builds the release binary, unless
+# INVENTORY_BIN names one.
+set -eEuo pipefail
+shopt -s inherit_errexit
+cd "$(dirname "$0")/.."
+
+orders=${1:-20000}
+rounds=${2:-3}
+books=100
+server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
+export NATS_URL=${NATS_URL:-nats://127.0.0.1:4222}
+
+inventory=${INVENTORY_BIN:-}
+if [ -z "$inventory" ]; then
+  cargo build --release --locked -p inventory-service >&2
+  inventory=${CARGO_TARGET_DIR:-target}/release/inventory
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# What the setup commands said, shown when one fails.
+trap 'tail -20 "$work/setup.log" >&2' ERR
+
+# Sets DATABASE_URL, the streams' names and `count` (SQL that counts the orders reserved) for
+# a run of its own.
+fresh() { # fresh <backend> <tag>
+  local backend=$1 tag=$2
+  case $backend in
+    postgres)
+      psql "$server" -qc "CREATE DATABASE $tag" >/dev/null
+      export DATABASE_URL=${server%/*}/$tag
+      count() { psql "$DATABASE_URL" -Atqc 'SELECT count(DISTINCT order_id) FROM stock_reservations'; }
+      ;;
+    sqlite)
+      export DATABASE_URL="sqlite://$work/$tag.db?mode=rwc"
+      count() { sqlite3 "$work/$tag.db" 'SELECT count(DISTINCT order_id) FROM stock_reservations'; }
+      ;;
+  esac
+  local upper=${tag^^}
+  export INVENTORY_STREAM=ORDERS_$upper INVENTORY_SUBJECT_PREFIX=orders_$tag
+  export INVENTORY_DLQ_STREAM=DLQ_$upper INVENTORY_DLQ_SUBJECT_PREFIX=dlq_$tag
+  export INVENTORY_EVENTS_STREAM=EVENTS_$upper INVENTORY_EVENTS_SUBJECT_PREFIX=events_$tag
+}
+
+drop() { # drop <backend> <tag>
+  if [ "$1" = postgres ]; then
+    psql "$server" -qc "DROP DATABASE $2 WITH (FORCE)" >/dev/null
+  fi
+}
+
+# One run: prints messages per second.
+run() { # run <backend> <tag> [serve flags]
+  local backend=$1 tag=$2
+  shift 2
+  fresh "$backend" "$tag"
+  "$inventory" migrate >/dev/null 2>>"$work/setup.log"
+  local per_book=$((orders / books)) messages=0
+  for i in $(seq 1 $books); do
+    local book
+    book=$(cat /proc/sys/kernel/random/uuid)
+    "$inventory" stock put --book-id "$book" --title "Book $i" --on-hand 100000000 >/dev/null 2>>"$work/setup.log"
+    if [ $((i % 10)) -eq 0 ]; then
+      "$inventory" publish placed --book-id "$book" --quantity 1 --count $per_book \
+        --resend-with-new-id >/dev/null 2>>"$work/setup.log"
+      messages=$((messages + 2 * per_book))
+    else
+      "$inventory" publish placed --book-id "$book" --quantity 1 --count $per_book >/dev/null 2>>"$work/setup.log"
+      messages=$((messages + per_book))
+    fi
+  done
+  local expected=$((per_book * books)) started ended
+  started=$(date +%s.%N)
+  "$inventory" serve --strategy natural --metrics-addr 127.0.0.1:0 "$@" >"$work/$tag.log" 2>&1 &
+  local service=$!
+  until [ "$(count 2>/dev/null || echo 0)" -ge "$expected" ]; do
+    if ! kill -0 $service 2>/dev/null; then
+      echo "serve $* ended early:" >&2
+      tail -20 "$work/$tag.log" >&2
+      exit 1
+    fi
+    sleep 0.05
+  done
+  ended=$(date +%s.%N)
+  kill -TERM $service
+  wait $service || true
+  drop "$backend" "$tag"
+  echo "$messages / ($ended - $started)" | bc -l
+}
+
+settings=("default" "--batch-size 1" "--batch-size 16" "--batch-size 64")
+declare -A rates
+for backend in postgres sqlite; do
+  for round in $(seq 1 "$rounds"); do
+    for i in "${!settings[@]}"; do
+      flags=${settings[$i]}
+      [ "$flags" = default ] && flags=""
+      # shellcheck disable=SC2086 # the flags are words
+      rate=$(run $backend "bench_serve_$$_${round}_$i" $flags)
+      rates[$backend,$i]+="$(printf '%.0f' "$rate") "
+      printf '%-9s round %d  %-16s %8.0f msg/s\n' $backend "$round" "${settings[$i]}" "$rate" >&2
+    done
+  done
+done
+
+echo
+echo "serve --strategy natural as a process, $orders orders (every tenth book's resent under new ids), $books books, $rounds rounds"
+printf '%-9s %-16s %s\n' "backend" "flags" "msg/s per round"
+for backend in postgres sqlite; do
+  for i in "${!settings[@]}"; do
+    printf '%-9s %-16s %s\n' $backend "${settings[$i]}" "${rates[$backend,$i]}"
+  done
+  # The default against the best setting of the same round.
+  ratios=""
+  for round in $(seq 1 "$rounds"); do
+    default=$(cut -d' ' -f"$round" <<<"${rates[$backend,0]}")
+    best=$default
+    for i in 1 2 3; do
+      rate=$(cut -d' ' -f"$round" <<<"${rates[$backend,$i]}")
+      [ "$rate" -gt "$best" ] && best=$rate
+    done
+    ratios+="$(printf '%.2f' "$(echo "$default / $best" | bc -l)") "
+  done
+  printf '%-9s %-16s %s\n' $backend "default ÷ best" "$ratios"
+done
