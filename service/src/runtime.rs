@@ -692,9 +692,11 @@ impl<H: MessageHandler> Worker<H> {
         let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
         let mut decoded = Vec::new();
         let mut origins = Vec::new();
-        for message in messages {
-            let span = message_span();
-            match self.admit(message).instrument(span).await {
+        // One span a message, through admission and settling: its log lines carry its id,
+        // stream sequence and delivery count as a single message's do.
+        let spans: Vec<tracing::Span> = messages.iter().map(|_| message_span()).collect();
+        for (message, span) in messages.iter().zip(&spans) {
+            match self.admit(message).instrument(span.clone()).await {
                 Admitted::Settled(disposition) => dispositions.push(Some(disposition)),
                 Admitted::Decoded(origin, message) => {
                     dispositions.push(None);
@@ -709,16 +711,13 @@ impl<H: MessageHandler> Worker<H> {
             .into_iter();
         let mut origins = origins.into_iter();
         let mut settled = Vec::with_capacity(messages.len());
-        for (message, disposition) in messages.iter().zip(dispositions) {
-            let span = message_span();
+        for ((message, disposition), span) in messages.iter().zip(dispositions).zip(spans) {
             // Results and origins belong to the decoded deliveries only, in order: one settled
             // at admission takes none.
             let disposition = match disposition {
                 Some(disposition) => disposition,
                 None => match (results.next(), origins.next()) {
                     (Some(result), Some(origin)) => {
-                        span.record("stream_seq", origin.stream_sequence);
-                        span.record("delivered", origin.deliveries);
                         self.settle(message, &origin, result)
                             .instrument(span.clone())
                             .await
