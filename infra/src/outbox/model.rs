@@ -688,6 +688,11 @@ fn violations(
         checker.unique_state_count(),
         checker.max_depth()
     );
+    broken(&checker)
+}
+
+/// The properties `checker` found broken, each with the steps that break it.
+fn broken(checker: &impl Checker<Protocol>) -> BTreeMap<&'static str, String> {
     checker
         .discoveries()
         .into_iter()
@@ -822,10 +827,6 @@ fn random_walks_through_every_fault_at_once_keep_every_property() {
         .spawn_simulation(0, UniformChooser)
         .join();
     println!("{} states visited", checker.state_count());
-    let found: BTreeMap<_, _> = checker
-        .discoveries()
-        .into_iter()
-        .map(|(name, path)| (name, format!("{:?}", path.into_actions())))
-        .collect();
+    let found = broken(&checker);
     assert!(found.is_empty(), "{found:#?}");
 }
