@@ -50,9 +50,10 @@ pub enum BenchCommand {
     /// OrderPlaced through JetStream into PostgreSQL (or a fresh SQLite file) by the real
     /// consumer loop, acked after commit: messages per second.
     EndToEnd(Box<bench_e2e::EndToEndArgs>),
-    /// The same workload and report as `end-to-end`, consumed by a hand-written tokio-postgres
-    /// and async-nats loop running the same statement: the bound of the service's CPU per
-    /// message (one statement per message only).
+    /// The same workload and report as `end-to-end`, consumed by a hand-written async-nats
+    /// loop running the service's statements: one message at a time through tokio-postgres, or
+    /// through sqlx, the service's driver, per message and in batches (`--batch-size`), on
+    /// PostgreSQL or SQLite: the bound of the service's CPU per message.
     HandWritten(Box<HandWrittenArgs>),
     /// SQLite's own bound for the natural key: the SQLite handler's statements in a tight loop
     /// on a fresh file, no NATS, a commit per message and per batch: messages per second.
@@ -106,10 +107,11 @@ pub enum BenchCommand {
 pub struct HandWrittenArgs {
     #[command(flatten)]
     pub run: bench_e2e::EndToEndArgs,
-    /// The driver the lanes run the statement through: tokio-postgres (the bound), or sqlx (the
-    /// service's), to part the driver's cost from the service loop's.
-    #[arg(long, value_enum, default_value = "tokio-postgres")]
-    pub driver: Driver,
+    /// The driver the lanes run the statements through: tokio-postgres (the default on
+    /// PostgreSQL, one message at a time), or sqlx (the service's, and the only one on SQLite),
+    /// to part the driver's cost from the service loop's.
+    #[arg(long, value_enum)]
+    pub driver: Option<Driver>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -188,7 +190,10 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
             .await
             .map(|()| true),
         BenchCommand::HandWritten(args) => {
-            end_to_end(&args.run, bench_e2e::Consumer::HandWritten(args.driver))
+            let driver = args
+                .driver
+                .unwrap_or_else(|| Driver::default_for(&args.run.database_url));
+            end_to_end(&args.run, bench_e2e::Consumer::HandWritten(driver))
                 .await
                 .map(|()| true)
         }

@@ -14,6 +14,7 @@ use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
+use sea_orm::{ConnectionTrait as _, Statement};
 use serde::Serialize;
 
 use crate::bench_hand::{self, Driver, HandWritten};
@@ -67,7 +68,8 @@ pub struct EndToEndArgs {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EndToEndReport {
-    /// `service` (the real consumer loop) or `hand-written` (`bench_hand.rs`).
+    /// `service` (the real consumer loop), `hand-written` (`bench_hand`, on tokio-postgres) or
+    /// `hand-written-sqlx`.
     pub consumer: &'static str,
     pub handler: String,
     pub concurrency: usize,
@@ -117,7 +119,7 @@ pub struct RssReport {
 pub enum Consumer {
     /// The service's runtime, as `serve` runs it.
     Service,
-    /// `bench_hand.rs`: the loop one would write by hand around the same statement.
+    /// `bench_hand`: the loop one would write by hand around the same statements.
     HandWritten(Driver),
 }
 
@@ -126,15 +128,12 @@ pub async fn run(args: &EndToEndArgs) -> Result<EndToEndReport> {
 }
 
 pub async fn run_with(args: &EndToEndArgs, consumer: Consumer) -> Result<EndToEndReport> {
-    if matches!(consumer, Consumer::HandWritten(_)) {
+    if let Consumer::HandWritten(driver) = consumer {
         ensure!(
-            inventory_infra::db::is_postgres(&args.database_url),
-            "the hand-written consumer runs on PostgreSQL"
+            args.handler == NaturalKeyPath::OneStatement,
+            "the hand-written consumer runs the one-statement handler's statements"
         );
-        ensure!(
-            args.batch_size <= 1 && args.handler == NaturalKeyPath::OneStatement,
-            "the hand-written consumer runs the one statement, one message at a time"
-        );
+        bench_hand::check(driver, &args.database_url, args.batch_size)?;
     }
     let lanes = args.concurrency.max(1);
     let fresh = FreshDatabase::create(
@@ -271,6 +270,28 @@ pub async fn ensure_reserved(db: &DatabaseConnection, expected: i64) -> Result<(
     Ok(())
 }
 
+/// Fails unless `db` holds one reservation and one outbox event for each of the run's `orders`
+/// (every order is reserved, and its resent copy writes nothing): what any consumer of the run,
+/// the service's or one written by hand, must have written.
+async fn ensure_rows(db: &DatabaseConnection, orders: usize) -> Result<()> {
+    let row = db
+        .query_one_raw(Statement::from_string(
+            db.get_database_backend(),
+            "SELECT (SELECT count(*) FROM stock_reservations) AS reservations, \
+                    (SELECT count(*) FROM outbox) AS events",
+        ))
+        .await?
+        .context("no answer to the count")?;
+    let (reservations, events): (i64, i64) =
+        (row.try_get("", "reservations")?, row.try_get("", "events")?);
+    let orders = i64::try_from(orders)?;
+    ensure!(
+        reservations == orders && events == orders,
+        "{reservations} reservations and {events} outbox events for {orders} orders"
+    );
+    Ok(())
+}
+
 /// When each message was published and how long each took from then to its handling.
 #[derive(Debug, Default)]
 pub struct PublishClock {
@@ -370,6 +391,7 @@ impl Prepared {
     async fn start(
         self,
         lanes: usize,
+        batch_size: usize,
         fresh: &FreshDatabase,
         clock: Option<Arc<PublishClock>>,
     ) -> Result<Consuming> {
@@ -384,7 +406,7 @@ impl Prepared {
                 })
             }
             Self::HandWritten(consumer, driver) => Consuming::HandWritten(
-                HandWritten::start(&fresh.url, driver, *consumer, lanes, clock).await?,
+                HandWritten::start(fresh, driver, *consumer, lanes, batch_size, clock).await?,
             ),
         })
     }
@@ -498,7 +520,9 @@ async fn publish_and_consume(
     let prepared = Prepared::new(args, consumer, lanes, fresh, js, topology).await?;
     let cpu_before = cpu_times()?;
     let started = Instant::now();
-    let consuming = prepared.start(lanes, fresh, clock.clone()).await?;
+    let consuming = prepared
+        .start(lanes, args.batch_size, fresh, clock.clone())
+        .await?;
     let mut rss = Vec::new();
     // Done when every message was acked: counted by the loop, confirmed by the server.
     let consumed = async {
@@ -531,6 +555,13 @@ async fn publish_and_consume(
     let (acked, duplicates) = consuming.counts();
     consuming.stop().await?;
     ensure_reserved(&fresh.conn, orders.reserved()).await?;
+    ensure_rows(&fresh.conn, args.messages).await?;
+    // Each order processed once, whichever of it and its resent copy came first.
+    ensure!(
+        acked == args.messages as u64 && acked + duplicates == total,
+        "{acked} processed and {duplicates} duplicates of {total} messages, {} orders",
+        args.messages
+    );
     let (user, system) = (cpu.0 - cpu_before.0, cpu.1 - cpu_before.1);
     let rss = match rss.as_slice() {
         [] => None,

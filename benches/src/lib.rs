@@ -10,11 +10,12 @@
 //! - [`mod@bench`]: `inventory bench`: PostgreSQL's costs per dedup mode, criterion's results as a
 //!   chart; [`bench_e2e`]: end to end through JetStream, and the pgbench scripts beside it;
 //!   [`guard_cost`]: the placement statement and the statements that bound it, for pgbench;
-//!   `bench_hand`: the hand-written consumer of the same statement the service is measured
-//!   against; [`bench_sqlite`]: SQLite's own bound, the SQLite handler's statements without
-//!   NATS; [`bench_pg_bound`]: PostgreSQL's, the one-statement handler's statements bound as
-//!   its lanes bind them, without NATS; [`bench_prefilter`]: a Redis pre-filter in front of
-//!   the natural key, what it saves per duplicate and costs per fresh message.
+//!   `bench_hand`: the hand-written consumers of the same statements the service is measured
+//!   against, on PostgreSQL and SQLite, per message and batched; [`bench_sqlite`]: SQLite's
+//!   own bound, the SQLite handler's statements without NATS; [`bench_pg_bound`]:
+//!   PostgreSQL's, the one-statement handler's statements bound as its lanes bind them,
+//!   without NATS; [`bench_prefilter`]: a Redis pre-filter in front of the natural key, what
+//!   it saves per duplicate and costs per fresh message.
 //! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
 //!   that is not.
 //! - [`fresh`]: a database of its own per run, created and dropped.

@@ -204,7 +204,7 @@ ORDER BY input.idx";
 /// A statement sees only what was committed when it began, so when a copy committed while
 /// [`RESERVE_SQL`] waited for the stock row, that statement's insert finds the key taken but
 /// its `existing` cannot read the row. A new statement can.
-const EXISTING_SQL: &str =
+pub const EXISTING_SQL: &str =
     "SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2";
 
 pub struct PgNaturalKey {

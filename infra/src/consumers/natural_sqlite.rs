@@ -21,7 +21,8 @@
 //! With the `harness` feature, `writer_options`, `in_transaction`, `reserve` and `reserve_each`
 //! are public so that `inventory bench sqlite-bound` runs these very statements, on a
 //! connection made the same way, in a loop without NATS: the bound the service is measured
-//! against.
+//! against. [`READ_SQL`] and [`WRITE_SQL`] are public for `inventory bench hand-written`, which
+//! runs them in a consumer written by hand.
 
 use std::sync::Arc;
 
@@ -45,7 +46,7 @@ use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
 /// What a placement reads before it writes: its reservation, the stock row, and whether its
 /// order is cancelled, in one statement.
-const READ_SQL: &str = "\
+pub const READ_SQL: &str = "\
 SELECT (SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2) AS existing,
        stock_items.title, stock_items.on_hand, stock_items.reserved,
        EXISTS (SELECT 1 FROM order_states WHERE order_id = $1 AND cancelled_at IS NOT NULL)
@@ -58,7 +59,7 @@ FROM (SELECT 1) LEFT JOIN stock_items ON stock_items.book_id = $2";
 /// when no stock moves) only if the event was written. `changes()` is the rows the statement
 /// before wrote, so each step runs only if the one before wrote its row, and the rows affected
 /// add up to 0 exactly when the key was taken.
-const WRITE_SQL: &str = "\
+pub const WRITE_SQL: &str = "\
 INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
 VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (order_id, book_id) DO NOTHING;
