@@ -144,6 +144,135 @@ impl RoundTimer {
     }
 }
 
+/// A statement of a lease round, as [`LeaseRound`] asks for it. Each stands alone and is
+/// conditional where another relay may race it, so the database serializes the decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum RoundStatement {
+    /// Writes this relay's heartbeat: it counts among the live relays for one lease.
+    Heartbeat,
+    /// Counts the live heartbeats.
+    CountLive,
+    /// Extends every lease this relay still holds by one lease from the database's now, and
+    /// returns their partitions.
+    Renew,
+    /// Gives a partition back, if this relay still holds it.
+    Release(i16),
+    /// Lists the partitions free or expired now.
+    FindFree,
+    /// Takes a partition, if it is still free or expired when the statement runs: of two
+    /// relays racing for it, one wins.
+    Take(i16),
+    /// Removes heartbeats of relays gone for a hundred leases.
+    Sweep,
+}
+
+/// One lease round's decisions, without I/O: which statement comes next, given the answers to
+/// those before. Heartbeat, count the live relays, renew what is still this relay's, then move
+/// towards the fair share: release the partitions beyond it (the highest first), or take free
+/// and expired ones up to it. [`Leases::round`] runs its statements on the database; the
+/// protocol's model (`model.rs`) on a simulated one, one statement a step.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct LeaseRound {
+    partitions: usize,
+    /// Until when what is renewed or taken may be published in: the lease, from before the
+    /// round's first statement was sent.
+    until: Instant,
+    fair: usize,
+    /// The statement to run now; `None` once the round is over.
+    next: Option<RoundStatement>,
+    /// Statements decided and still to run after `next`.
+    then: Vec<RoundStatement>,
+    /// Free partitions not yet tried.
+    free: Vec<i16>,
+    round: Round,
+}
+
+impl LeaseRound {
+    /// A round over `partitions`, its first statement sent at `sent`.
+    pub(crate) fn new(partitions: usize, sent: Instant, lease: Duration) -> Self {
+        Self {
+            partitions,
+            until: sent + lease,
+            fair: partitions,
+            next: Some(RoundStatement::Heartbeat),
+            then: Vec::new(),
+            free: Vec::new(),
+            round: Round::default(),
+        }
+    }
+
+    /// The statement to run now, `None` once the round is over.
+    pub(crate) fn next(&self) -> Option<RoundStatement> {
+        self.next
+    }
+
+    /// The statement ran, with nothing to report (a heartbeat, a release, the sweep).
+    pub(crate) fn ran(&mut self) {
+        self.next = match self.next {
+            Some(RoundStatement::Heartbeat) => Some(RoundStatement::CountLive),
+            _ => self.then.pop(),
+        };
+    }
+
+    /// [`RoundStatement::CountLive`]'s answer.
+    pub(crate) fn live(&mut self, live: usize) {
+        let live = live.max(1);
+        self.fair = fair_share(self.partitions, live);
+        self.round.live_relays = live;
+        self.round.fair_share = self.fair;
+        self.next = Some(RoundStatement::Renew);
+    }
+
+    /// [`RoundStatement::Renew`]'s answer: the partitions the database still has this relay
+    /// hold. What it held and is not among them, another relay took after it expired.
+    pub(crate) fn renewed(&mut self, deadlines: &mut Deadlines, renewed: &[i16]) {
+        self.round.lost = deadlines.renewed(renewed, self.until);
+        let beyond = deadlines.beyond(self.fair);
+        self.then = vec![RoundStatement::Sweep];
+        if !beyond.is_empty() {
+            // Forgotten before they are given back, so that no publish starts in them.
+            for partition in &beyond {
+                deadlines.release(*partition);
+            }
+            self.round.released.clone_from(&beyond);
+            self.then
+                .extend(beyond.iter().rev().map(|p| RoundStatement::Release(*p)));
+        } else if deadlines.wanted(self.fair) > 0 {
+            self.then.push(RoundStatement::FindFree);
+        }
+        self.next = self.then.pop();
+    }
+
+    /// [`RoundStatement::FindFree`]'s answer, in partition order.
+    pub(crate) fn found_free(&mut self, deadlines: &Deadlines, free: &[i16]) {
+        self.free = free.iter().rev().copied().collect();
+        self.next = self.next_take(deadlines);
+    }
+
+    /// [`RoundStatement::Take`]'s answer: whether it took the partition.
+    pub(crate) fn took(&mut self, deadlines: &mut Deadlines, partition: i16, took: bool) {
+        if took {
+            deadlines.took(partition, self.until);
+            self.round.taken.push(partition);
+        }
+        self.next = self.next_take(deadlines);
+    }
+
+    fn next_take(&mut self, deadlines: &Deadlines) -> Option<RoundStatement> {
+        match self.free.pop() {
+            Some(partition) if deadlines.wanted(self.fair) > 0 => {
+                Some(RoundStatement::Take(partition))
+            }
+            _ => self.then.pop(),
+        }
+    }
+
+    /// What the round did, once it is over.
+    pub(crate) fn finish(self) -> Round {
+        self.round
+    }
+}
+
 /// A relay's [`Deadlines`], written by the lease rounds, read by the passes while they publish.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Held(Arc<Mutex<Deadlines>>);
@@ -181,7 +310,7 @@ pub(crate) struct Leases {
 }
 
 /// What one round of [`Leases::round`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub(crate) struct Round {
     pub(crate) live_relays: usize,
     pub(crate) fair_share: usize,
@@ -262,20 +391,51 @@ impl Leases {
         self.timer.next(Instant::now())
     }
 
-    /// Heartbeat, renew what is still this relay's, then move towards the fair share:
-    /// release the partitions beyond it (the highest first), or take free and expired ones
-    /// up to it.
+    /// One round (see [`LeaseRound`]), its statements run on `db`.
     pub(crate) async fn round(&mut self, db: &impl ConnectionTrait) -> Result<Round, DbErr> {
         let sent = Instant::now();
         self.timer.made(sent);
-        let now = now_ms(backend(db));
-        self.heartbeat(db).await?;
+        let mut round = LeaseRound::new(usize::from(PARTITIONS), sent, self.lease);
+        while let Some(next) = round.next() {
+            match next {
+                RoundStatement::Heartbeat => {
+                    self.heartbeat(db).await?;
+                    round.ran();
+                }
+                RoundStatement::CountLive => round.live(self.count_live(db).await?),
+                RoundStatement::Renew => {
+                    let renewed = self.renew(db).await?;
+                    round.renewed(&mut self.held.lock(), &renewed);
+                }
+                RoundStatement::Release(partition) => {
+                    self.release_one(db, partition).await?;
+                    round.ran();
+                }
+                RoundStatement::FindFree => {
+                    let free = self.find_free(db).await?;
+                    round.found_free(&self.held.lock(), &free);
+                }
+                RoundStatement::Take(partition) => {
+                    let took = self.take(db, partition).await?;
+                    round.took(&mut self.held.lock(), partition, took);
+                }
+                RoundStatement::Sweep => {
+                    self.sweep(db).await?;
+                    round.ran();
+                }
+            }
+        }
+        Ok(round.finish())
+    }
+
+    async fn count_live(&self, db: &impl ConnectionTrait) -> Result<usize, DbErr> {
         let live = db
             .query_one_raw(statement(
                 db,
                 &format!(
                     "SELECT COUNT(*) AS live FROM outbox_relays \
-                     WHERE outbox = $1 AND expires_at > {now}"
+                     WHERE outbox = $1 AND expires_at > {now}",
+                    now = now_ms(backend(db))
                 ),
                 [self.outbox.clone().into()],
             ))
@@ -283,103 +443,88 @@ impl Leases {
             .map(|row| row.try_get::<i64>("", "live"))
             .transpose()?
             .unwrap_or(1);
-        let live = usize::try_from(live).unwrap_or(1).max(1);
-        let fair = fair_share(usize::from(PARTITIONS), live);
-        let mut round = Round {
-            live_relays: live,
-            fair_share: fair,
-            ..Round::default()
-        };
+        Ok(usize::try_from(live).unwrap_or(1))
+    }
 
-        // Renewed only where this relay is still the holder: a partition someone else took
-        // after it expired is theirs.
-        let renewed = db
-            .query_all_raw(statement(
+    /// Renewed only where this relay is still the holder: a partition someone else took after
+    /// it expired is theirs.
+    async fn renew(&self, db: &impl ConnectionTrait) -> Result<Vec<i16>, DbErr> {
+        db.query_all_raw(statement(
+            db,
+            &format!(
+                "UPDATE outbox_leases SET expires_at = {now} + $3 \
+                 WHERE outbox = $1 AND holder = $2 RETURNING relay_partition",
+                now = now_ms(backend(db))
+            ),
+            [
+                self.outbox.clone().into(),
+                self.holder.clone().into(),
+                self.lease_ms().into(),
+            ],
+        ))
+        .await?
+        .iter()
+        .map(|row| row.try_get::<i16>("", "relay_partition"))
+        .collect()
+    }
+
+    async fn find_free(&self, db: &impl ConnectionTrait) -> Result<Vec<i16>, DbErr> {
+        db.query_all_raw(statement(
+            db,
+            &format!(
+                "SELECT relay_partition FROM outbox_leases \
+                 WHERE outbox = $1 AND (holder IS NULL OR expires_at <= {now}) \
+                 ORDER BY relay_partition",
+                now = now_ms(backend(db))
+            ),
+            [self.outbox.clone().into()],
+        ))
+        .await?
+        .iter()
+        .map(|row| row.try_get::<i16>("", "relay_partition"))
+        .collect()
+    }
+
+    /// Taken only if still free or expired when the database gets to it: of two relays
+    /// racing for it, one wins.
+    async fn take(&self, db: &impl ConnectionTrait, partition: i16) -> Result<bool, DbErr> {
+        let took = db
+            .execute_raw(statement(
                 db,
                 &format!(
-                    "UPDATE outbox_leases SET expires_at = {now} + $3 \
-                     WHERE outbox = $1 AND holder = $2 RETURNING relay_partition"
+                    "UPDATE outbox_leases SET holder = $2, expires_at = {now} + $3 \
+                     WHERE outbox = $1 AND relay_partition = $4 \
+                       AND (holder IS NULL OR expires_at <= {now})",
+                    now = now_ms(backend(db))
                 ),
                 [
                     self.outbox.clone().into(),
                     self.holder.clone().into(),
                     self.lease_ms().into(),
+                    partition.into(),
                 ],
             ))
             .await?
-            .iter()
-            .map(|row| row.try_get::<i16>("", "relay_partition"))
-            .collect::<Result<Vec<_>, _>>()?;
-        let until = sent + self.lease;
-        round.lost = self.held.lock().renewed(&renewed, until);
-
-        let beyond = self.held.lock().beyond(fair);
-        let wanted = self.held.lock().wanted(fair);
-        if !beyond.is_empty() {
-            for partition in beyond {
-                self.release_one(db, partition).await?;
-                round.released.push(partition);
-            }
-        } else if wanted > 0 {
-            let free = db
-                .query_all_raw(statement(
-                    db,
-                    &format!(
-                        "SELECT relay_partition FROM outbox_leases \
-                         WHERE outbox = $1 AND (holder IS NULL OR expires_at <= {now}) \
-                         ORDER BY relay_partition"
-                    ),
-                    [self.outbox.clone().into()],
-                ))
-                .await?
-                .iter()
-                .map(|row| row.try_get::<i16>("", "relay_partition"))
-                .collect::<Result<Vec<_>, _>>()?;
-            for partition in free {
-                if self.held.lock().wanted(fair) == 0 {
-                    break;
-                }
-                // Taken only if still free or expired when the database gets to it: of two
-                // relays racing for it, one wins.
-                let took = db
-                    .execute_raw(statement(
-                        db,
-                        &format!(
-                            "UPDATE outbox_leases SET holder = $2, expires_at = {now} + $3 \
-                             WHERE outbox = $1 AND relay_partition = $4 \
-                               AND (holder IS NULL OR expires_at <= {now})"
-                        ),
-                        [
-                            self.outbox.clone().into(),
-                            self.holder.clone().into(),
-                            self.lease_ms().into(),
-                            partition.into(),
-                        ],
-                    ))
-                    .await?
-                    .rows_affected();
-                if took == 1 {
-                    self.held.lock().took(partition, until);
-                    round.taken.push(partition);
-                }
-            }
-        }
-        // Heartbeats of relays gone for a long time are only clutter.
-        db.execute_raw(statement(
-            db,
-            &format!("DELETE FROM outbox_relays WHERE outbox = $1 AND expires_at < {now} - $2"),
-            [self.outbox.clone().into(), (self.lease_ms() * 100).into()],
-        ))
-        .await?;
-        Ok(round)
+            .rows_affected();
+        Ok(took == 1)
     }
 
-    async fn release_one(
-        &mut self,
-        db: &impl ConnectionTrait,
-        partition: i16,
-    ) -> Result<(), DbErr> {
-        self.held.lock().release(partition);
+    /// Heartbeats of relays gone for a long time are only clutter.
+    async fn sweep(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
+        db.execute_raw(statement(
+            db,
+            &format!(
+                "DELETE FROM outbox_relays WHERE outbox = $1 AND expires_at < {now} - $2",
+                now = now_ms(backend(db))
+            ),
+            [self.outbox.clone().into(), (self.lease_ms() * 100).into()],
+        ))
+        .await
+        .map(drop)
+    }
+
+    /// Gives `partition` back if this relay still holds it (already forgotten by the round).
+    async fn release_one(&self, db: &impl ConnectionTrait, partition: i16) -> Result<(), DbErr> {
         db.execute_raw(statement(
             db,
             "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \

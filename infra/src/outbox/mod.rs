@@ -12,7 +12,11 @@
 //! - [`relay`]: the relay, which publishes an outbox's rows to their stream and deletes them
 //!   after the PubAck; why several relays, a stale one included, neither reorder nor double
 //!   an order's events.
-//! - `lease`: the partition leases and heartbeats through which relays share an outbox.
+//! - `lease`: the partition leases and heartbeats through which relays share an outbox; a
+//!   round's decisions apart from its statements.
+//! - `pass`: a pass's publication decisions apart from the publishing: the chains, what goes
+//!   out next, what a PubAck or a failure does.
+//! - `model` (tests only): the protocol as a model, run on `lease`'s and `pass`'s decisions.
 //! - [`source`]: an outbox as the relay sees it, any table of the outbox's columns with its
 //!   stream and subject prefix (Inventory's `outbox`, the orders producer's
 //!   `orders_outbox`): reading, deleting, parking, listing and retrying parked rows.
@@ -27,6 +31,7 @@ use uuid::Uuid;
 mod lease;
 #[cfg(test)]
 mod model;
+mod pass;
 pub mod relay;
 pub mod source;
 

@@ -12,7 +12,9 @@
 //! 3. Publish, `Nats-Msg-Id` = the event id, subject `<prefix>.<row's subject>`: one chain
 //!    per order, the chains of different orders pipelined (up to `max_in_flight` at once),
 //!    the rows of one order one after the other, each only after the PubAck of the one
-//!    before. A PubAck counts, a duplicate PubAck too (the stream had it already).
+//!    before. A PubAck counts, a duplicate PubAck too (the stream had it already). Which row
+//!    goes out next and what each outcome does are decided in `pass.rs`, apart from the
+//!    publishing done here.
 //! 4. Delete the acknowledged rows, in chunks, each its own short statement.
 //!
 //! # Order per order
@@ -58,8 +60,6 @@
 //! its partitions back and stands aside until JetStream answers it, so that a relay cut off
 //! from NATS while others are not holds none of the outbox back.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -70,12 +70,15 @@ use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::{self as js, ErrorCode};
 use bytes::Bytes;
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use sea_orm::{DatabaseConnection, DbErr};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::lease::{Held, Leases};
+use super::pass::{Pass, Settled};
+pub use super::pass::{PassReport, Published};
 use super::source::{Backlog, OutboxSource, PendingRow};
 use crate::db::bounded;
 use crate::jetstream::{self, ConfigDrift, Context, NatsError, PrefixStream};
@@ -250,37 +253,6 @@ pub enum RelayError {
     Disconnected,
 }
 
-/// What one pass did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PassReport {
-    /// Rows read.
-    pub read: usize,
-    /// Acknowledged as new by the stream.
-    pub published: usize,
-    /// Acknowledged as duplicates: the stream had the event already.
-    pub duplicates: usize,
-    pub parked: usize,
-    /// Publishes that failed and will be tried again.
-    pub failed: usize,
-    /// Rows not tried: behind a failed row of their order, after a broker failure, or in a
-    /// partition whose lease was too close to its end.
-    pub held_back: usize,
-    /// Acknowledged rows removed.
-    pub deleted: u64,
-    /// The batch was full: more rows are probably waiting.
-    pub more: bool,
-}
-
-/// Rows acknowledged by the stream and not yet removed: what `Relay::publish_pending`
-/// leaves for `Relay::delete_published`.
-#[derive(Debug, Default)]
-pub struct Published {
-    pub report: PassReport,
-    seqs: Vec<i64>,
-    /// The first failure of the pass, for the log and the health check.
-    failure: Option<String>,
-}
-
 /// What a failed publish means for its row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Verdict {
@@ -327,33 +299,6 @@ fn publishable(subject: &str) -> bool {
                 && token != ">"
                 && !token.chars().any(|c| c.is_whitespace() || c.is_control())
         })
-}
-
-/// The rows grouped by order, each order's rows in seq order, the orders in the order of
-/// their first row.
-pub(super) fn chains(rows: Vec<PendingRow>) -> Vec<Vec<PendingRow>> {
-    let mut index: HashMap<Uuid, usize> = HashMap::new();
-    let mut chains: Vec<Vec<PendingRow>> = Vec::new();
-    for row in rows {
-        match index.entry(row.order_id) {
-            Entry::Occupied(at) => chains[*at.get()].push(row),
-            Entry::Vacant(slot) => {
-                slot.insert(chains.len());
-                chains.push(vec![row]);
-            }
-        }
-    }
-    chains
-}
-
-/// What became of one order's chain in a pass.
-#[derive(Debug, Default)]
-struct ChainOutcome {
-    /// (seq, duplicate) of each acknowledged row.
-    acked: Vec<(i64, bool)>,
-    parked: usize,
-    failed: Option<String>,
-    held_back: usize,
 }
 
 /// Reads the outbox's backlog for the metrics every `every` until `stop`, apart from the lease
@@ -738,48 +683,26 @@ impl Relay {
                 .read_pending(&self.db, &partitions, self.settings.batch_size),
         )
         .await?;
-        let mut published = Published {
-            report: PassReport {
-                read: rows.len(),
-                more: rows.len() >= self.settings.batch_size,
-                ..PassReport::default()
-            },
-            ..Published::default()
-        };
-        if rows.is_empty() {
-            return Ok(published);
-        }
-        if !jetstream::is_connected(&self.client) {
+        let full = rows.len() >= self.settings.batch_size;
+        let mut pass = Pass::new(rows, self.settings.max_in_flight, full);
+        if !pass.over() && !jetstream::is_connected(&self.client) {
             // Nothing is sent while disconnected: the client would only buffer it.
-            published.report.held_back = rows.len();
-            published.report.failed = 1;
-            published.failure = Some(RelayError::Disconnected.to_string());
-            published.report.more = false;
-            return Ok(published);
+            pass.hold_back_all(RelayError::Disconnected.to_string());
         }
-        let broker_failing = AtomicBool::new(false);
+        // The pass decides what goes out; this runs the publishes, several orders at once.
         let this = &*self;
-        let outcomes: Vec<ChainOutcome> = futures::stream::iter(chains(rows))
-            .map(|chain| this.publish_chain(chain, &broker_failing))
-            .buffer_unordered(self.settings.max_in_flight.max(1))
-            .collect()
-            .await;
-        for outcome in outcomes {
-            for (seq, duplicate) in outcome.acked {
-                published.seqs.push(seq);
-                if duplicate {
-                    published.report.duplicates += 1;
-                } else {
-                    published.report.published += 1;
-                }
+        let usable = |partition| this.held.still_usable(partition, Instant::now(), margin);
+        let mut in_flight = FuturesUnordered::new();
+        loop {
+            while let Some((chain, row)) = pass.next(usable) {
+                in_flight.push(async move { (chain, this.publish(row).await) });
             }
-            published.report.parked += outcome.parked;
-            published.report.held_back += outcome.held_back;
-            if let Some(error) = outcome.failed {
-                published.report.failed += 1;
-                published.failure.get_or_insert(error);
+            match in_flight.next().await {
+                Some((chain, settled)) => pass.settled(chain, settled),
+                None => break,
             }
         }
+        let published = pass.finish();
         let report = &published.report;
         self.status
             .0
@@ -793,9 +716,6 @@ impl Relay {
             .0
             .parked
             .fetch_add(report.parked as u64, Ordering::Relaxed);
-        if published.failure.is_some() {
-            published.report.more = false;
-        }
         Ok(published)
     }
 
@@ -815,55 +735,32 @@ impl Relay {
         Ok(report)
     }
 
-    /// One order's rows in a pass, one at a time: each is sent only after the one before it
-    /// was acknowledged, and a failure stops the chain, so the order's later rows wait.
-    async fn publish_chain(
-        &self,
-        chain: Vec<PendingRow>,
-        broker_failing: &AtomicBool,
-    ) -> ChainOutcome {
-        let mut outcome = ChainOutcome::default();
-        let total = chain.len();
-        for (done, row) in chain.into_iter().enumerate() {
-            let margin = self.settings.publish_timeout;
-            if broker_failing.load(Ordering::Relaxed)
-                || !self
-                    .held
-                    .still_usable(row.relay_partition, Instant::now(), margin)
-            {
-                outcome.held_back = total - done;
-                return outcome;
+    /// Publishes one row and parks it if it can never be published as it is.
+    async fn publish(&self, row: PendingRow) -> Settled {
+        let reason = match self.publish_row(&row).await {
+            Ok(ack) => {
+                return Settled::Acked {
+                    duplicate: ack.duplicate,
+                };
             }
-            match self.publish_row(&row).await {
-                Ok(ack) => outcome.acked.push((row.seq, ack.duplicate)),
-                Err(RowFailure::Park(reason)) => {
-                    let parked = self.source.park(&self.db, row.seq, &reason);
-                    match bounded(self.settings.db_timeout, parked).await {
-                        Ok(()) => {
-                            tracing::error!(
-                                outbox = self.source.table(),
-                                seq = row.seq,
-                                event_id = %row.event_id,
-                                order_id = %row.order_id,
-                                %reason,
-                                "outbox row parked; its order's later rows wait behind it"
-                            );
-                            outcome.parked = 1;
-                        }
-                        Err(error) => outcome.failed = Some(format!("parking a row: {error}")),
-                    }
-                    outcome.held_back = total - done - 1;
-                    return outcome;
-                }
-                Err(RowFailure::Retry(error)) => {
-                    broker_failing.store(true, Ordering::Relaxed);
-                    outcome.failed = Some(error);
-                    outcome.held_back = total - done - 1;
-                    return outcome;
-                }
+            Err(RowFailure::Retry(error)) => return Settled::BrokerFailed(error),
+            Err(RowFailure::Park(reason)) => reason,
+        };
+        let parked = self.source.park(&self.db, row.seq, &reason);
+        match bounded(self.settings.db_timeout, parked).await {
+            Ok(()) => {
+                tracing::error!(
+                    outbox = self.source.table(),
+                    seq = row.seq,
+                    event_id = %row.event_id,
+                    order_id = %row.order_id,
+                    %reason,
+                    "outbox row parked; its order's later rows wait behind it"
+                );
+                Settled::Parked
             }
+            Err(error) => Settled::ParkFailed(error.to_string()),
         }
-        outcome
     }
 
     /// Publishes one row and waits for its PubAck; a failure comes back as what it means for
@@ -926,37 +823,6 @@ impl Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chrono::Utc;
-
-    fn row(seq: i64, order: Uuid) -> PendingRow {
-        PendingRow {
-            seq,
-            event_id: Uuid::now_v7(),
-            relay_partition: 0,
-            order_id: order,
-            subject: "stock.reserved".into(),
-            payload: "{}".into(),
-            created_at: Utc::now(),
-        }
-    }
-
-    #[test]
-    fn chains_keep_each_orders_rows_in_seq_order() {
-        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
-        let rows = vec![
-            row(1, a),
-            row(2, b),
-            row(3, a),
-            row(4, c),
-            row(5, b),
-            row(6, a),
-        ];
-        let seqs: Vec<Vec<i64>> = chains(rows)
-            .iter()
-            .map(|chain| chain.iter().map(|r| r.seq).collect())
-            .collect();
-        assert_eq!(seqs, [vec![1, 3, 6], vec![2, 5], vec![4]]);
-    }
 
     #[test]
     fn what_a_failed_publish_means_for_its_row() {
