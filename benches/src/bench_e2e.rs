@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::fresh::FreshDatabase;
+use crate::system_cpu::{CpuSnapshot, CpuSplit};
 use anyhow::{Context as _, Result, ensure};
 use futures::StreamExt;
 use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
@@ -84,6 +85,8 @@ pub struct EndToEndReport {
     pub cpu_user_seconds: f64,
     pub cpu_system_seconds: f64,
     pub cpu_micros_per_message: f64,
+    /// The whole machine's CPU per message over the same time, by process.
+    pub cpu_split: CpuSplit,
     /// With `--rate`: from each message's publish to its handling's end (its commit; the ack
     /// follows at once).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -518,7 +521,7 @@ async fn publish_and_consume(
     }
 
     let prepared = Prepared::new(args, consumer, lanes, fresh, js, topology).await?;
-    let cpu_before = cpu_times()?;
+    let cpu_before = CpuSnapshot::take()?;
     let started = Instant::now();
     let consuming = prepared
         .start(lanes, args.batch_size, fresh, clock.clone())
@@ -551,7 +554,7 @@ async fn publish_and_consume(
         None => consumed.await?,
     }
     let seconds = started.elapsed().as_secs_f64();
-    let cpu = cpu_times()?;
+    let cpu = CpuSnapshot::take()?;
     let (acked, duplicates) = consuming.counts();
     consuming.stop().await?;
     ensure_reserved(&fresh.conn, orders.reserved()).await?;
@@ -562,7 +565,7 @@ async fn publish_and_consume(
         "{acked} processed and {duplicates} duplicates of {total} messages, {} orders",
         args.messages
     );
-    let (user, system) = (cpu.0 - cpu_before.0, cpu.1 - cpu_before.1);
+    let (user, system) = cpu.this_process_since(&cpu_before);
     let rss = match rss.as_slice() {
         [] => None,
         samples => Some(RssReport {
@@ -598,31 +601,10 @@ async fn publish_and_consume(
         cpu_user_seconds: user,
         cpu_system_seconds: system,
         cpu_micros_per_message: (user + system) * 1e6 / total as f64,
+        cpu_split: cpu.since(&cpu_before, total),
         latency: clock.and_then(|clock| clock.latency()),
         rss,
     })
-}
-
-/// This process's CPU time so far, user and system, in seconds: `utime` and `stime` of
-/// /proc/self/stat, in clock ticks of USER_HZ, which is 100 on Linux.
-fn cpu_times() -> Result<(f64, f64)> {
-    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
-    // The command name, in parentheses, may hold spaces: the fields after it are counted from
-    // the third (state), so utime, the 14th, is the 12th of them.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .context("no command name in /proc/self/stat")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks = |index: usize| -> Result<f64> {
-        let value: u64 = fields
-            .get(index)
-            .context("/proc/self/stat is short")?
-            .parse()?;
-        Ok(value as f64 / 100.0)
-    };
-    Ok((ticks(11)?, ticks(12)?))
 }
 
 /// A `kB` line of /proc/self/status (`VmRSS`, `VmHWM`), in KiB.

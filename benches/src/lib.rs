@@ -19,6 +19,8 @@
 //! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
 //!   that is not.
 //! - [`fresh`]: a database of its own per run, created and dropped.
+//! - [`system_cpu`]: the machine's CPU during a run by process (this one, nats-server,
+//!   PostgreSQL, the rest), from /proc.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
@@ -43,4 +45,5 @@ pub mod compare;
 pub mod demo;
 pub mod fresh;
 pub mod guard_cost;
+pub mod system_cpu;
 pub mod workload;
