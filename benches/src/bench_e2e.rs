@@ -521,7 +521,7 @@ async fn publish_and_consume(
     }
 
     let prepared = Prepared::new(args, consumer, lanes, fresh, js, topology).await?;
-    let cpu_before = CpuSnapshot::take()?;
+    let cpu_before = CpuSnapshot::before()?;
     let started = Instant::now();
     let consuming = prepared
         .start(lanes, args.batch_size, fresh, clock.clone())
@@ -554,7 +554,7 @@ async fn publish_and_consume(
         None => consumed.await?,
     }
     let seconds = started.elapsed().as_secs_f64();
-    let cpu = CpuSnapshot::take()?;
+    let cpu = CpuSnapshot::after()?;
     let (acked, duplicates) = consuming.counts();
     consuming.stop().await?;
     ensure_reserved(&fresh.conn, orders.reserved()).await?;

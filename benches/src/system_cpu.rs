@@ -73,12 +73,20 @@ fn machine_busy(stat: &str) -> Option<u64> {
     Some(busy.iter().filter_map(|index| fields.get(*index)).sum())
 }
 
-impl CpuSnapshot {
-    pub fn take() -> Result<Self> {
-        let this = ProcStat::parse(
-            &std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?,
-        )
-        .context("parsing /proc/self/stat")?;
+fn this_process() -> Result<ProcStat> {
+    ProcStat::parse(&std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?)
+        .context("parsing /proc/self/stat")
+}
+
+/// The other processes' ticks and the machine's, so far.
+struct Others {
+    nats_server: u64,
+    postgres: u64,
+    machine: u64,
+}
+
+impl Others {
+    fn read() -> Result<Self> {
         let mut processes = Vec::new();
         for entry in std::fs::read_dir("/proc").context("listing /proc")? {
             let entry = entry?;
@@ -119,14 +127,37 @@ impl CpuSnapshot {
         let machine =
             machine_busy(&std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?)
                 .context("parsing /proc/stat")?;
-        let seconds = |ticks: u64| ticks as f64 / TICKS;
         Ok(Self {
+            nats_server: nats,
+            postgres,
+            machine,
+        })
+    }
+}
+
+impl CpuSnapshot {
+    /// At the start of what is measured: this process's time is read last, so that reading
+    /// every process's stat file is not counted in it.
+    pub fn before() -> Result<Self> {
+        let others = Others::read()?;
+        Ok(Self::of(&this_process()?, &others))
+    }
+
+    /// At the end of what is measured: this process's time is read first.
+    pub fn after() -> Result<Self> {
+        let this = this_process()?;
+        Ok(Self::of(&this, &Others::read()?))
+    }
+
+    fn of(this: &ProcStat, others: &Others) -> Self {
+        let seconds = |ticks: u64| ticks as f64 / TICKS;
+        Self {
             this_user: seconds(this.user),
             this_system: seconds(this.system),
-            nats_server: seconds(nats),
-            postgres: seconds(postgres),
-            machine: seconds(machine),
-        })
+            nats_server: seconds(others.nats_server),
+            postgres: seconds(others.postgres),
+            machine: seconds(others.machine),
+        }
     }
 
     /// This process's CPU seconds from `before` to this snapshot: user, system.
