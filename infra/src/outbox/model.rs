@@ -783,6 +783,18 @@ fn violations(
     broken(&checker)
 }
 
+/// Checks `protocol` to the end and fails, with the steps, on any property it breaks.
+fn assert_keeps_every_property(protocol: Protocol, what: &str) {
+    let found = violations(protocol, None);
+    assert!(found.is_empty(), "{what}: {found:#?}");
+}
+
+/// Checks `protocol` until it breaks `property`, and fails unless it does.
+fn assert_breaks(protocol: Protocol, property: &'static str) {
+    let found = violations(protocol, Some(property));
+    assert!(found.contains_key(property), "{found:#?}");
+}
+
 /// The properties `checker` found broken, each with the steps that break it.
 fn broken(checker: &impl Checker<Protocol>) -> BTreeMap<&'static str, String> {
     checker
@@ -829,8 +841,7 @@ fn the_protocol_as_committed_keeps_every_property() {
     for (fault, protocol) in committed_with_each_fault() {
         let window = Duration::from_secs(protocol.window);
         assert!(protocol.settings.check_window("S", window).is_ok());
-        let found = violations(protocol, None);
-        assert!(found.is_empty(), "{fault}: {found:#?}");
+        assert_keeps_every_property(protocol, fault);
     }
 }
 
@@ -840,15 +851,12 @@ fn the_protocol_as_committed_keeps_every_property() {
 /// through 78 million states in 17 minutes; the random walks below take them all together.
 #[test]
 fn lease_rounds_interleaved_statement_by_statement_keep_every_property() {
-    let found = violations(
-        Protocol {
-            atomic_rounds: false,
-            db_stall: 0,
-            ..Protocol::committed()
-        },
-        None,
-    );
-    assert!(found.is_empty(), "{found:#?}");
+    let interleaved = Protocol {
+        atomic_rounds: false,
+        db_stall: 0,
+        ..Protocol::committed()
+    };
+    assert_keeps_every_property(interleaved, "the rounds interleaved");
 }
 
 /// Three relays on three partitions: the fair share is then one each, and partitions change
@@ -856,17 +864,14 @@ fn lease_rounds_interleaved_statement_by_statement_keep_every_property() {
 /// past two and a half minutes; the random walks below take more.
 #[test]
 fn three_relays_keep_every_property() {
-    let found = violations(
-        Protocol {
-            relays: 3,
-            partitions: 3,
-            writes: vec![0],
-            db_stall: 0,
-            ..Protocol::committed()
-        },
-        None,
-    );
-    assert!(found.is_empty(), "{found:#?}");
+    let three = Protocol {
+        relays: 3,
+        partitions: 3,
+        writes: vec![0],
+        db_stall: 0,
+        ..Protocol::committed()
+    };
+    assert_keeps_every_property(three, "three relays");
 }
 
 /// The start-up check removed: with a window shorter than a lease, a relay that took over
@@ -882,8 +887,7 @@ fn a_window_the_start_up_check_refuses_lets_an_event_be_stored_twice() {
     };
     let window = Duration::from_secs(protocol.window);
     assert!(protocol.settings.check_window("S", window).is_err());
-    let found = violations(protocol, Some("no event stored twice"));
-    assert!(found.contains_key("no event stored twice"), "{found:#?}");
+    assert_breaks(protocol, "no event stored twice");
 }
 
 /// Renewal stopped while a pass runs (the rounds made only between passes, as before the
@@ -896,17 +900,12 @@ fn rounds_only_between_passes_let_a_lease_lapse() {
         horizon: 14,
         ..Protocol::committed()
     };
-    let lapse = "a running relay's leases do not lapse";
-    let found = violations(
-        Protocol {
-            rounds_between_passes: true,
-            ..stalled.clone()
-        },
-        Some(lapse),
-    );
-    assert!(found.contains_key(lapse), "{found:#?}");
-    let found = violations(stalled, None);
-    assert!(found.is_empty(), "with the lease keeper: {found:#?}");
+    let between_passes = Protocol {
+        rounds_between_passes: true,
+        ..stalled.clone()
+    };
+    assert_breaks(between_passes, "a running relay's leases do not lapse");
+    assert_keeps_every_property(stalled, "with the lease keeper");
 }
 
 /// A relay suspended for longer than the duplicate window (its monotonic clock stopped, so it
@@ -921,8 +920,7 @@ fn a_suspension_longer_than_the_window_lets_an_event_be_stored_twice() {
         horizon: 30,
         ..Protocol::committed()
     };
-    let found = violations(protocol, Some("no event stored twice"));
-    assert!(found.contains_key("no event stored twice"), "{found:#?}");
+    assert_breaks(protocol, "no event stored twice");
 }
 
 /// The deeper run, by random walks rather than exhaustively (the exhaustive checker outgrows
