@@ -72,7 +72,8 @@ pub struct EndToEndReport {
     /// `service` (the real consumer loop), `hand-written` (`bench_hand`, on tokio-postgres) or
     /// `hand-written-sqlx`.
     pub consumer: &'static str,
-    pub handler: String,
+    /// The natural-key path that ran: `batch` when batches were asked of `one-statement`.
+    pub handler: &'static str,
     pub concurrency: usize,
     pub batch_size: usize,
     pub messages: u64,
@@ -491,7 +492,7 @@ async fn publish(
         .map(|message| async move {
             let message = message?;
             if let Some(clock) = clock {
-                clock.sent(message.key.storage_key());
+                clock.sent(message.key.storage_key().into_owned());
             }
             publisher.publish(&message).await?;
             anyhow::Ok(())
@@ -590,7 +591,7 @@ async fn publish_and_consume(
             Consumer::HandWritten(Driver::TokioPostgres) => "hand-written",
             Consumer::HandWritten(Driver::Sqlx) => "hand-written-sqlx",
         },
-        handler: format!("{:?}", args.handler),
+        handler: args.handler.with_batch_size(args.batch_size).as_str(),
         concurrency: lanes,
         batch_size: args.batch_size.max(1),
         messages: total,

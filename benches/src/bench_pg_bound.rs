@@ -113,7 +113,7 @@ async fn measure(
             .into_iter()
             .map(|(key, placed)| {
                 Ok(Placed {
-                    message_id: key,
+                    message_id: key.into_owned(),
                     order_id: placed.order_id.as_uuid(),
                     book_id: placed.book_id.as_uuid(),
                     quantity: i32::try_from(placed.quantity.get())?,

@@ -244,7 +244,7 @@ pub struct PlannedOrder {
 
 impl PlannedOrder {
     fn key(&self) -> String {
-        self.message.key.storage_key()
+        self.message.key.storage_key().into_owned()
     }
 
     /// The faulty producer's resend: the same order under a new message id.
@@ -481,7 +481,7 @@ struct Scripted {
 
 impl MessageHandler for Scripted {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        let key = message.key.storage_key();
+        let key = message.key.storage_key().into_owned();
         let armed = locked(&self.script.armed).remove(&key);
         let handler = if armed {
             self.inner

@@ -1,5 +1,6 @@
 //! Identifiers and amounts that can only be built valid.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
@@ -188,15 +189,16 @@ pub enum DedupKey {
 impl DedupKey {
     /// The key as stored in `inbox.message_id` (at most 100 characters). A CloudEvent's pair is
     /// hashed with the source's length in front, so no two pairs can collide by concatenation.
-    pub fn storage_key(&self) -> String {
+    /// A message id is its own key, borrowed: every message's path asks for it.
+    pub fn storage_key(&self) -> Cow<'_, str> {
         match self {
-            Self::MessageId(id) => id.as_str().to_owned(),
+            Self::MessageId(id) => Cow::Borrowed(id.as_str()),
             Self::CloudEvent { source, id } => {
                 let mut hasher = Sha256::new();
                 hasher.update((source.len() as u64).to_be_bytes());
                 hasher.update(source.as_bytes());
                 hasher.update(id.as_bytes());
-                format!("ce:{}", hex::encode(hasher.finalize()))
+                Cow::Owned(format!("ce:{}", hex::encode(hasher.finalize())))
             }
         }
     }

@@ -2,6 +2,8 @@
 //! CloudEvents 1.0 structured mode, and Inventory's own StockReserved event (the email
 //! notifier's input), decoded from the outbox's event body.
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use sha2::{Digest, Sha256};
@@ -153,10 +155,14 @@ struct EnvelopeProbe {
     specversion: Option<IgnoredAny>,
 }
 
+/// The ids are parsed into UUIDs, so they are borrowed from the body where they can be (a
+/// string without escapes): no allocation for what is dropped at once.
 #[derive(Deserialize)]
-struct EventFields {
-    order_id: String,
-    book_id: Option<String>,
+struct EventFields<'a> {
+    #[serde(borrow)]
+    order_id: Cow<'a, str>,
+    #[serde(borrow)]
+    book_id: Option<Cow<'a, str>>,
     quantity: Option<i64>,
     correlation_id: Option<String>,
     occurred_at: Option<String>,
@@ -165,44 +171,58 @@ struct EventFields {
 /// The plain body: the event's fields beside `message_id`. Not `#[serde(flatten)]`, which would
 /// let a repeated field through.
 #[derive(Deserialize)]
-struct PlainBody {
+struct PlainBody<'a> {
     /// Set only in a CloudEvent, which then decodes as one.
     specversion: Option<IgnoredAny>,
     message_id: String,
-    order_id: String,
-    book_id: Option<String>,
+    #[serde(borrow)]
+    order_id: Cow<'a, str>,
+    #[serde(borrow)]
+    book_id: Option<Cow<'a, str>>,
     quantity: Option<i64>,
     correlation_id: Option<String>,
     occurred_at: Option<String>,
 }
 
 #[derive(Deserialize)]
-struct CloudEventBody {
+struct CloudEventBody<'a> {
     specversion: String,
     id: String,
     source: String,
     #[serde(rename = "type")]
     event_type: String,
-    data: EventFields,
+    #[serde(borrow)]
+    data: EventFields<'a>,
 }
 
 /// The CloudEvents `source` is a URI reference; the bound keeps hostile bodies from bloating logs.
 const MAX_SOURCE_CHARS: usize = 1_000;
 
-impl EventFields {
-    fn into_event(self, kind: EventKind) -> Result<Event, DecodeError> {
+impl EventFields<'_> {
+    /// The event, and the fields the message keeps beside it.
+    fn into_message(self, key: DedupKey, kind: EventKind) -> Result<Message, DecodeError> {
+        Ok(Message {
+            key,
+            event: self.event(kind)?,
+            correlation_id: self.correlation_id,
+            occurred_at: self.occurred_at,
+        })
+    }
+
+    fn event(&self, kind: EventKind) -> Result<Event, DecodeError> {
         let order_id = OrderId::parse(&self.order_id)?;
         Ok(match kind {
             EventKind::Placed => {
                 let book_id = self
                     .book_id
+                    .as_deref()
                     .ok_or_else(|| DecodeError::Malformed("missing field `book_id`".into()))?;
                 let quantity = self
                     .quantity
                     .ok_or_else(|| DecodeError::Malformed("missing field `quantity`".into()))?;
                 Event::Placed(OrderPlaced {
                     order_id,
-                    book_id: BookId::parse(&book_id)?,
+                    book_id: BookId::parse(book_id)?,
                     quantity: Quantity::new(quantity)?,
                 })
             }
@@ -294,12 +314,7 @@ impl Message {
             correlation_id: plain.correlation_id,
             occurred_at: plain.occurred_at,
         };
-        Ok(Self {
-            key,
-            correlation_id: fields.correlation_id.clone(),
-            occurred_at: fields.occurred_at.clone(),
-            event: fields.into_event(kind)?,
-        })
+        fields.into_message(key, kind)
     }
 
     /// Inventory's event: its id is the dedup key, as its `Nats-Msg-Id` is.
@@ -346,15 +361,11 @@ impl Message {
                 "CloudEvents source must be 1 to {MAX_SOURCE_CHARS} characters, got {source_chars}"
             )));
         }
-        Ok(Self {
-            key: DedupKey::CloudEvent {
-                source: event.source,
-                id,
-            },
-            correlation_id: event.data.correlation_id.clone(),
-            occurred_at: event.data.occurred_at.clone(),
-            event: event.data.into_event(kind)?,
-        })
+        let key = DedupKey::CloudEvent {
+            source: event.source,
+            id,
+        };
+        event.data.into_message(key, kind)
     }
 
     /// The hash of what the message asks for, independent of field order and envelope.
@@ -402,7 +413,7 @@ impl Message {
 
 /// The placements among `messages`, each with its dedup key as stored: what a batch of the
 /// natural key commits together.
-pub fn keyed_placements(messages: &[Message]) -> Vec<(String, &OrderPlaced)> {
+pub fn keyed_placements(messages: &[Message]) -> Vec<(Cow<'_, str>, &OrderPlaced)> {
     messages
         .iter()
         .filter_map(|message| match &message.event {
@@ -482,6 +493,30 @@ mod tests {
             panic!("expected OrderPlaced")
         };
         assert_eq!(placed.quantity.get(), 2);
+    }
+
+    /// The ids are borrowed from the body when they can be; one with a JSON escape cannot, and
+    /// decodes the same.
+    #[test]
+    fn ids_written_with_escapes_decode_as_without() {
+        let plain = Message::decode(EventKind::Placed, &placed_body("")).expect("valid body");
+        let escaped = |id: &str| id.replacen('-', r"\u002d", 1);
+        let body = format!(
+            r#"{{"message_id":"m-1","order_id":"{}","book_id":"{}","quantity":2}}"#,
+            escaped(ORDER),
+            escaped(BOOK)
+        );
+        assert_eq!(
+            Message::decode(EventKind::Placed, body.as_bytes()).expect("escaped ids"),
+            plain
+        );
+        let cloud_event = format!(
+            r#"{{"specversion":"1.0","id":"e-1","source":"/shop","type":"bookstore.order.placed","data":{{"order_id":"{}","book_id":"{}","quantity":2}}}}"#,
+            escaped(ORDER),
+            escaped(BOOK)
+        );
+        let decoded = Message::decode(EventKind::Placed, cloud_event.as_bytes()).expect("escaped");
+        assert_eq!(decoded.event, plain.event);
     }
 
     #[test]

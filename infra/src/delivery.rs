@@ -83,11 +83,11 @@ impl Pull {
 }
 
 /// Where a delivery came from; `None` for a message without JetStream metadata.
-pub fn origin(delivery: &Delivery) -> Option<Origin> {
+pub fn origin(delivery: &Delivery) -> Option<Origin<'_>> {
     let info = delivery.info().ok()?;
     Some(Origin {
-        subject: delivery.subject.to_string(),
-        stream: info.stream.to_owned(),
+        subject: delivery.subject.as_str(),
+        stream: info.stream,
         stream_sequence: info.stream_sequence,
         deliveries: info.delivered,
     })

@@ -634,8 +634,8 @@ fn message_span() -> tracing::Span {
 }
 
 /// A delivery after decoding: ready for the handler, or already settled (dead-lettered).
-enum Admitted {
-    Decoded(Origin, Message),
+enum Admitted<'a> {
+    Decoded(Origin<'a>, Message),
     Settled(Disposition),
 }
 
@@ -737,7 +737,7 @@ impl<H: MessageHandler> Worker<H> {
 
     /// Reads where a delivery came from and decodes it; a body that cannot be decoded is
     /// dead-lettered here.
-    async fn admit(&self, message: &Delivery) -> Admitted {
+    async fn admit<'a>(&self, message: &'a Delivery) -> Admitted<'a> {
         let Some(origin) = delivery::origin(message) else {
             // Not a JetStream delivery: there is nothing to ack, so nothing to do.
             tracing::error!(subject = %message.subject, "message without JetStream metadata");
@@ -782,7 +782,7 @@ impl<H: MessageHandler> Worker<H> {
     async fn settle(
         &self,
         message: &Delivery,
-        origin: &Origin,
+        origin: &Origin<'_>,
         result: Result<Outcome, HandleError>,
     ) -> Disposition {
         // An injected crash (the study's and the tests' `harness` feature): the process "died"
@@ -827,7 +827,12 @@ impl<H: MessageHandler> Worker<H> {
     }
 
     /// Sends what `action` says: the only place a delivery is acked, nak'ed or terminated.
-    async fn perform(&self, message: &Delivery, origin: &Origin, action: Action) -> Disposition {
+    async fn perform(
+        &self,
+        message: &Delivery,
+        origin: &Origin<'_>,
+        action: Action,
+    ) -> Disposition {
         match action {
             Action::Ack(acked) => match delivery::ack(message).await {
                 Ok(()) => {
@@ -862,7 +867,7 @@ impl<H: MessageHandler> Worker<H> {
     async fn dead_letter(
         &self,
         message: &Delivery,
-        origin: &Origin,
+        origin: &Origin<'_>,
         reason: DeadLetterReason,
         detail: &str,
     ) -> Disposition {

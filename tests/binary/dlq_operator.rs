@@ -97,8 +97,8 @@ async fn dead_letter(
     let id = format!("m-{original_sequence}");
     headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
     let origin = Origin {
-        subject: subject.into(),
-        stream: topology.stream.clone(),
+        subject,
+        stream: &topology.stream,
         stream_sequence: original_sequence,
         deliveries: 1,
     };

@@ -249,7 +249,7 @@ impl Model {
     }
 
     fn deliver(&mut self, message: &Message) -> Outcome {
-        let key = message.key.storage_key();
+        let key = message.key.storage_key().into_owned();
         match &message.event {
             Event::Placed(placed) => self.place(key, placed),
             Event::Cancelled(cancelled) => self.cancel(key, cancelled.order_id),

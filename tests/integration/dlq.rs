@@ -63,7 +63,7 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     let original_id = for_unknown.key.storage_key();
     assert_eq!(
         letter.original_message_id.as_deref(),
-        Some(original_id.as_str())
+        Some(original_id.as_ref())
     );
     assert_eq!(letter.consumer, broker.consumer_name);
     assert!(
@@ -112,11 +112,12 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     let mut headers = HeaderMap::new();
     headers.insert(
         async_nats::header::NATS_MESSAGE_ID,
-        good.key.storage_key().as_str(),
+        good.key.storage_key().as_ref(),
     );
+    let subject = broker.topology.subject(inventory_domain::EventKind::Placed);
     let origin = Origin {
-        subject: broker.topology.subject(inventory_domain::EventKind::Placed),
-        stream: broker.topology.stream.clone(),
+        subject: &subject,
+        stream: &broker.topology.stream,
         stream_sequence: good_receipt.sequence,
         deliveries: 5,
     };
@@ -172,11 +173,12 @@ async fn dead_letter(broker: &Broker, reason: DeadLetterReason, original_sequenc
     let mut headers = HeaderMap::new();
     headers.insert(
         async_nats::header::NATS_MESSAGE_ID,
-        message.key.storage_key().as_str(),
+        message.key.storage_key().as_ref(),
     );
+    let subject = broker.topology.subject(inventory_domain::EventKind::Placed);
     let origin = Origin {
-        subject: broker.topology.subject(inventory_domain::EventKind::Placed),
-        stream: broker.topology.stream.clone(),
+        subject: &subject,
+        stream: &broker.topology.stream,
         stream_sequence: original_sequence,
         deliveries: 1,
     };

@@ -335,7 +335,7 @@ async fn email_with_a_file_mailbox_is_reconciled_after_a_restart(db: TestDb) {
     );
     let lines = lines_in(&file.0);
     assert_eq!(lines.len(), 1);
-    assert!(lines[0].contains(&key));
+    assert!(lines[0].contains(key.as_ref()));
 }
 
 on_both_backends!(

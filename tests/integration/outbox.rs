@@ -24,7 +24,7 @@ async fn events(db: &TestDb) -> Vec<(StockEventKind, String)> {
 }
 
 fn key(message: &Message) -> String {
-    message.key.storage_key()
+    message.key.storage_key().into_owned()
 }
 
 async fn one_event_per_decision(db: TestDb, path: NaturalKeyPath) {

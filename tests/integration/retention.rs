@@ -16,7 +16,7 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
     for _ in 0..25 {
         let message = placed(book, 1);
         consumer.handle(&message).await.unwrap();
-        keys.push(message.key.storage_key());
+        keys.push(message.key.storage_key().into_owned());
     }
     let email = EmailConsumer::new(
         db.conn.clone(),

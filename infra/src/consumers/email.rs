@@ -90,7 +90,7 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
             // The provider refused it, so nothing went out: free the claim for the retry. A row a
             // concurrent reconciliation already completed stays.
             inbox::Entity::delete_many()
-                .filter(inbox::Column::MessageId.eq(key.as_str()))
+                .filter(inbox::Column::MessageId.eq(key.as_ref()))
                 .filter(inbox::Column::Consumer.eq(self.consumer.as_str()))
                 .filter(inbox::Column::CompletedAt.is_null())
                 .exec(&self.db)

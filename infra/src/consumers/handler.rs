@@ -50,6 +50,15 @@ pub enum NaturalKeyPath {
 }
 
 impl NaturalKeyPath {
+    /// The path that runs when lanes take up to `batch_size` messages: the one-statement
+    /// path commits a batch through the batch statement.
+    pub fn with_batch_size(self, batch_size: usize) -> Self {
+        match self {
+            Self::OneStatement if batch_size > 1 => Self::Batch,
+            path => path,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Orm => "orm",
@@ -106,10 +115,7 @@ impl HandlerKind {
     /// The natural key through `path`, where the one statement becomes the batch statement
     /// when lanes hand over more than one message at a time.
     pub fn natural_key(path: NaturalKeyPath, batch_size: usize) -> Self {
-        Self::NaturalKey(match path {
-            NaturalKeyPath::OneStatement if batch_size > 1 => NaturalKeyPath::Batch,
-            path => path,
-        })
+        Self::NaturalKey(path.with_batch_size(batch_size))
     }
 
     /// Whether a lane hands it several fetched messages at once, to commit together.

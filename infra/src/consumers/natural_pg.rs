@@ -11,6 +11,7 @@
 //! its own connection, so a consumer lane never borrows one from a pool (sqlx pings a pooled
 //! connection on every return) and prepared statements stay cached.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use inventory_domain::{
@@ -298,7 +299,7 @@ impl PgNaturalKey {
     /// placement whose row cannot be read fails alone.
     async fn reserve_batch(
         &self,
-        placements: &[(String, &OrderPlaced)],
+        placements: &[(Cow<'_, str>, &OrderPlaced)],
     ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
         self.with_connection(async |connection| {
             let mut orders = Vec::with_capacity(placements.len());
@@ -312,7 +313,7 @@ impl PgNaturalKey {
                 orders.push(placed.order_id.as_uuid());
                 books.push(placed.book_id.as_uuid());
                 quantities.push(quantity_column(placed.quantity.get())?);
-                keys.push(key.clone());
+                keys.push(key.as_ref());
                 indexes.push(int_column("batch index", index)?);
                 event_ids.push(Uuid::now_v7());
                 partitions.push(partition(placed.order_id));
@@ -350,7 +351,7 @@ impl PgNaturalKey {
     /// Placements through the single statement, one after another.
     async fn reserve_one_by_one(
         &self,
-        placements: &[(String, &OrderPlaced)],
+        placements: &[(Cow<'_, str>, &OrderPlaced)],
     ) -> Vec<Result<Outcome, HandleError>> {
         let mut results = Vec::with_capacity(placements.len());
         for (key, placed) in placements {
@@ -386,7 +387,7 @@ async fn batch_outcome(
     earlier_in_batch: Option<Quantity>,
 ) -> Result<Outcome, HandleError> {
     let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
-    let inserted: Option<String> = row
+    let inserted: Option<&str> = row
         .try_get("inserted_status")
         .map_err(HandleError::from_sqlx)?;
     let existing: Option<i32> = row
@@ -395,7 +396,7 @@ async fn batch_outcome(
     if !book_found {
         Ok(unknown_book(placed.book_id))
     } else if let Some(status) = inserted {
-        placement_effect(&status, placed, None)
+        placement_effect(status, placed, None)
     } else if let Some(existing) = existing {
         Ok(second_request(quantity_from(existing)?, placed.quantity))
     } else if let Some(earlier) = earlier_in_batch {
@@ -444,7 +445,7 @@ async fn decide(
         .await
         .map_err(HandleError::from_sqlx)?;
     let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
-    let inserted: Option<String> = row
+    let inserted: Option<&str> = row
         .try_get("inserted_status")
         .map_err(HandleError::from_sqlx)?;
     let available: Option<i32> = row.try_get("available").map_err(HandleError::from_sqlx)?;
@@ -455,7 +456,7 @@ async fn decide(
         return Ok(unknown_book(placed.book_id));
     }
     if let Some(status) = inserted {
-        return placement_effect(&status, placed, available);
+        return placement_effect(status, placed, available);
     }
     if existing.is_none() {
         existing = sqlx::query(EXISTING_SQL)

@@ -24,6 +24,7 @@
 //! against. [`READ_SQL`] and [`WRITE_SQL`] are public for `inventory bench hand-written`, which
 //! runs them in a consumer written by hand.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use chrono::Utc;
@@ -308,7 +309,7 @@ pub(crate) async fn reserve(
 #[cfg_attr(feature = "harness", visibility::make(pub))]
 pub(crate) async fn reserve_each(
     connection: &mut SqliteConnection,
-    placements: &[(String, &OrderPlaced)],
+    placements: &[(Cow<'_, str>, &OrderPlaced)],
 ) -> Result<Vec<Outcome>, HandleError> {
     let mut outcomes = Vec::with_capacity(placements.len());
     for (key, placed) in placements {

@@ -31,11 +31,12 @@ pub mod dlq_headers {
     pub const ORIGINAL_MSG_ID: &str = "Dlq-Original-Msg-Id";
 }
 
-/// Where a delivery came from, for its dead letter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Origin {
-    pub subject: String,
-    pub stream: String,
+/// Where a delivery came from, for its dead letter; borrowed from the delivery, since every
+/// message's path reads it and few are dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Origin<'a> {
+    pub subject: &'a str,
+    pub stream: &'a str,
     pub stream_sequence: u64,
     pub deliveries: i64,
 }
@@ -54,7 +55,7 @@ fn is_original_id(name: &str) -> bool {
 
 /// The headers of `origin`'s dead letter.
 fn write_headers(
-    origin: &Origin,
+    origin: &Origin<'_>,
     original_headers: Option<&HeaderMap>,
     reason: DeadLetterReason,
     detail: &str,
@@ -77,13 +78,13 @@ fn write_headers(
     };
     set(dlq_headers::REASON, reason.as_str().to_owned());
     set(dlq_headers::DETAIL, detail.to_owned());
-    set(dlq_headers::STREAM, origin.stream.clone());
+    set(dlq_headers::STREAM, origin.stream.to_owned());
     set(
         dlq_headers::STREAM_SEQUENCE,
         origin.stream_sequence.to_string(),
     );
     set(dlq_headers::DELIVERIES, origin.deliveries.to_string());
-    set(dlq_headers::SUBJECT, origin.subject.clone());
+    set(dlq_headers::SUBJECT, origin.subject.to_owned());
     if let Some(original_id) = original_id {
         set(dlq_headers::ORIGINAL_MSG_ID, original_id);
     }
@@ -92,7 +93,7 @@ fn write_headers(
 
 /// The dead letter's own `Nats-Msg-Id`, derived from the consumer and the original's place in
 /// its stream: publishing it again after a crash stores it once.
-fn dead_letter_id(consumer: &str, origin: &Origin) -> String {
+fn dead_letter_id(consumer: &str, origin: &Origin<'_>) -> String {
     format!(
         "dlq:{consumer}:{}:{}",
         origin.stream, origin.stream_sequence
@@ -119,7 +120,7 @@ impl DeadLetters {
     /// Publishes the dead letter and waits for the stream to store it.
     pub async fn publish(
         &self,
-        origin: &Origin,
+        origin: &Origin<'_>,
         original_headers: Option<&HeaderMap>,
         body: Bytes,
         reason: DeadLetterReason,
@@ -333,10 +334,10 @@ impl DeadLetterStream {
 mod tests {
     use super::*;
 
-    fn origin() -> Origin {
+    fn origin() -> Origin<'static> {
         Origin {
-            subject: "orders.placed".into(),
-            stream: "ORDERS".into(),
+            subject: "orders.placed",
+            stream: "ORDERS",
             stream_sequence: 42,
             deliveries: 3,
         }
