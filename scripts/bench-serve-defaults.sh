@@ -4,10 +4,15 @@
 # fastest. Each run: a fresh database with 100 books, a backlog of orders published first to
 # streams of the run's own (every tenth book's orders resent under new ids, as a producer's
 # retry), then serve started; messages per second from its start to the last order reserved.
-# The settings run in interleaved rounds (A B C D, B C D A, …), so the machine's drift and the
-# place in a round fall on all alike.
+# Also serve's own CPU per message (utime + stime of its process, /proc, from its start to the
+# last order reserved, the relay's included). The settings run in interleaved rounds (A B C D,
+# B C D A, …), so the machine's drift and the place in a round fall on all alike.
 #
-#   scripts/bench-serve-defaults.sh [orders per run, default 20000] [rounds, default 3]
+# With --logging, the settings are instead what serve logs: its default (an info line per
+# message reserved, text), the same as JSON, and RUST_LOG=warn (no line per message), to price
+# the line per message on the process.
+#
+#   scripts/bench-serve-defaults.sh [--logging] [orders per run, default 20000] [rounds, default 3]
 #
 # Needs the local PostgreSQL (or DATABASE_URL, a postgres:// URL whose user may create
 # databases), NATS (or NATS_URL), psql and sqlite3. Builds the release binary, unless
@@ -16,6 +21,12 @@ set -eEuo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 
+settings=("default" "--batch-size 1" "--batch-size 16" "--batch-size 64")
+if [ "${1:-}" = --logging ]; then
+  # A word NAME=value of a setting goes to serve's environment, the rest are its flags.
+  settings=("default" "--log-format json" "RUST_LOG=warn")
+  shift
+fi
 orders=${1:-20000}
 rounds=${2:-3}
 books=100
@@ -59,10 +70,14 @@ drop() { # drop <backend> <tag>
   fi
 }
 
-# One run: prints messages per second.
-run() { # run <backend> <tag> [serve flags]
+# One run: prints messages per second and serve's CPU µs per message.
+run() { # run <backend> <tag> [NAME=value …] [serve flags]
   local backend=$1 tag=$2
   shift 2
+  local environment=() flags=()
+  for word in "$@"; do
+    if [[ $word == *=* ]]; then environment+=("$word"); else flags+=("$word"); fi
+  done
   fresh "$backend" "$tag"
   "$inventory" migrate >/dev/null 2>>"$work/setup.log"
   local per_book=$((orders / books)) messages=0
@@ -81,7 +96,8 @@ run() { # run <backend> <tag> [serve flags]
   done
   local expected=$((per_book * books)) started ended
   started=$(date +%s.%N)
-  "$inventory" serve --strategy natural --metrics-addr 127.0.0.1:0 "$@" >"$work/$tag.log" 2>&1 &
+  env "${environment[@]}" "$inventory" serve --strategy natural --metrics-addr 127.0.0.1:0 \
+    "${flags[@]}" >"$work/$tag.log" 2>&1 &
   local service=$!
   until [ "$(count 2>/dev/null || echo 0)" -ge "$expected" ]; do
     if ! kill -0 $service 2>/dev/null; then
@@ -92,14 +108,18 @@ run() { # run <backend> <tag> [serve flags]
     sleep 0.05
   done
   ended=$(date +%s.%N)
+  # utime and stime, in clock ticks: the 14th and 15th fields, counted after the command's
+  # name, which ends at the last ')'.
+  local ticks
+  ticks=$(sed 's/.*) //' /proc/$service/stat | awk '{ print $12 + $13 }')
   kill -TERM $service
   wait $service || true
   drop "$backend" "$tag"
-  echo "$messages / ($ended - $started)" | bc -l
+  echo "$(echo "$messages / ($ended - $started)" | bc -l)" \
+    "$(echo "$ticks * 1000000 / $(getconf CLK_TCK) / $messages" | bc -l)"
 }
 
-settings=("default" "--batch-size 1" "--batch-size 16" "--batch-size 64")
-declare -A rates
+declare -A rates cpus
 for backend in postgres sqlite; do
   for round in $(seq 1 "$rounds"); do
     # Each round starts with another setting: the first run of a round came out slower.
@@ -108,30 +128,52 @@ for backend in postgres sqlite; do
       flags=${settings[$i]}
       [ "$flags" = default ] && flags=""
       # shellcheck disable=SC2086 # the flags are words
-      rate=$(run $backend "bench_serve_$$_${round}_$i" $flags)
+      result=$(run $backend "bench_serve_$$_${round}_$i" $flags)
+      read -r rate cpu <<<"$result"
       rates[$backend,$i]+="$(printf '%.0f' "$rate") "
-      printf '%-9s round %d  %-16s %8.0f msg/s\n' $backend "$round" "${settings[$i]}" "$rate" >&2
+      cpus[$backend,$i]+="$(printf '%.1f' "$cpu") "
+      printf '%-9s round %d  %-18s %8.0f msg/s %8.1f µs CPU/msg\n' $backend "$round" "${settings[$i]}" "$rate" "$cpu" >&2
     done
   done
 done
 
+# The round's figures of setting i, relative to setting j: rate[i] / rate[j] or cpu[i] / cpu[j].
+ratios() { # ratios <rates|cpus> <backend> <i> <j>
+  local -n figures=$1
+  local out="" round
+  for round in $(seq 1 "$rounds"); do
+    out+="$(echo "$(cut -d' ' -f"$round" <<<"${figures[$2,$3]}") / $(cut -d' ' -f"$round" <<<"${figures[$2,$4]}")" |
+      bc -l | xargs printf '%.2f') "
+  done
+  echo "$out"
+}
+
 echo
 echo "serve --strategy natural as a process, $orders orders (every tenth book's resent under new ids), $books books, $rounds rounds"
-printf '%-9s %-16s %s\n' "backend" "flags" "msg/s per round"
+printf '%-9s %-18s %-24s %s\n' "backend" "setting" "msg/s per round" "µs CPU/msg per round"
 for backend in postgres sqlite; do
   for i in "${!settings[@]}"; do
-    printf '%-9s %-16s %s\n' $backend "${settings[$i]}" "${rates[$backend,$i]}"
+    printf '%-9s %-18s %-24s %s\n' $backend "${settings[$i]}" "${rates[$backend,$i]}" "${cpus[$backend,$i]}"
   done
-  # The default against the best setting of the same round.
-  ratios=""
-  for round in $(seq 1 "$rounds"); do
-    default=$(cut -d' ' -f"$round" <<<"${rates[$backend,0]}")
-    best=$default
-    for i in 1 2 3; do
-      rate=$(cut -d' ' -f"$round" <<<"${rates[$backend,$i]}")
-      [ "$rate" -gt "$best" ] && best=$rate
+  if [ "${settings[1]}" = "--batch-size 1" ]; then
+    # The default against the best setting of the same round.
+    best=""
+    for round in $(seq 1 "$rounds"); do
+      top=0
+      for i in 1 2 3; do
+        rate=$(cut -d' ' -f"$round" <<<"${rates[$backend,$i]}")
+        [ "$rate" -gt "$top" ] && top=$rate
+      done
+      best+="$top "
     done
-    ratios+="$(printf '%.2f' "$(echo "$default / $best" | bc -l)") "
-  done
-  printf '%-9s %-16s %s\n' $backend "default ÷ best" "$ratios"
+    rates[$backend,best]=$best
+    printf '%-9s %-18s %s\n' $backend "default ÷ best" "$(ratios rates $backend 0 best)"
+  else
+    # What each setting costs over RUST_LOG=warn, which writes no line per message.
+    last=$((${#settings[@]} - 1))
+    for i in $(seq 0 $((last - 1))); do
+      printf '%-9s %-25s msg/s %s  CPU %s\n' $backend "${settings[$i]} ÷ warn" \
+        "$(ratios rates $backend $i $last)" "$(ratios cpus $backend $i $last)"
+    done
+  fi
 done

@@ -11,7 +11,11 @@
 # for messages per second (goal: at least 0.9) and for CPU µs per message of the whole process
 # (goal: at most 1.1); each run's figures, user and system time apart, go to stderr as they come.
 #
-#   scripts/bench-vs-hand.sh [messages per run, default 20000] [rounds, default 3]
+#   scripts/bench-vs-hand.sh [messages per run, default 20000] [rounds, default 3] [configurations]
+#
+# configurations: which to run, as backend:lanes×batch words, lanes `serve` for serve's default;
+# default all: "postgres:1x1 postgres:4x1 postgres:16x1 postgres:servex16 postgres:servex64"
+# and the same on sqlite.
 #
 # Needs the local PostgreSQL (or DATABASE_URL, a postgres:// URL whose user may create
 # databases), NATS (or NATS_URL) and jq. Builds the release study binary, unless INVENTORY_BIN
@@ -22,6 +26,7 @@ cd "$(dirname "$0")/.."
 
 messages=${1:-20000}
 rounds=${2:-3}
+wanted=${3:-}
 books=1000
 postgres=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export NATS_URL=${NATS_URL:-nats://127.0.0.1:4222}
@@ -57,10 +62,18 @@ compare() { # compare <service msg/s> <loop msg/s> <service µs/msg> <loop µs/m
   }'
 }
 
+# Whether configuration k of backend was asked for.
+wanted() { # wanted <backend> <k>
+  [ -z "$wanted" ] && return 0
+  local configuration=${configurations[$2]}
+  [[ " $wanted " == *" $1:${configuration/ /x} "* ]]
+}
+
 declare -A figures first
 for backend in postgres sqlite; do
   for round in $(seq 1 "$rounds"); do
     for k in "${!configurations[@]}"; do
+      wanted $backend "$k" || continue
       read -r n batch <<<"${configurations[$k]}"
       [ "$n" = serve ] && n=${lanes[$backend]}
       # Alternates between rounds and between configurations: a run's place in the pair
@@ -85,6 +98,7 @@ printf '%-9s %6s %6s %6s %-8s %10s %10s %6s %11s %11s %6s  %s\n' backend lanes b
   "svc msg/s" "loop msg/s" ratio "svc µs/msg" "loop µs/msg" ratio goals
 for backend in postgres sqlite; do
   for k in "${!configurations[@]}"; do
+    wanted $backend "$k" || continue
     read -r n batch <<<"${configurations[$k]}"
     [ "$n" = serve ] && n=${lanes[$backend]}
     for round in $(seq 1 "$rounds"); do
