@@ -2,7 +2,8 @@
 //!
 //! - **Drain**: `--rows` pending rows seeded in one statement into a fresh database's `outbox`
 //!   (one order each, a body the size of a real event), then one relay's passes until the table
-//!   is empty: events/s, and the outbox's dead tuples and size after.
+//!   is empty: events/s, the machine's CPU per event by process (the relay's, nats-server,
+//!   PostgreSQL, the rest) and the outbox's dead tuples and size after.
 //! - **Latency**: placements decided by the one-statement handler at a steady `--rate` for
 //!   `--seconds`, in this process, with the relay running beside them and woken after each
 //!   commit, as `serve` wakes it. Each event's latency runs from its handler's return (the
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::fresh::FreshDatabase;
+use crate::system_cpu::CpuSnapshot;
 use anyhow::{Context as _, Result, bail};
 use futures::StreamExt;
 use inventory_domain::{BookId, ConsumerName, Message, OrderId, Quantity, StockEvent, StockItem};
@@ -106,6 +108,7 @@ async fn drain(args: &RelayArgs, js: &Context) -> Result<()> {
             .await?;
         fresh.conn.execute_unprepared("ANALYZE outbox").await?;
         let mut relay = relay(js, &fresh.conn, &topology).await?;
+        let cpu_before = CpuSnapshot::before()?;
         let started = Instant::now();
         let mut passes = 0;
         loop {
@@ -116,14 +119,21 @@ async fn drain(args: &RelayArgs, js: &Context) -> Result<()> {
             }
         }
         let took = started.elapsed();
+        let cpu = CpuSnapshot::after()?.since(&cpu_before, relay.status().published());
         let published = relay.status().published();
         let size = table_figures(&fresh.conn).await?;
         println!(
             "drain: {published} events of {} pending rows in {:.2} s ({passes} passes): {:.0} events/s; \
+             µs CPU an event: relay {:.1}, nats-server {:.1}, PostgreSQL {:.1}, rest {:.1}, machine {:.1}; \
              outbox after: {} dead tuples, {} live, {} kB",
             args.rows,
             took.as_secs_f64(),
             published as f64 / took.as_secs_f64(),
+            cpu.this_process,
+            cpu.nats_server,
+            cpu.postgres,
+            cpu.rest,
+            cpu.machine,
             size.dead,
             size.live,
             size.bytes / 1024
