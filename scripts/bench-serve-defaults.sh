@@ -32,6 +32,8 @@ rounds=${2:-3}
 books=100
 server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export NATS_URL=${NATS_URL:-nats://127.0.0.1:4222}
+# serve's default log filter, unless a setting names one.
+unset RUST_LOG
 
 inventory=${INVENTORY_BIN:-}
 if [ -z "$inventory" ]; then
@@ -159,7 +161,7 @@ for backend in postgres sqlite; do
     # The default against the best setting of the same round.
     best=""
     for round in $(seq 1 "$rounds"); do
-      top=0
+      top=$(cut -d' ' -f"$round" <<<"${rates[$backend,0]}")
       for i in 1 2 3; do
         rate=$(cut -d' ' -f"$round" <<<"${rates[$backend,$i]}")
         [ "$rate" -gt "$top" ] && top=$rate
