@@ -29,28 +29,11 @@ if [ "${1:-}" = --components ]; then
 fi
 messages=${1:-20000}
 rounds=${2:-2}
-postgres=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
-export NATS_URL=${NATS_URL:-nats://127.0.0.1:4222}
+# shellcheck source=scripts/side-by-side.sh
+. scripts/side-by-side.sh
 
-inventory=${INVENTORY_BIN:-}
-if [ -z "$inventory" ]; then
-  cargo build --release --locked -p inventory-benches --bins >&2
-  inventory=${CARGO_TARGET_DIR:-target}/release/inventory-study
-fi
-
-declare -A url=([postgres]=$postgres [sqlite]=sqlite://)
-declare -A lanes=([postgres]=10 [sqlite]=2)
 # A mode: backend, lanes (`serve` for serve's default), batch size.
 modes=("postgres 16 1" "postgres serve 64" "sqlite 16 1" "sqlite serve 64")
-
-run() { # run <service|loop> <backend> <lanes> <batch> [command prefix…]
-  local consumer=$1 backend=$2 n=$3 batch=$4
-  shift 4
-  local command=(bench end-to-end)
-  [ "$consumer" = loop ] && command=(bench hand-written --driver sqlx)
-  "$@" "$inventory" "${command[@]}" --json --database-url "${url[$backend]}" \
-    --messages "$messages" --books 1000 --concurrency "$n" --batch-size "$batch"
-}
 
 # Each consumer's own µs per message per mode, summed over the rounds, for the components.
 declare -A consumer_cpu

@@ -27,30 +27,11 @@ cd "$(dirname "$0")/.."
 messages=${1:-20000}
 rounds=${2:-3}
 wanted=${3:-}
-books=1000
-postgres=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
-export NATS_URL=${NATS_URL:-nats://127.0.0.1:4222}
+# shellcheck source=scripts/side-by-side.sh
+. scripts/side-by-side.sh
 
-inventory=${INVENTORY_BIN:-}
-if [ -z "$inventory" ]; then
-  cargo build --release --locked -p inventory-benches --bins >&2
-  inventory=${CARGO_TARGET_DIR:-target}/release/inventory-study
-fi
-
-declare -A url=([postgres]=$postgres [sqlite]=sqlite://)
-# serve's default lanes on each backend, for the batches.
-declare -A lanes=([postgres]=10 [sqlite]=2)
 # A configuration: lanes (`serve` for serve's default), then the batch size.
 configurations=("1 1" "4 1" "16 1" "serve 16" "serve 64")
-
-# One run's JSON report.
-run() { # run <service|loop> <backend> <lanes> <batch>
-  local consumer=$1 backend=$2
-  local command=(bench end-to-end)
-  [ "$consumer" = loop ] && command=(bench hand-written --driver sqlx)
-  "$inventory" "${command[@]}" --json --database-url "${url[$backend]}" --messages "$messages" \
-    --books $books --concurrency "$3" --batch-size "$4"
-}
 
 # service ÷ loop for messages per second and for CPU per message, and the goals missed.
 compare() { # compare <service msg/s> <loop msg/s> <service µs/msg> <loop µs/msg>
