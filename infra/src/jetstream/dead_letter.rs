@@ -65,7 +65,7 @@ fn write_headers(
     if let Some(original) = original_headers {
         for (name, values) in original.iter() {
             if is_original_id(name.as_ref()) {
-                original_id = values.first().map(|value| value.as_str().to_owned());
+                original_id = values.first().map(|value| value.as_str());
                 continue;
             }
             for value in values {
@@ -73,18 +73,18 @@ fn write_headers(
             }
         }
     }
-    let mut set = |name: &'static str, value: String| {
-        headers.insert(name, header_value(&value).as_str());
+    let mut set = |name: &'static str, value: &str| {
+        headers.insert(name, header_value(value).as_str());
     };
-    set(dlq_headers::REASON, reason.as_str().to_owned());
-    set(dlq_headers::DETAIL, detail.to_owned());
-    set(dlq_headers::STREAM, origin.stream.to_owned());
+    set(dlq_headers::REASON, reason.as_str());
+    set(dlq_headers::DETAIL, detail);
+    set(dlq_headers::STREAM, origin.stream);
     set(
         dlq_headers::STREAM_SEQUENCE,
-        origin.stream_sequence.to_string(),
+        &origin.stream_sequence.to_string(),
     );
-    set(dlq_headers::DELIVERIES, origin.deliveries.to_string());
-    set(dlq_headers::SUBJECT, origin.subject.to_owned());
+    set(dlq_headers::DELIVERIES, &origin.deliveries.to_string());
+    set(dlq_headers::SUBJECT, origin.subject);
     if let Some(original_id) = original_id {
         set(dlq_headers::ORIGINAL_MSG_ID, original_id);
     }
