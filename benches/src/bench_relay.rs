@@ -119,8 +119,9 @@ async fn drain(args: &RelayArgs, js: &Context) -> Result<()> {
             }
         }
         let took = started.elapsed();
-        let cpu = CpuSnapshot::after()?.since(&cpu_before, relay.status().published());
+        let cpu_after = CpuSnapshot::after()?;
         let published = relay.status().published();
+        let cpu = cpu_after.since(&cpu_before, published);
         let size = table_figures(&fresh.conn).await?;
         println!(
             "drain: {published} events of {} pending rows in {:.2} s ({passes} passes): {:.0} events/s; \
