@@ -162,6 +162,9 @@ pub(crate) struct Scenario {
     /// restarts.
     mail: PathBuf,
     pub(crate) served: Served,
+    /// The consumer's flags of every instance: [`serve_fault_args`] unless a test says
+    /// otherwise.
+    pub(crate) consumer_args: Vec<String>,
     /// Extra `serve` flags for every instance.
     pub(crate) serve_args: Vec<String>,
     pub(crate) rust_log: String,
@@ -202,6 +205,7 @@ impl Scenario {
             logs,
             mail,
             served: Served::NaturalKey,
+            consumer_args: serve_fault_args(),
             serve_args: Vec::new(),
             rust_log: "info,sqlx=warn".into(),
         }
@@ -228,15 +232,31 @@ impl Scenario {
         chunk: usize,
         pause: Duration,
     ) -> JoinHandle<()> {
+        let publishing = self.publishing(js, sends, chunk, pause);
+        tokio::spawn(publishing)
+    }
+
+    /// Publishes `sends` at once.
+    pub(crate) async fn publish(&self, js: &Context, sends: &[workload::Send]) {
+        self.publishing(js, sends, sends.len(), Duration::ZERO)
+            .await;
+    }
+
+    /// What the email notifier receives for `sends` (see [`Scenario::serve`]), published.
+    fn publishing(
+        &self,
+        js: &Context,
+        sends: &[workload::Send],
+        chunk: usize,
+        pause: Duration,
+    ) -> impl Future<Output = ()> + Send + 'static {
         let sends = if self.served == Served::Email {
             workload::as_reserved_events(sends)
         } else {
             sends.to_vec()
         };
         let (js, topology) = (js.clone(), self.topology.clone());
-        tokio::spawn(
-            async move { workload::publish(&js, &topology, &sends, 64, chunk, pause).await },
-        )
+        async move { workload::publish(&js, &topology, &sends, 64, chunk, pause).await }
     }
 
     /// Starts `inventory serve` with the scenario's strategy on its consumer. `label` names
@@ -254,7 +274,7 @@ impl Scenario {
             .into();
         args.push(mailbox.to_str().unwrap().to_owned());
         args.extend(["--consumer".to_owned(), self.names.consumer.clone()]);
-        args.extend(serve_fault_args());
+        args.extend(self.consumer_args.iter().cloned());
         args.extend(self.serve_args.iter().cloned());
         args.extend(extra.iter().map(|flag| (*flag).to_owned()));
         self.start(label, &args, &self.names.consumer)
