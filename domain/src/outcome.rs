@@ -132,6 +132,9 @@ pub enum ErrorKind {
     Transient,
     /// Nothing was applied and every attempt would fail the same way: dead-letter it now.
     Permanent(Refusal),
+    /// This program broke one of its own invariants: a bug, not the weather. Neither a retry
+    /// nor a dead letter is right; the process stops for its supervisor to restart it.
+    Internal,
 }
 
 #[cfg(test)]

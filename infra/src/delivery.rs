@@ -1,85 +1,109 @@
-//! A message as a consumer receives it from JetStream: pulling, reading where it came from, and
-//! answering it (ack, nak, term). The consumer loop speaks to NATS through these alone.
+//! A message as a consumer receives it from JetStream: fetching it, reading where it came from,
+//! and answering it (ack, nak, term). The consumer loop speaks to NATS through these alone.
 
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
-use async_nats::jetstream::consumer::{self, pull};
+use async_nats::jetstream::consumer;
 
 use crate::jetstream::{NatsError, Origin, boxed_nats_error, nats_error};
 
 /// One delivery of a stored message.
 pub type Delivery = async_nats::jetstream::Message;
-/// The deliveries of a pull consumer, as they arrive.
-pub type Deliveries = pull::Stream;
-/// Why the next delivery could not be pulled (missed heartbeats while NATS reconnects).
-pub type PullError = pull::MessagesError;
 /// A durable pull consumer.
 pub type PullConsumer = consumer::PullConsumer;
 /// A consumer's settings, as the server has them.
 pub type ConsumerConfig = consumer::Config;
 
-/// Pulls continuously, `prefetch` messages per request, with heartbeats so a dead connection
-/// is noticed.
-pub async fn pull(consumer: &PullConsumer, prefetch: usize) -> Result<Deliveries, NatsError> {
-    consumer
-        .stream()
-        .max_messages_per_batch(prefetch)
-        .heartbeat(PULL_HEARTBEAT)
-        .expires(Duration::from_secs(30))
-        .messages()
-        .await
-        .map_err(nats_error("pulling from the consumer"))
-}
+/// How long a fetch waits at the server for a first message when none is there; it returns as
+/// soon as one is, so this is only how often an idle instance asks again.
+pub const FETCH_WAIT: Duration = Duration::from_secs(30);
 
-/// The server's heartbeat on an idle pull; two missed and the pull reports a stall, which
-/// [`Pull::recover`] answers with a new pull.
-const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
-
-/// A continuous pull that is renewed when it stalls.
+/// How often a waiting fetch looks whether the client reconnected meanwhile: the server holds
+/// the request on the old connection, and after a blackhole (no FIN: the server thinks it
+/// alive) sends it messages that never arrive. A fetch on the new connection asks again.
 ///
-/// After a reconnect the client asks again only if the consumer has no pull request waiting at
-/// all, and with several instances on one durable consumer the others' always are. Its own old
-/// requests may still be held by the server on the connection that went silent (a blackhole:
-/// no FIN, the server thinks it alive), which swallows what they deliver. The pull then waits
-/// for their expiry; missed heartbeats say so sooner, and a new pull asks again at once.
-pub struct Pull {
-    consumer: PullConsumer,
-    prefetch: usize,
-    messages: Deliveries,
+/// Not the server's idle heartbeat: async-nats 0.51's fetch returns `Pending` after one
+/// without waking again, so the messages that follow it go unread until something else polls.
+const RECONNECT_CHECK: Duration = Duration::from_secs(1);
+
+/// What one fetch brought.
+#[derive(Default)]
+pub struct Fetched {
+    pub messages: Vec<Delivery>,
+    /// The fetch ended with an error (the consumer deleted, a leader change); what came before
+    /// it is in `messages` all the same.
+    pub error: Option<NatsError>,
+    /// The server never answered: it ends an idle request with a status at [`FETCH_WAIT`], and
+    /// only the client's own timer, seconds later, ended this one. nats-server before 2.10
+    /// answers nothing at all for a consumer that no longer exists.
+    pub unanswered: bool,
 }
 
-impl Pull {
-    pub async fn start(consumer: &PullConsumer, prefetch: usize) -> Result<Self, NatsError> {
-        Ok(Self {
-            messages: pull(consumer, prefetch).await?,
-            consumer: consumer.clone(),
-            prefetch,
-        })
-    }
-
-    /// The pull's deliveries, as they arrive.
-    pub fn messages(&mut self) -> &mut Deliveries {
-        &mut self.messages
-    }
-
-    /// After `error` from [`Self::messages`]: a stalled pull is dropped and asked anew;
-    /// other errors pass (the client reconnects on its own). True if it was renewed.
-    pub async fn recover(&mut self, error: &PullError) -> bool {
-        if error.kind() != pull::MessagesErrorKind::MissingHeartbeat {
-            return false;
+/// Asks `consumer` for up to `max` messages: those it has now, else the first to arrive within
+/// [`FETCH_WAIT`]. Nothing waits in a client buffer: what comes is what the caller starts at
+/// once, so no message spends its ack wait, nor a delivery, before a lane holds it.
+///
+/// A fetch still waiting for its first message when `stop` fires is given up. What the server
+/// sends it in that instant, before it hears of the stop, comes again after its ack wait; a
+/// fetch read to its end instead would hold the stop for up to [`FETCH_WAIT`].
+pub async fn fetch(
+    consumer: &PullConsumer,
+    client: &async_nats::Client,
+    max: usize,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Fetched {
+    use futures::StreamExt as _;
+    let connects = || client.statistics().connects.load(Ordering::Relaxed);
+    let (asked, asked_on) = (Instant::now(), connects());
+    let mut fetched = Fetched::default();
+    let request = consumer
+        .fetch()
+        .max_messages(max)
+        .expires(FETCH_WAIT)
+        .messages()
+        .await;
+    let mut request = match request {
+        Ok(request) => request,
+        Err(error) => {
+            fetched.error = Some(nats_error("fetching from the consumer")(error));
+            return fetched;
         }
-        match pull(&self.consumer, self.prefetch).await {
-            Ok(messages) => {
-                self.messages = messages;
-                true
+    };
+    let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
+    loop {
+        tokio::select! {
+            biased;
+            next = request.next() => match next {
+                Some(Ok(message)) => fetched.messages.push(message),
+                Some(Err(error)) => {
+                    fetched.error = Some(boxed_nats_error("fetching from the consumer")(error));
+                    break;
+                }
+                None => {
+                    fetched.unanswered = fetched.messages.is_empty()
+                        && asked.elapsed() > FETCH_WAIT + RECONNECT_CHECK * 2;
+                    break;
+                }
+            },
+            _ = reconnect_check.tick() => {
+                if connects() != asked_on {
+                    tracing::debug!("NATS reconnected: fetching anew");
+                    break;
+                }
             }
-            Err(error) => {
-                tracing::warn!(%error, "pulling anew failed; the stalled pull is kept");
-                false
+            () = stop.cancelled(), if fetched.messages.is_empty() => {
+                drop(request);
+                // nats-server before 2.10.14 (#5305) keeps the abandoned request queued, and a
+                // redelivery falling due meanwhile (a nak at the stop) is sent as a first
+                // delivery. Asking for the consumer's info makes it drop the request now.
+                let _ = consumer.get_info().await;
+                break;
             }
         }
     }
+    fetched
 }
 
 /// Where a delivery came from; `None` for a message without JetStream metadata.

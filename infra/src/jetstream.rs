@@ -1,7 +1,9 @@
 //! NATS JetStream adapters: the streams and durable consumers of the contract, the producer
-//! that keeps its message id across retries, and the dead letters (their format, writer and
-//! reader in `dead_letter`).
+//! that keeps its message id across retries, the dead letters (their format, writer and
+//! reader in `dead_letter`), and the backstop that dead-letters what a consumer's own delivery
+//! cap made the server give up on (`backstop`).
 
+mod backstop;
 mod dead_letter;
 
 use std::collections::BTreeMap;
@@ -10,20 +12,25 @@ use std::time::Duration;
 
 pub use async_nats::Client;
 pub use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::FromConsumer as _;
 use async_nats::jetstream::context::{
     ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
     GetStreamError, GetStreamErrorKind, PublishError, PublishErrorKind, RequestError,
     RequestErrorKind,
 };
 use async_nats::jetstream::message::PublishMessage as Publish;
-use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+use async_nats::jetstream::stream::{
+    ConsumerCreateStrictError, ConsumerCreateStrictErrorKind, ConsumerError, ConsumerErrorKind,
+    ConsumerUpdateError, ConsumerUpdateErrorKind,
+};
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use async_nats::{ConnectError, HeaderMap};
 use bytes::Bytes;
 use inventory_domain::{EventKind, Message, StockEvent};
 use secrecy::{ExposeSecret as _, SecretString};
 
-pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, dlq_headers};
+pub use backstop::{Backstop, advisories_stream};
+pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, Waiting, dlq_headers};
 
 /// A NATS or JetStream call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -140,8 +147,40 @@ impl Classified for ConsumerError {
 impl Classified for ConsumerInfoError {
     fn nats_kind(&self) -> NatsErrorKind {
         match self.kind() {
-            ConsumerInfoErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            // A cluster electing the consumer's or the stream's leader answers nothing, or
+            // that it is not available yet.
+            ConsumerInfoErrorKind::TimedOut | ConsumerInfoErrorKind::Offline => {
+                NatsErrorKind::TimedOut
+            }
+            ConsumerInfoErrorKind::JetStream(error)
+                if error.error_code() == ErrorCode::CLUSTER_NOT_AVAILABLE =>
+            {
+                NatsErrorKind::TimedOut
+            }
             ConsumerInfoErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConsumerCreateStrictError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            ConsumerCreateStrictErrorKind::TimedOut => NatsErrorKind::TimedOut,
+            ConsumerCreateStrictErrorKind::JetStream(error)
+                if error.error_code() == ErrorCode::CONSUMER_STORE_FAILED =>
+            {
+                NatsErrorKind::StoreFailed
+            }
+            _ => NatsErrorKind::Other,
+        }
+    }
+}
+
+impl Classified for ConsumerUpdateError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        match self.kind() {
+            ConsumerUpdateErrorKind::TimedOut => NatsErrorKind::TimedOut,
             _ => NatsErrorKind::Other,
         }
     }
@@ -160,6 +199,12 @@ pub(crate) fn nats_error<E: Classified>(doing: impl Into<String>) -> impl FnOnce
         doing,
         kind: error.nats_kind(),
         source: Box::new(error),
+    }
+}
+
+impl Classified for consumer::pull::BatchError {
+    fn nats_kind(&self) -> NatsErrorKind {
+        NatsErrorKind::Other
     }
 }
 
@@ -319,23 +364,33 @@ pub async fn ensure_prefix_stream(
 }
 
 /// One setting of an existing stream or consumer that differs from what this process would
-/// have created. The existing one is kept: a shared stream is never changed behind its
-/// operators' backs.
+/// have created. The existing one is kept unless this process was told otherwise: a shared
+/// stream or consumer is never changed behind its operators' backs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigDrift {
     pub object: String,
     pub setting: &'static str,
     pub existing: String,
     pub wanted: String,
+    /// The existing value stays; false when this process was told to set its own.
+    pub kept: bool,
 }
 
 impl std::fmt::Display for ConfigDrift {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} has {} = {} where this service would set {}; keeping the existing value",
-            self.object, self.setting, self.existing, self.wanted
-        )
+        if self.kept {
+            write!(
+                f,
+                "{} has {} = {} where this service would set {}; keeping the existing value",
+                self.object, self.setting, self.existing, self.wanted
+            )
+        } else {
+            write!(
+                f,
+                "{} had {} = {}; set to {} as asked",
+                self.object, self.setting, self.existing, self.wanted
+            )
+        }
     }
 }
 
@@ -352,6 +407,7 @@ fn compare<T: std::fmt::Debug + PartialEq>(
             setting,
             existing: format!("{existing:?}"),
             wanted: format!("{wanted:?}"),
+            kept: true,
         });
     }
 }
@@ -507,18 +563,25 @@ pub struct ConsumerSettings {
     pub max_ack_pending: i64,
 }
 
-/// The durable pull consumer, created if absent. Explicit ack: a message counts as handled
-/// only when this service says so, after its transaction committed.
+/// The durable pull consumer, created only when the server says it does not exist. An
+/// existing one keeps its settings, each that differs from `settings` reported, unless `update`
+/// says to set them: a consumer an operator tuned (`nats consumer edit`) is never reset behind
+/// their back, nor because a lookup failed (a leader election, a timeout), which is asked
+/// again patiently instead.
 pub async fn ensure_consumer(
+    js: &Context,
     stream: &stream::Stream,
     settings: &ConsumerSettings,
+    update: bool,
 ) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {
-    patiently(|| ensure_consumer_once(stream, settings)).await
+    patiently(|| ensure_consumer_once(js, stream, settings, update)).await
 }
 
 async fn ensure_consumer_once(
+    js: &Context,
     stream: &stream::Stream,
     settings: &ConsumerSettings,
+    update: bool,
 ) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {
     let doing = format!("setting up consumer {}", settings.durable_name);
     let wanted = consumer::pull::Config {
@@ -531,20 +594,28 @@ async fn ensure_consumer_once(
         max_ack_pending: settings.max_ack_pending,
         ..Default::default()
     };
-    // Look before creating: an older server silently updates an existing consumer on create.
-    let consumer: consumer::PullConsumer = match stream.get_consumer(&settings.durable_name).await {
-        Ok(consumer) => consumer,
-        Err(_) => match stream.create_consumer(wanted.clone()).await {
-            Ok(consumer) => return Ok((consumer, Vec::new())),
-            // As for a stream: theirs, or the create's own failure.
-            Err(create_error) => match stream.get_consumer(&settings.durable_name).await {
-                Ok(consumer) => consumer,
-                Err(_) => return Err(nats_error(doing)(create_error)),
-            },
-        },
+    let info = match stream.consumer_info(&settings.durable_name).await {
+        Ok(info) => info,
+        Err(error) if is_consumer_not_found(&error) => {
+            // Create, not create-or-update: a consumer made meanwhile by another instance is
+            // looked at as any existing one (nats-server before 2.10 ignores the difference and
+            // updates; the settings are the same flags then).
+            match stream.create_consumer_strict(wanted.clone()).await {
+                Ok(consumer) => return Ok((consumer, Vec::new())),
+                Err(error)
+                    if matches!(error.kind(), ConsumerCreateStrictErrorKind::AlreadyExists) =>
+                {
+                    stream
+                        .consumer_info(&settings.durable_name)
+                        .await
+                        .map_err(nats_error(doing.clone()))?
+                }
+                Err(error) => return Err(nats_error(doing)(error)),
+            }
+        }
+        Err(error) => return Err(nats_error(doing)(error)),
     };
-    // As the lookup just read it.
-    let existing = &consumer.cached_info().config;
+    let existing = &info.config;
     let object = format!("consumer {}", settings.durable_name);
     let mut drifts = Vec::new();
     compare(
@@ -582,7 +653,38 @@ async fn ensure_consumer_once(
         &existing.backoff,
         &wanted.backoff,
     );
-    Ok((consumer, drifts))
+    compare(
+        &mut drifts,
+        &object,
+        "max_ack_pending",
+        &existing.max_ack_pending,
+        &wanted.max_ack_pending,
+    );
+    if update && !drifts.is_empty() {
+        let updated = stream
+            .update_consumer(wanted)
+            .await
+            .map_err(nats_error(doing))?;
+        for drift in &mut drifts {
+            drift.kept = false;
+        }
+        return Ok((updated, drifts));
+    }
+    let config =
+        consumer::pull::Config::try_from_consumer_config(info.config.clone()).map_err(|error| {
+            NatsError {
+                doing: format!("reading consumer {}", settings.durable_name),
+                kind: NatsErrorKind::Other,
+                source: error,
+            }
+        })?;
+    Ok((consumer::Consumer::new(config, info, js.clone()), drifts))
+}
+
+/// Whether the server says `consumer` no longer exists (deleted under the process); a look
+/// that fails otherwise says nothing.
+pub async fn consumer_is_gone(consumer: &consumer::PullConsumer) -> bool {
+    matches!(consumer.get_info().await, Err(error) if is_consumer_not_found(&error))
 }
 
 /// What the stream said to one publish.

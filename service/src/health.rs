@@ -95,7 +95,7 @@ pub async fn serve(
     readiness: Readiness,
     stuck_after: Duration,
     stop: CancellationToken,
-) -> anyhow::Result<SocketAddr> {
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the metrics address {addr}"))?;
@@ -111,7 +111,7 @@ pub async fn serve(
             readiness,
             stuck_after,
         });
-    tokio::spawn(async move {
+    let server = tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
             .await;
@@ -120,7 +120,7 @@ pub async fn serve(
         }
     });
     tracing::info!(addr = %bound, "serving /metrics, /livez, /readyz and /healthz");
-    Ok(bound)
+    Ok((bound, server))
 }
 
 fn json(status: StatusCode, body: &serde_json::Value) -> impl IntoResponse + use<> {

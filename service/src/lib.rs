@@ -4,12 +4,13 @@
 //!
 //! # Layout
 //! - [`runtime`]: the consumer runtime: one [`runtime::RuntimeSettings`] value, the streams and
-//!   the durable consumer set up, the lanes, and the path of one message from pull to ack;
+//!   the durable consumer set up, the lanes, and the path of one message from fetch to ack;
 //!   [`policy`]: what becomes of a delivery (ack, nak after a delay, dead letter), as a pure
 //!   function.
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
 //!   horizon guard ([`retention`]), Prometheus metrics ([`metrics`]) and the health endpoints
-//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]).
+//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); `tasks`: the tasks `serve`
+//!   and `relay` run beside their main work, each one's end looked at.
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands;
 //!   [`config`]: the settings' layers (defaults, a TOML file, the environment, the flags) and
 //!   `--print-config`.
@@ -32,4 +33,5 @@ pub mod retention;
 pub mod runtime;
 pub mod serve;
 pub mod study;
+mod tasks;
 pub mod telemetry;

@@ -306,26 +306,27 @@ impl Metrics {
         let dead_letters_waiting = gauges(
             &registry,
             "inventory_dead_letters_waiting",
-            "Dead letters of the consumer waiting in the dead-letter stream, by Dlq-Reason, at \
-             the last look (every 30 s): they stay until replayed or deleted.",
-            &["consumer", "reason"],
+            "Dead letters of the consumer waiting in the dead-letter stream at the last look \
+             (every 30 s): they stay until replayed or deleted. `inventory dlq list` says why \
+             each is there.",
+            &["consumer"],
         )?;
         let dead_letters_oldest = registered(
             &registry,
             GaugeVec::new(
                 Opts::new(
                     "inventory_dead_letters_oldest_age_seconds",
-                    "Age of the oldest dead letter of the consumer waiting, by Dlq-Reason; 0 \
-                     when none.",
+                    "Age of the oldest dead letter of the consumer waiting; 0 when none.",
                 ),
-                &["consumer", "reason"],
+                &["consumer"],
             )?,
         )?;
         let dead_letters_past_allowance = gauges(
             &registry,
             "inventory_dead_letters_past_replay_allowance",
-            "Dead letters of the consumer older than --replay-allowance: a replay may find \
-             their inbox rows purged and apply them twice.",
+            "1 when the oldest dead letter of the consumer waiting is older than \
+             --replay-allowance: a replay may find its inbox row purged and apply it twice; \
+             else 0.",
             &["consumer"],
         )?;
         let purged = registered(
@@ -395,11 +396,11 @@ impl Metrics {
             self.messages.with_label_values(&[consumer, outcome]);
         }
         for reason in DeadLetterReason::ALL {
-            let labels = [consumer, reason.as_str()];
-            self.dead_letters.with_label_values(&labels);
-            self.dead_letters_waiting.with_label_values(&labels);
-            self.dead_letters_oldest.with_label_values(&labels);
+            self.dead_letters
+                .with_label_values(&[consumer, reason.as_str()]);
         }
+        self.dead_letters_waiting.with_label_values(&[consumer]);
+        self.dead_letters_oldest.with_label_values(&[consumer]);
         self.dead_letters_past_allowance
             .with_label_values(&[consumer]);
         self.oldest_in_flight.with_label_values(&[consumer]);
@@ -446,28 +447,25 @@ impl Metrics {
             .set(max_ack_pending);
     }
 
-    /// What waits in the dead-letter stream for `consumer`: by reason, how many and the oldest's
-    /// age; and how many are older than the replay allowance.
+    /// What waits in the dead-letter stream for `consumer`: how many, the oldest's age, and
+    /// whether that is past the replay allowance.
     pub fn record_dead_letters(
         &self,
         consumer: &str,
-        waiting: &BTreeMap<String, (i64, Duration)>,
-        past_allowance: usize,
+        count: u64,
+        oldest: Duration,
+        past_allowance: bool,
     ) {
-        // Every reason is written, so one replayed or deleted goes back to 0.
-        for reason in DeadLetterReason::ALL.map(DeadLetterReason::as_str) {
-            let (count, oldest) = waiting.get(reason).copied().unwrap_or_default();
-            let labels = [consumer, reason];
-            self.dead_letters_waiting
-                .with_label_values(&labels)
-                .set(count);
-            self.dead_letters_oldest
-                .with_label_values(&labels)
-                .set(oldest.as_secs_f64());
-        }
+        let labels = [consumer];
+        self.dead_letters_waiting
+            .with_label_values(&labels)
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+        self.dead_letters_oldest
+            .with_label_values(&labels)
+            .set(oldest.as_secs_f64());
         self.dead_letters_past_allowance
-            .with_label_values(&[consumer])
-            .set(i64::try_from(past_allowance).unwrap_or(i64::MAX));
+            .with_label_values(&labels)
+            .set(i64::from(past_allowance));
     }
 
     /// Whether each dependency answers, as `/readyz` just saw.
@@ -607,7 +605,7 @@ impl ConsumerMetrics {
                 "dead_lettered"
             }
             Disposition::Retried(_) => "retried",
-            Disposition::LeftForRedelivery => "left_for_redelivery",
+            Disposition::LeftForRedelivery | Disposition::Halted(_) => "left_for_redelivery",
         };
         self.messages
             .with_label_values(&[self.consumer.as_str(), outcome])

@@ -5,11 +5,16 @@ use std::time::Duration;
 
 use inventory_domain::{DeadLetterReason, Effect, ErrorKind, Outcome};
 
-/// The consumer's redelivery settings, as the server has them.
+/// How often a message is tried, and how long between tries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// The consumer's `max_deliver`; -1 (or 0) for unlimited.
+    /// The deliveries of one message this service handles: the last one failing is a
+    /// max-deliveries dead letter, and a later one (a crash, a kill, a lost nak) is
+    /// dead-lettered unhandled. Never above `server_max_deliver`; -1 (or 0) for unlimited.
     pub max_deliver: i64,
+    /// The consumer's own `max_deliver` as the server has it: after that delivery the server
+    /// delivers the message no more. -1 (or 0) for none, as this service creates it.
+    pub server_max_deliver: i64,
     /// Delay before the second delivery after a transient failure; doubles per delivery.
     pub retry_delay: Duration,
     /// The longest delay between deliveries.
@@ -17,6 +22,16 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The cap in effect: this service's (`--max-deliver`), or the server's where that is
+    /// lower, since the server delivers no more after it.
+    pub fn effective_cap(service: i64, server: i64) -> i64 {
+        match (service > 0, server > 0) {
+            (true, true) => service.min(server),
+            (true, false) => service,
+            (false, _) => server,
+        }
+    }
+
     /// Delay before the next try after `delivered` failed deliveries: doubling, capped.
     pub fn delay_after(&self, delivered: i64) -> Duration {
         let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
@@ -27,6 +42,11 @@ impl RetryPolicy {
 
     fn is_last_delivery(&self, delivered: i64) -> bool {
         self.max_deliver > 0 && delivered >= self.max_deliver
+    }
+
+    /// Whether the server delivers the message no more after this delivery.
+    fn server_gives_up_after(&self, delivered: i64) -> bool {
+        self.server_max_deliver > 0 && delivered >= self.server_max_deliver
     }
 }
 
@@ -72,6 +92,26 @@ pub enum Action {
     },
     /// Negative ack: JetStream delivers it again after the delay.
     Nak(Duration),
+    /// Send nothing: the server delivers it no more (its own cap was reached), and the
+    /// MAX_DELIVERIES advisory it then emits brings it to the dead letters.
+    LeaveToAdvisory,
+    /// Send nothing and stop: this program broke an invariant, and the process must end for
+    /// its supervisor to restart it; the message comes again after its ack wait.
+    Halt(String),
+}
+
+/// The decision before handling: a delivery past the cap is dead-lettered unhandled. It was
+/// handed out again after its last allowed delivery (the process died holding it, or its
+/// nak or dead letter was lost), and the server, which has no cap of its own, would deliver it
+/// for ever.
+pub fn admit(delivered: i64, retry: &RetryPolicy) -> Option<Action> {
+    (retry.max_deliver > 0 && delivered > retry.max_deliver).then(|| Action::DeadLetter {
+        reason: DeadLetterReason::MaxDeliveries,
+        detail: format!(
+            "delivered {delivered} times, past the cap of {}; not handled again",
+            retry.max_deliver
+        ),
+    })
 }
 
 /// The decision for one handled delivery: its outcome, or the kind of its error with the
@@ -101,12 +141,19 @@ pub fn decide(
             }
         }
         Err((ErrorKind::Transient, _)) => Action::Nak(retry.delay_after(delivered)),
+        Err((ErrorKind::Internal, error)) => Action::Halt(error.to_owned()),
     }
 }
 
-/// A dead letter that could not be stored: the original stays, to come again after a delay.
+/// A dead letter that could not be stored: the original stays, to come again after a delay,
+/// unless the server delivers it no more: a nak then would lose it, and its advisory is what
+/// brings it back.
 pub fn dead_letter_not_stored(delivered: i64, retry: &RetryPolicy) -> Action {
-    Action::Nak(retry.delay_after(delivered))
+    if retry.server_gives_up_after(delivered) {
+        Action::LeaveToAdvisory
+    } else {
+        Action::Nak(retry.delay_after(delivered))
+    }
 }
 
 #[cfg(test)]
@@ -120,6 +167,7 @@ mod tests {
     fn retry(max_deliver: i64) -> RetryPolicy {
         RetryPolicy {
             max_deliver,
+            server_max_deliver: -1,
             retry_delay: MS(500),
             max_retry_delay: Duration::from_secs(30),
         }
@@ -248,9 +296,94 @@ mod tests {
         assert_eq!(retry.delay_after(6), Duration::from_secs(16));
         assert_eq!(retry.delay_after(7), Duration::from_secs(30));
         assert_eq!(retry.delay_after(i64::MAX), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_delivery_past_the_cap_is_a_dead_letter_before_it_is_handled() {
+        // (cap, delivered) -> dead-lettered at admission
+        let table = [
+            (3, 1, false),
+            (3, 3, false),
+            (3, 4, true),
+            (10, 57, true),
+            (-1, 1_000, false),
+            (0, 1_000, false),
+        ];
+        for (cap, delivered, dead_lettered) in table {
+            let admitted = admit(delivered, &retry(cap));
+            assert_eq!(
+                admitted.is_some(),
+                dead_lettered,
+                "cap {cap}, delivery {delivered}"
+            );
+            if let Some(action) = admitted {
+                assert!(
+                    matches!(
+                        action,
+                        Action::DeadLetter {
+                            reason: DeadLetterReason::MaxDeliveries,
+                            ..
+                        }
+                    ),
+                    "{action:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_dead_letter_not_stored_is_nakd_unless_the_server_delivers_no_more() {
+        // The consumer as this service creates it: the server has no cap.
         assert_eq!(
-            dead_letter_not_stored(2, &retry),
+            dead_letter_not_stored(2, &retry(10)),
             Action::Nak(Duration::from_secs(1))
         );
+        assert_eq!(
+            dead_letter_not_stored(10, &retry(10)),
+            Action::Nak(Duration::from_secs(30))
+        );
+        // A consumer that came with a cap of its own: its last delivery must not be nak'ed.
+        let capped = RetryPolicy {
+            server_max_deliver: 5,
+            ..retry(5)
+        };
+        assert_eq!(
+            dead_letter_not_stored(4, &capped),
+            Action::Nak(Duration::from_secs(4))
+        );
+        assert_eq!(dead_letter_not_stored(5, &capped), Action::LeaveToAdvisory);
+    }
+
+    #[test]
+    fn the_cap_in_effect_is_the_lower_of_the_services_and_the_servers() {
+        let table = [
+            ((10, -1), 10),
+            ((10, 0), 10),
+            ((10, 5), 5),
+            ((3, 5), 3),
+            ((-1, 5), 5),
+            ((-1, -1), -1),
+        ];
+        for ((service, server), cap) in table {
+            assert_eq!(
+                RetryPolicy::effective_cap(service, server),
+                cap,
+                "service {service}, server {server}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_broken_invariant_halts_whatever_the_delivery() {
+        for delivered in [1, 10, 11] {
+            assert_eq!(
+                decide(
+                    Err((&ErrorKind::Internal, "fewer rows than placements")),
+                    delivered,
+                    &retry(10)
+                ),
+                Action::Halt("fewer rows than placements".into())
+            );
+        }
     }
 }

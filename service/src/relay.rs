@@ -20,6 +20,7 @@ use crate::args::{
 use crate::health::{Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::runtime::Shutdown;
+use crate::tasks::Background;
 
 /// Which outbox a command works on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -233,22 +234,22 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     crate::serve::listen_for_signals(shutdown.clone())?;
     shutdown.bound(args.stop.shutdown_timeout);
-    let background = CancellationToken::new();
-    let _stop_background = background.clone().drop_guard();
+    let mut background = Background::new(shutdown.graceful.clone());
     let (metrics, liveness, readiness) =
         (Metrics::new()?, Liveness::default(), Readiness::default());
     if let MetricsAddr(Some(addr)) = args.metrics.metrics_addr {
         // Up before the set-up. Nothing is in flight here, so nothing is ever stuck.
         let health = (metrics.clone(), liveness.clone(), readiness.clone());
-        crate::health::serve(
+        let (_, server) = crate::health::serve(
             addr,
             health.0,
             health.1,
             health.2,
             Duration::MAX,
-            background.clone(),
+            background.stop_token(),
         )
         .await?;
+        background.adopt("the health server", server);
     }
     if args.source == SourceArg::Inventory || args.databases.orders_database_url.is_none() {
         args.databases.database.url.warn_if_implicit();
@@ -280,10 +281,18 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     tokio::select! {
         () = shutdown.graceful.cancelled() => {}
         why = running.ended() => report_task_failure("relay", &why, &metrics, &liveness),
+        why = background.ended_early() => {
+            report_task_failure("background", &why, &metrics, &liveness);
+        }
     }
     let end = running.stop(&shutdown.immediate).await;
+    let background_failures = background.stop(&shutdown.immediate).await;
     let drained = drain(&client, &shutdown.immediate).await;
     match end {
+        RelayEnd::Failed(why) => anyhow::bail!("the relay {why}; its rows wait for another relay"),
+        _ if !background_failures.is_empty() => {
+            anyhow::bail!("{}", background_failures.join("; "))
+        }
         RelayEnd::Stopped if drained => {
             tracing::info!("relay stopped; bye");
             Ok(true)
@@ -295,7 +304,6 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
             );
             Ok(false)
         }
-        RelayEnd::Failed(why) => anyhow::bail!("the relay {why}; its rows wait for another relay"),
     }
 }
 

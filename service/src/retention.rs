@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::args::shown;
 use crate::metrics::Metrics;
+use crate::policy::RetryPolicy;
 use crate::runtime::RuntimeSettings;
 
 /// What the redelivery horizon takes beside the server's settings: shared by `serve` and
@@ -22,6 +23,12 @@ use crate::runtime::RuntimeSettings;
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Retention and the redelivery horizon")]
 pub struct HorizonArgs {
+    /// Deliveries of one message this service handles: the last failing is a max-deliveries
+    /// dead letter, a later one is dead-lettered unhandled; -1 for unlimited. The consumer it
+    /// creates has no cap of its own, so the server never drops a message; an existing
+    /// consumer's lower cap lowers this one. Part of the horizon.
+    #[arg(long, default_value_t = RuntimeSettings::MAX_DELIVER, allow_negative_numbers = true, help_heading = "Consumer")]
+    pub max_deliver: i64,
     /// The longest delay between retries of a message that failed transiently (serve's nak
     /// delay doubles per delivery up to this); part of the horizon.
     #[arg(long, default_value = shown(RuntimeSettings::MAX_RETRY_DELAY), value_parser = humantime::parse_duration)]
@@ -41,7 +48,7 @@ pub struct HorizonArgs {
 pub const PURGE_BATCH_SIZE: u64 = 1_000;
 
 /// The horizon of `consumer` as the server has it and its stream (`duplicate_window`,
-/// `max_age`, zero for none), with the consuming service's retry and allowances.
+/// `max_age`, zero for none), with the consuming service's cap, retry and allowances.
 pub fn horizon(
     consumer: &ConsumerConfig,
     duplicate_window: Duration,
@@ -52,7 +59,7 @@ pub fn horizon(
         &RedeliveryPolicy {
             ack_wait: consumer.ack_wait,
             backoff: consumer.backoff.clone(),
-            max_deliver: consumer.max_deliver,
+            max_deliver: RetryPolicy::effective_cap(settings.max_deliver, consumer.max_deliver),
             longest_nak_delay: settings.max_retry_delay,
         },
         duplicate_window,
@@ -124,8 +131,8 @@ pub fn refusal_message(
         ),
         _ => format!(
             "{flag} {retention} is shorter than the redelivery horizon of consumer \
-             {consumer}, which is unbounded: its max_deliver is unlimited, so JetStream may \
-             redeliver a message at any time. Give the consumer a max_deliver, or pass \
+             {consumer}, which is unbounded: --max-deliver is unlimited, so a message may be \
+             delivered again at any time. Set --max-deliver, or pass \
              {overriding}"
         ),
     }

@@ -13,19 +13,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use futures::stream::FuturesUnordered;
-use futures::{FutureExt, StreamExt};
 use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
 };
 use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::delivery::{self, ConsumerConfig, Delivery, Pull, PullConsumer};
+use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer};
 use inventory_infra::jetstream::{
-    self, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError, Origin, Topology,
+    self, Backstop, Client, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError,
+    Origin, Topology,
 };
 use inventory_infra::outbox::RelayWake;
 use inventory_infra::{BuildError, HandleError, Handler, HandlerKind, Mailbox, MessageHandler};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, field};
@@ -39,9 +38,14 @@ use crate::policy::{self, Acked, Action, RetryPolicy};
 pub struct RuntimeSettings {
     pub topology: Topology,
     /// The durable consumer, created with these settings if absent; an existing one keeps its
-    /// own, and the runtime follows the server's.
+    /// own unless `update_consumer`, and the runtime follows the server's.
     pub consumer: ConsumerSettings,
+    /// Sets an existing consumer's settings to `consumer`'s where they differ.
+    pub update_consumer: bool,
     pub handler: HandlerKind,
+    /// The deliveries of one message this service handles (see [`RetryPolicy::max_deliver`]);
+    /// the server's own cap, where an existing consumer has one, lowers it.
+    pub max_deliver: i64,
     /// Messages handled at once, each lane to its end.
     pub concurrency: usize,
     /// Messages a lane hands a handler that takes batches ([`HandlerKind::takes_batches`]).
@@ -62,6 +66,8 @@ pub struct RuntimeSettings {
 impl RuntimeSettings {
     /// `serve`'s defaults, which its flags show.
     pub const ACK_WAIT: Duration = Duration::from_secs(30);
+    /// This service's cap. The consumer it creates has none: the server never stops
+    /// delivering a message on its own, so none is dropped while a lane cannot hold it.
     pub const MAX_DELIVER: i64 = 10;
     pub const MAX_ACK_PENDING: i64 = 1_000;
     pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -89,12 +95,14 @@ impl RuntimeSettings {
                 durable_name: handler.default_consumer().to_owned(),
                 filter_subject,
                 ack_wait: Self::ACK_WAIT,
-                max_deliver: Self::MAX_DELIVER,
+                max_deliver: -1,
                 backoff: Vec::new(),
                 max_ack_pending: Self::MAX_ACK_PENDING,
             },
+            update_consumer: false,
             topology,
             handler,
+            max_deliver: Self::MAX_DELIVER,
             concurrency,
             batch_size: 1,
             max_body_bytes: Self::MAX_BODY_BYTES,
@@ -126,11 +134,14 @@ pub struct ConsumerRuntime {
     db: DatabaseConnection,
     dead_letters: DeadLetters,
     consumer: PullConsumer,
+    client: Client,
     /// The consumer's settings as the server has them, which rule over `settings.consumer`.
     server_consumer: ConsumerConfig,
     duplicate_window: Duration,
     /// The stream's `max_age`; zero: none.
     max_age: Duration,
+    /// Runs beside the lanes when the server has a cap of its own on the consumer.
+    backstop: Option<Backstop>,
     relay_wake: Option<RelayWake>,
     liveness: Liveness,
 }
@@ -154,23 +165,44 @@ impl ConsumerRuntime {
             orders
         };
         let (consumer, consumer_drifts) =
-            jetstream::ensure_consumer(&stream, &settings.consumer).await?;
-        for drift in drifts.iter().chain(&consumer_drifts) {
-            tracing::warn!("{drift}");
-        }
+            jetstream::ensure_consumer(js, &stream, &settings.consumer, settings.update_consumer)
+                .await?;
+        drifts.extend(consumer_drifts);
         // What the server answered to the set-up, whatever this process asked for.
         let server_consumer = consumer.cached_info().config.clone();
-        Ok(Self {
-            dead_letters: DeadLetters::new(
-                js.clone(),
-                &settings.topology,
+        let dead_letters = DeadLetters::new(
+            js.clone(),
+            &settings.topology,
+            &settings.consumer.durable_name,
+        );
+        // A consumer with a cap of its own drops a message after its last delivery: its
+        // advisories are the backstop's to turn into dead letters.
+        let backstop = if server_consumer.max_deliver > 0 {
+            let (backstop, backstop_drifts) = Backstop::prepare(
+                js,
+                stream.clone(),
                 &settings.consumer.durable_name,
-            ),
+                settings.topology.replicas,
+                dead_letters.clone(),
+            )
+            .await?;
+            drifts.extend(backstop_drifts);
+            Some(backstop)
+        } else {
+            None
+        };
+        for drift in &drifts {
+            tracing::warn!("{drift}");
+        }
+        Ok(Self {
+            dead_letters,
+            backstop,
             duplicate_window: stream.cached_info().config.duplicate_window,
             max_age: stream.cached_info().config.max_age,
             settings,
             db,
             consumer,
+            client: js.client(),
             server_consumer,
             relay_wake: None,
             liveness: Liveness::default(),
@@ -238,7 +270,11 @@ impl ConsumerRuntime {
                 max_body_bytes: self.settings.max_body_bytes,
                 work_timeout: self.settings.work_timeout,
                 retry: RetryPolicy {
-                    max_deliver: self.server_consumer.max_deliver,
+                    max_deliver: RetryPolicy::effective_cap(
+                        self.settings.max_deliver,
+                        self.server_consumer.max_deliver,
+                    ),
+                    server_max_deliver: self.server_consumer.max_deliver,
                     retry_delay: self.settings.retry_delay,
                     max_retry_delay: self.settings.max_retry_delay,
                 },
@@ -255,7 +291,14 @@ impl ConsumerRuntime {
         let task = tokio::spawn({
             let (shutdown, lanes) = (shutdown.clone(), lanes.clone());
             let liveness = self.liveness;
-            async move { run(&self.consumer, worker, self.db, lanes, shutdown, liveness).await }
+            let lanes_of = Lanes {
+                consumer: self.consumer,
+                client: self.client,
+                db: self.db,
+                backstop: self.backstop,
+                tracker: lanes,
+            };
+            async move { run(lanes_of, worker, shutdown, liveness).await }
         });
         Running {
             shutdown,
@@ -288,9 +331,10 @@ impl Running {
         jetstream::consumer_state(&mut self.consumer.clone()).await
     }
 
-    /// Reads the consumer's counts every `every` into `metrics` until the lanes stop: its lag
-    /// is the server's to know, not any one instance's. A failed look keeps the last figures.
-    pub fn report_lag(&self, metrics: ConsumerMetrics, every: Duration) {
+    /// Reads the consumer's counts every `every` into `metrics` until the first signal: its
+    /// lag is the server's to know, not any one instance's. A failed look keeps the last
+    /// figures.
+    pub fn report_lag(&self, metrics: ConsumerMetrics, every: Duration) -> JoinHandle<()> {
         let mut consumer = self.consumer.clone();
         let stop = self.shutdown.graceful.clone();
         tokio::spawn(async move {
@@ -306,7 +350,7 @@ impl Running {
                     Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
                 }
             }
-        });
+        })
     }
 
     pub fn is_finished(&self) -> bool {
@@ -372,81 +416,118 @@ struct LaneSettings {
     batch_size: usize,
     max_body_bytes: usize,
     work_timeout: Option<Duration>,
-    /// With the consumer's `max_deliver` as the server has it.
+    /// With the cap in effect, and the server's own.
     retry: RetryPolicy,
 }
 
-/// Runs the consumer until `shutdown.graceful` fires, then waits for in-flight messages until
-/// `shutdown.immediate`.
+/// Runs the consumer until `shutdown.graceful` fires, then waits for every lane to finish its
+/// messages, or until `shutdown.immediate`, when each naks what it holds.
 ///
-/// `concurrency` lanes each take the next message from the shared pull stream and handle it to
-/// its end. Each lane holds its own clone of the handler, so a handler that keeps a connection
-/// per clone keeps one per lane, for as long as the loop runs.
+/// `concurrency` lanes each fetch what they can handle now and handle it to its end. Each lane
+/// holds its own clone of the handler, so a handler that keeps a connection per clone keeps one
+/// per lane, for as long as the loop runs.
 ///
-/// A lane ends only once told to stop. One that ends before (its handler panicked) is a fault
-/// the other lanes cannot serve around: it is reported (an ERROR line, the task-failure metric,
-/// `/livez`), the other lanes stop as on a signal, and the loop returns
-/// [`RuntimeError::LaneFailed`], so the process exits with an error for its supervisor to
-/// restart it, rather than idle with fewer lanes or none.
+/// A lane ends only once told to stop. One that ends before (a panic, a broken invariant, its
+/// consumer gone) is a fault the other lanes cannot serve around: it is reported (an ERROR
+/// line, the task-failure metric, `/livez`), the other lanes stop as on a signal, and the loop
+/// returns an error, so the process exits with one for its supervisor to restart it, rather
+/// than idle with fewer lanes or none. Every lane's end is looked at, after the stop too: a
+/// panic while draining fails the loop as well.
 async fn run<H: MessageHandler>(
-    consumer: &PullConsumer,
+    Lanes {
+        consumer,
+        client,
+        db,
+        backstop,
+        tracker,
+    }: Lanes,
     worker: Worker<H>,
-    db: DatabaseConnection,
-    tracker: TaskTracker,
     shutdown: Shutdown,
     liveness: Liveness,
 ) -> Result<Ending, RuntimeError> {
+    let consumer = &consumer;
     let lanes = worker.lanes.concurrency;
-    // The client asks for more once half a pull is used up: pulling twice what the lanes hold
-    // keeps the next messages on their way while the lanes work.
-    let prefetch = (2 * lanes * worker.lanes.batch_size).max(32);
-    let messages = Pull::start(consumer, prefetch).await?;
-    let messages = Arc::new(tokio::sync::Mutex::new(messages));
-    // Stops the lanes on a shutdown request, or when one of them finds the stream ended.
+    // One lane at a time waits at the consumer, the others for it: one request per instance
+    // waits at the server when idle.
+    let fetching = Arc::new(tokio::sync::Mutex::new(()));
     let stop = shutdown.graceful.child_token();
-    let stream_ended = Arc::new(AtomicBool::new(false));
-    let mut running: FuturesUnordered<_> = (0..lanes)
-        .map(|_| {
-            tracker.spawn(lane(
-                worker.clone(),
-                messages.clone(),
-                db.clone(),
-                stop.clone(),
-                stream_ended.clone(),
-            ))
-        })
-        .collect();
-    tracker.close();
-    let ended_early = tokio::select! {
-        () = stop.cancelled() => None,
-        Some(ended) = running.next() => (!stop.is_cancelled()).then_some(ended),
-    };
-    if let Some(ended) = ended_early {
-        let why = early_end(ended);
-        tracing::error!(%why, "a lane ended; stopping the other lanes");
-        liveness.task_failed("lane", &why);
-        if let Some(metrics) = &worker.metrics {
-            metrics.task_failed("lane");
-        }
-        // The whole service stops, as on a signal, within the same bound.
-        shutdown.graceful.cancel();
-        tokio::select! {
-            () = tracker.wait() => {}
-            () = shutdown.immediate.cancelled() => {}
-        }
-        return Err(RuntimeError::LaneFailed(why));
+    let mut running = JoinSet::new();
+    for _ in 0..lanes {
+        running.spawn(tracker.track_future(lane(
+            worker.clone(),
+            consumer.clone(),
+            client.clone(),
+            fetching.clone(),
+            db.clone(),
+            stop.clone(),
+            shutdown.immediate.clone(),
+        )));
     }
-    stop.cancelled().await;
-    if stream_ended.load(Ordering::Relaxed) {
+    if let Some(backstop) = backstop {
+        let stop = stop.clone();
+        running.spawn(async move {
+            backstop.run(stop).await;
+            Ok(())
+        });
+    }
+    tracker.close();
+    let mut failures = Vec::new();
+    let mut consumer_gone = false;
+    // After an immediate stop, the lanes nak what they hold and end; those that do not within
+    // the grace are aborted.
+    let abort_after_grace = async {
+        shutdown.immediate.cancelled().await;
+        tokio::time::sleep(IMMEDIATE_GRACE).await;
+    };
+    tokio::pin!(abort_after_grace);
+    let mut aborted = false;
+    loop {
+        let ended = tokio::select! {
+            ended = running.join_next() => match ended {
+                Some(ended) => ended,
+                None => break,
+            },
+            () = &mut abort_after_grace, if !aborted => {
+                aborted = true;
+                running.abort_all();
+                continue;
+            }
+        };
+        let why = match ended {
+            Ok(Ok(())) if stop.is_cancelled() => continue,
+            Err(error) if error.is_cancelled() && aborted => continue,
+            Ok(Ok(())) => "returned while the service ran".to_owned(),
+            Ok(Err(LaneError::ConsumerGone)) => {
+                consumer_gone = true;
+                format!("found consumer {} gone", consumer.cached_info().name)
+            }
+            Ok(Err(LaneError::Halted(why))) => format!("stopped on a broken invariant: {why}"),
+            Err(error) => early_end(Err(error)),
+        };
+        if failures.is_empty() {
+            tracing::error!(%why, "a lane ended; stopping the other lanes");
+            liveness.task_failed("lane", &why);
+            if let Some(metrics) = &worker.metrics {
+                metrics.task_failed("lane");
+            }
+            // The whole service stops, as on a signal, within the same bound.
+            shutdown.graceful.cancel();
+        }
+        failures.push(why);
+    }
+    if consumer_gone {
         return Err(RuntimeError::StreamEnded(
             consumer.cached_info().name.clone(),
         ));
     }
-    tracing::info!(lanes, "stopped fetching; finishing in-flight messages");
-    tokio::select! {
-        () = tracker.wait() => Ok(Ending::Drained),
-        () = shutdown.immediate.cancelled() => Ok(Ending::Abandoned),
+    if !failures.is_empty() {
+        return Err(RuntimeError::LaneFailed(failures.join("; ")));
     }
+    Ok(if shutdown.immediate.is_cancelled() {
+        Ending::Abandoned
+    } else {
+        Ending::Drained
+    })
 }
 
 /// Why a task of the service (a lane, the relay) ended while it should have run, from what its
@@ -470,62 +551,121 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("(no message)")
 }
 
-/// One lane: fetch, handle to the end, repeat, until `stop`.
+/// What the lanes run on: the consumer, the database, the backstop beside them, and the
+/// tracker that counts them.
+struct Lanes {
+    consumer: PullConsumer,
+    client: Client,
+    db: DatabaseConnection,
+    backstop: Option<Backstop>,
+    tracker: TaskTracker,
+}
+
+/// Why a lane ended before it was told to stop.
+#[derive(Debug)]
+enum LaneError {
+    /// The durable consumer no longer exists on the server.
+    ConsumerGone,
+    /// A handler broke an invariant of this program (a bug): nothing was sent for the
+    /// messages it held, which come again after their ack wait, to a restarted process.
+    Halted(String),
+}
+
+/// One lane: fetch what it can handle now, handle it to the end, repeat, until `stop`. On
+/// `immediate` it gives up the messages it holds, nak'ed to come again at once.
 async fn lane<H: MessageHandler>(
     worker: Worker<H>,
-    messages: Arc<tokio::sync::Mutex<Pull>>,
+    consumer: PullConsumer,
+    client: Client,
+    fetching: Arc<tokio::sync::Mutex<()>>,
     db: DatabaseConnection,
     stop: CancellationToken,
-    stream_ended: Arc<AtomicBool>,
-) {
-    let batch_size = worker.lanes.batch_size;
+    immediate: CancellationToken,
+) -> Result<(), LaneError> {
     loop {
         // Every lane holds while the database is suspect, not only the first to notice: a lane
-        // that fetched on would burn its message's deliveries on an outage.
+        // that fetched on would burn its messages' deliveries on an outage.
         if worker.database_suspect.load(Ordering::Relaxed) {
             if !wait_for_database(&db, worker.lanes.work_timeout, &stop).await {
-                return;
+                return Ok(());
             }
             worker.database_suspect.store(false, Ordering::Relaxed);
         }
-        let mut batch = Vec::with_capacity(batch_size);
-        {
-            let mut pull = messages.lock().await;
-            let next = tokio::select! {
-                () = stop.cancelled() => return,
-                next = pull.messages().next() => next,
+        let asked = Instant::now();
+        let fetching = async {
+            let _turn = tokio::select! {
+                () = stop.cancelled() => return None,
+                turn = fetching.lock() => turn,
             };
-            let mut next = Some(next);
-            // After the first message, take what is already fetched, up to the batch size;
-            // a batch never waits for messages that have not arrived.
-            while let Some(item) = next.take() {
-                match item {
-                    Some(Ok(message)) => batch.push(message),
-                    Some(Err(error)) => {
-                        // Missed heartbeats and the like while NATS reconnects; it goes on,
-                        // with a new pull if this one stalled.
-                        let renewed = pull.recover(&error).await;
-                        tracing::warn!(%error, renewed, "pulling messages");
-                    }
-                    None => {
-                        stream_ended.store(true, Ordering::Relaxed);
-                        stop.cancel();
-                        break;
-                    }
-                }
-                if batch.len() < batch_size {
-                    next = pull.messages().next().now_or_never();
-                }
-            }
+            Some(delivery::fetch(&consumer, &client, worker.lanes.batch_size, &stop).await)
+        };
+        let fetched = tokio::select! {
+            fetched = fetching => match fetched {
+                Some(fetched) => fetched,
+                None => return Ok(()),
+            },
+            () = immediate.cancelled() => return Ok(()),
+        };
+        let failed = fetched.error.is_some();
+        if let Some(error) = &fetched.error {
+            tracing::warn!(%error, "fetching");
         }
-        match batch.as_slice() {
-            [] => {}
-            [message] => {
-                worker.process(message).instrument(message_span()).await;
+        if (failed || fetched.unanswered) && jetstream::consumer_is_gone(&consumer).await {
+            return Err(LaneError::ConsumerGone);
+        }
+        let batch = fetched.messages;
+        if batch.is_empty() {
+            // Failed, or refused at once (other requests wait for what there is): not a reason
+            // to ask again in a tight loop.
+            let pause = if failed {
+                FAILED_FETCH_PAUSE
+            } else if asked.elapsed() < EMPTY_FETCH_PAUSE {
+                EMPTY_FETCH_PAUSE
+            } else {
+                Duration::ZERO
+            };
+            tokio::select! {
+                () = stop.cancelled() => return Ok(()),
+                () = tokio::time::sleep(pause) => {}
             }
-            messages => {
-                worker.process_batch(messages).await;
+            continue;
+        }
+        let handled = async {
+            match batch.as_slice() {
+                [message] => vec![worker.process(message).instrument(message_span()).await],
+                messages => worker.process_batch(messages).await,
             }
+        };
+        let dispositions = tokio::select! {
+            dispositions = handled => dispositions,
+            () = immediate.cancelled() => {
+                // Whatever committed is acked by now or comes again as a duplicate.
+                nak_now(&batch).await;
+                return Ok(());
+            }
+        };
+        if let Some(Disposition::Halted(why)) = dispositions
+            .into_iter()
+            .find(|disposition| matches!(disposition, Disposition::Halted(_)))
+        {
+            return Err(LaneError::Halted(why));
+        }
+    }
+}
+
+/// How long the lanes have to nak what they hold after an immediate stop.
+const IMMEDIATE_GRACE: Duration = Duration::from_millis(500);
+
+/// Pause after a fetch refused at once.
+const EMPTY_FETCH_PAUSE: Duration = Duration::from_millis(50);
+/// Pause after a fetch that failed (NATS away, or reconnecting).
+const FAILED_FETCH_PAUSE: Duration = Duration::from_secs(1);
+
+/// Gives `messages` back for redelivery now: held at an immediate stop.
+async fn nak_now(messages: &[Delivery]) {
+    for message in messages {
+        if let Err(error) = delivery::nak(message, Duration::ZERO).await {
+            tracing::warn!(%error, "nak not sent; the message comes again after its ack wait");
         }
     }
 }
@@ -570,8 +710,12 @@ pub enum Disposition {
     /// Nak'ed, to come again after the delay.
     Retried(Duration),
     /// Left unacked (the handler died, or an ack or dead letter could not be sent): JetStream
-    /// redelivers it after the ack wait.
+    /// redelivers it after the ack wait, or, past the consumer's own cap, says so in the
+    /// MAX_DELIVERIES advisory that the backstop turns into a dead letter.
     LeftForRedelivery,
+    /// Left unacked because the handler broke an invariant of this program: the lane stops,
+    /// and with it the process.
+    Halted(String),
 }
 
 /// Counts of dispositions since start.
@@ -592,7 +736,7 @@ impl Stats {
             Disposition::Acked(_) => &self.acked,
             Disposition::DeadLettered(_) => &self.dead_lettered,
             Disposition::Retried(_) => &self.retried,
-            Disposition::LeftForRedelivery => &self.left_for_redelivery,
+            Disposition::LeftForRedelivery | Disposition::Halted(_) => &self.left_for_redelivery,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -722,9 +866,10 @@ impl<H: MessageHandler> Worker<H> {
                             .instrument(span.clone())
                             .await
                     }
-                    // A handler that returned fewer results than messages: leave the rest for
-                    // redelivery rather than guess.
-                    _ => Disposition::LeftForRedelivery,
+                    // A handler that returned fewer results than messages: a bug, not a guess.
+                    _ => Disposition::Halted(
+                        "the handler returned fewer results than messages".to_owned(),
+                    ),
                 },
             };
             span.record("disposition", field::debug(&disposition));
@@ -735,8 +880,8 @@ impl<H: MessageHandler> Worker<H> {
         settled
     }
 
-    /// Reads where a delivery came from and decodes it; a body that cannot be decoded is
-    /// dead-lettered here.
+    /// Reads where a delivery came from and decodes it; a delivery past the cap, or a body
+    /// that cannot be decoded, is dead-lettered here.
     async fn admit<'a>(&self, message: &'a Delivery) -> Admitted<'a> {
         let Some(origin) = delivery::origin(message) else {
             // Not a JetStream delivery: there is nothing to ack, so nothing to do.
@@ -746,6 +891,9 @@ impl<H: MessageHandler> Worker<H> {
         let span = tracing::Span::current();
         span.record("stream_seq", origin.stream_sequence);
         span.record("delivered", origin.deliveries);
+        if let Some(action) = policy::admit(origin.deliveries, &self.lanes.retry) {
+            return Admitted::Settled(self.perform(message, &origin, action).await);
+        }
         match self.decode(message) {
             Ok(decoded) => {
                 span.record("message_id", field::display(&decoded.key));
@@ -816,6 +964,7 @@ impl<H: MessageHandler> Worker<H> {
         let kind = error.kind();
         match &kind {
             ErrorKind::Permanent(_) => tracing::warn!(%error, "permanent failure"),
+            ErrorKind::Internal => tracing::error!(%error, "broken invariant; stopping"),
             ErrorKind::Transient => {
                 if error.is_database() {
                     self.database_suspect.store(true, Ordering::Relaxed);
@@ -859,6 +1008,14 @@ impl<H: MessageHandler> Worker<H> {
             Action::DeadLetter { reason, detail } => {
                 self.dead_letter(message, origin, reason, &detail).await
             }
+            Action::LeaveToAdvisory => {
+                tracing::warn!(
+                    "the server delivers this message no more; its MAX_DELIVERIES advisory \
+                     brings it to the dead letters"
+                );
+                Disposition::LeftForRedelivery
+            }
+            Action::Halt(why) => Disposition::Halted(why),
         }
     }
 

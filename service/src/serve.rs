@@ -2,7 +2,6 @@
 //! [`crate::runtime`]; this module turns the command line into its settings, adds what only a
 //! long-running service needs (signals, the purge and its horizon guard, metrics) and waits.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -12,6 +11,8 @@ use inventory_infra::outbox::{OutboxSource, RelaySettings};
 use inventory_infra::redact::redact_url;
 use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
+
+use crate::tasks::Background;
 
 use crate::args::{
     DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, detect_mode, drain,
@@ -84,20 +85,24 @@ pub struct ServeArgs {
     /// SQLite.
     #[arg(long, help_heading = "Consumer")]
     pub concurrency: Option<usize>,
-    /// How long JetStream waits for an ack before redelivering (when it creates the consumer).
+    /// How long JetStream waits for an ack before redelivering (when it creates the consumer,
+    /// or with --update-consumer).
     #[arg(long, default_value = shown(RuntimeSettings::ACK_WAIT), value_parser = humantime::parse_duration, help_heading = "Consumer")]
     pub ack_wait: Duration,
-    /// Deliveries of one message before it is dead-lettered as max-deliveries (when it creates
-    /// the consumer).
-    #[arg(long, default_value_t = RuntimeSettings::MAX_DELIVER, help_heading = "Consumer")]
-    pub max_deliver: i64,
     /// JetStream redelivery backoff after ack-wait timeouts, comma separated (e.g. 5s,30s,2m);
-    /// none by default (when it creates the consumer).
+    /// none by default (when it creates the consumer, or with --update-consumer).
     #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration, help_heading = "Consumer")]
     pub backoff: Vec<Duration>,
-    /// Unacked messages the server lets this consumer hold (when it creates the consumer).
+    /// Unacked messages the server lets the consumer hand out, over all instances (when it
+    /// creates the consumer, or with --update-consumer). Each instance holds at most
+    /// --concurrency × --batch-size: keep this at least that times the instances.
     #[arg(long, default_value_t = RuntimeSettings::MAX_ACK_PENDING, help_heading = "Consumer")]
     pub max_ack_pending: i64,
+    /// Sets an existing consumer's ack wait, backoff, max ack pending and delivery cap to this
+    /// service's where they differ, instead of keeping the server's (each difference is logged
+    /// either way).
+    #[arg(long, help_heading = "Consumer")]
+    pub update_consumer: bool,
     /// Delay before retrying a message that failed transiently; doubles per delivery up to
     /// --max-retry-delay.
     #[arg(long, default_value = shown(RuntimeSettings::RETRY_DELAY), value_parser = humantime::parse_duration, help_heading = "Consumer")]
@@ -119,7 +124,8 @@ pub struct ServeArgs {
     /// The outbox relay `--strategy natural` runs beside its lanes.
     #[command(flatten)]
     pub relay: RelayArgs,
-    /// Completed inbox rows older than this are purged in the background. Must cover the
+    /// Completed inbox rows older than this are purged in the background (the inbox and email
+    /// strategies; the natural key keeps no inbox rows). Must cover the
     /// redelivery horizon (redeliveries + duplicate window + the stream's max_age or the lag
     /// allowance + replay allowance).
     #[arg(long, default_value = "14days", value_parser = humantime::parse_duration, help_heading = "Retention and the redelivery horizon")]
@@ -180,7 +186,6 @@ impl ServeArgs {
                     .clone()
                     .unwrap_or_else(|| handler.default_consumer().to_owned()),
                 ack_wait: self.ack_wait,
-                max_deliver: self.max_deliver,
                 backoff: self.backoff.clone(),
                 max_ack_pending: self.max_ack_pending,
                 ..defaults.consumer
@@ -189,6 +194,8 @@ impl ServeArgs {
                 DbBackend::Sqlite => SQLITE_LANES,
                 _ => usize::try_from(self.db_pool_size).unwrap_or(1),
             }),
+            update_consumer: self.update_consumer,
+            max_deliver: self.horizon.max_deliver,
             batch_size: self.batch_size(),
             max_body_bytes: self.max_body_bytes,
             retry_delay: self.retry_delay,
@@ -207,47 +214,43 @@ impl ServeArgs {
 
 /// Reads what waits in the dead-letter stream for `consumer` every [`DEAD_LETTER_INTERVAL`] into
 /// `metrics` until `stop`: what a dead letter's alarm stays on for until someone replays or
-/// deletes it. A failed look keeps the last figures.
-fn watch_dead_letters(
-    js: jetstream::Context,
-    topology: jetstream::Topology,
+/// deletes it. Two requests a look, however many wait. A failed look keeps the last figures.
+async fn watch_dead_letters(
+    letters: jetstream::DeadLetterStream,
     consumer: String,
     replay_allowance: Duration,
     metrics: Metrics,
     stop: CancellationToken,
 ) {
-    tokio::spawn(async move {
-        let letters = jetstream::DeadLetterStream::new(js, topology);
-        let mut ticks = tokio::time::interval(DEAD_LETTER_INTERVAL);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                _ = ticks.tick() => {}
-            }
-            let read = tokio::select! {
-                () = stop.cancelled() => return,
-                read = letters.read_all(chrono::Utc::now().timestamp()) => read,
-            };
-            let letters = match read {
-                Ok(letters) => letters,
-                Err(error) => {
-                    tracing::debug!(%error, "reading the dead letters");
-                    continue;
-                }
-            };
-            let mut waiting: BTreeMap<String, (i64, Duration)> = BTreeMap::new();
-            let mut past_allowance = 0;
-            for letter in letters.iter().filter(|letter| letter.consumer == consumer) {
-                let age = Duration::from_secs(u64::try_from(letter.age_seconds).unwrap_or(0));
-                let (count, oldest) = waiting.entry(letter.reason.clone()).or_default();
-                *count += 1;
-                *oldest = (*oldest).max(age);
-                past_allowance += usize::from(age > replay_allowance);
-            }
-            metrics.record_dead_letters(&consumer, &waiting, past_allowance);
+    let mut ticks = tokio::time::interval(DEAD_LETTER_INTERVAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = ticks.tick() => {}
         }
-    });
+        let read = tokio::select! {
+            () = stop.cancelled() => return,
+            read = letters.waiting(&consumer) => read,
+        };
+        match read {
+            Ok(waiting) => {
+                let oldest = waiting
+                    .oldest_stored_at
+                    .map_or(Duration::ZERO, |stored_at| {
+                        let age = chrono::Utc::now().timestamp().saturating_sub(stored_at);
+                        Duration::from_secs(u64::try_from(age).unwrap_or(0))
+                    });
+                metrics.record_dead_letters(
+                    &consumer,
+                    waiting.count,
+                    oldest,
+                    oldest > replay_allowance,
+                );
+            }
+            Err(error) => tracing::debug!(%error, "reading the dead letters"),
+        }
+    }
 }
 
 /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
@@ -275,9 +278,11 @@ pub(crate) fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
 pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     listen_for_signals(shutdown.clone())?;
-    let background = CancellationToken::new();
-    // Stops the purge and the health server however start() returns.
-    let _stop_background = background.clone().drop_guard();
+    let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
+    // The health server, the purge and the watchers; the purge and the watchers stop with the
+    // first signal (the purge must not hold the database while the lanes drain), the health
+    // server at the very end.
+    let mut background = Background::new(graceful.clone());
     // The health endpoints are up before the set-up: /livez answers at once, /readyz says
     // "starting" until the database, NATS and the relay are set up.
     let (metrics, liveness, readiness) =
@@ -285,15 +290,16 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     if let MetricsAddr(Some(addr)) = args.metrics.metrics_addr {
         let stuck_after = args.database.timeouts().work().unwrap_or(args.ack_wait) + STUCK_MARGIN;
         let health = (metrics.clone(), liveness.clone(), readiness.clone());
-        health::serve(
+        let (_, server) = health::serve(
             addr,
             health.0,
             health.1,
             health.2,
             stuck_after,
-            background.clone(),
+            background.stop_token(),
         )
         .await?;
+        background.adopt("the health server", server);
     }
 
     args.database.url.warn_if_implicit();
@@ -317,7 +323,10 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
     runtime.report_failures_to(liveness.clone());
 
-    if !args.purge_interval.is_zero() {
+    // Only an inbox has rows to keep past the horizon and to purge: the natural key's are the
+    // business record.
+    let purging = !args.purge_interval.is_zero() && runtime.settings().handler.writes_inbox_rows();
+    if purging {
         // The server's values rule, whatever this process would have set.
         let horizon = retention::horizon(
             runtime.server_consumer(),
@@ -359,23 +368,20 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         }
         StrategyArg::Inbox | StrategyArg::Email => None,
     };
-    let mut purge_guard = None;
-    if !args.purge_interval.is_zero() {
+    if purging {
         let settings = PurgeSettings {
             retention: args.inbox_retention,
             interval: args.purge_interval,
             batch_size: args.purge_batch_size,
         };
-        // The purge stops with the first signal: it must not hold the database while draining.
-        let stop = shutdown.graceful.child_token();
-        retention::spawn_purge(
+        let purge = retention::spawn_purge(
             db.clone(),
             consumer_name.clone(),
             settings,
             Some(metrics.clone()),
-            stop.clone(),
+            graceful.child_token(),
         )?;
-        purge_guard = Some(stop.drop_guard());
+        background.adopt("the inbox purge", purge);
     }
 
     let mailbox = match runtime.settings().handler {
@@ -401,21 +407,26 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         runtime.server_consumer().max_ack_pending,
     );
     let mut relay = relay.map(RunningRelay::start);
-    let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
     let running = runtime.start(handler, Some(consumer_metrics.clone()), shutdown);
-    running.report_lag(consumer_metrics, LAG_INTERVAL);
-    watch_dead_letters(
-        js.clone(),
-        args.topology.topology(),
-        consumer_name.clone(),
-        args.horizon.replay_allowance,
-        metrics.clone(),
-        graceful.child_token(),
+    background.adopt(
+        "the lag watcher",
+        running.report_lag(consumer_metrics, LAG_INTERVAL),
+    );
+    background.adopt(
+        "the dead letters' watcher",
+        tokio::spawn(watch_dead_letters(
+            jetstream::DeadLetterStream::new(js.clone(), args.topology.topology()),
+            consumer_name.clone(),
+            args.horizon.replay_allowance,
+            metrics.clone(),
+            graceful.child_token(),
+        )),
     );
     readiness.ready(client.clone(), &db);
     let lanes = running.wait();
     tokio::pin!(lanes);
-    // The relay must run as long as the lanes: one that ends stops them, and the process.
+    // The relay and the background tasks must run as long as the lanes: one that ends stops
+    // them, and the process.
     let relay_ended = async {
         match relay.as_mut() {
             Some(relay) => relay.ended().await,
@@ -429,13 +440,18 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             graceful.cancel();
             lanes.await
         }
+        why = background.ended_early() => {
+            crate::relay::report_task_failure("background", &why, &metrics, &liveness);
+            graceful.cancel();
+            lanes.await
+        }
     };
-    drop(purge_guard);
     // After the lanes: the relay's last pass publishes what their last messages committed.
     let relay_end = match relay {
         Some(relay) => relay.stop(&immediate).await,
         None => RelayEnd::Stopped,
     };
+    let background_failures = background.stop(&immediate).await;
     match (lanes_ended, relay_end) {
         (Err(error), _) => {
             // What finished was acked: flush those acks before failing.
@@ -445,6 +461,10 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         (Ok(_), RelayEnd::Failed(why)) => {
             drain(&client, &immediate).await;
             anyhow::bail!("the outbox relay {why}; its rows wait for another relay")
+        }
+        (Ok(_), _) if !background_failures.is_empty() => {
+            drain(&client, &immediate).await;
+            anyhow::bail!("{}", background_failures.join("; "))
         }
         (Ok(Ending::Abandoned), _) => {
             eprintln!(

@@ -143,6 +143,19 @@ async fn unlimited_deliveries_refuse_any_retention_unless_accepted() {
         logs.contains("going on as --accept-short-retention says"),
         "{logs}"
     );
+
+    // The natural key keeps no inbox rows: no horizon to guard, no purge.
+    let natural = setup.serve(&[
+        "--strategy",
+        "natural",
+        "--consumer",
+        "natural-unlimited",
+        "--max-deliver=-1",
+    ]);
+    wait_until_fetching(&setup, "natural-unlimited").await;
+    let (status, logs) = stop(natural);
+    assert!(status.success(), "{logs}");
+    assert!(!logs.contains("horizon"), "{logs}");
 }
 
 /// Creates the durable consumer `name` with these redelivery settings, through `serve` with

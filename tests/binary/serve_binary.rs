@@ -196,6 +196,67 @@ async fn serve_waits_out_a_consumer_lookup_left_unanswered() {
     serve_through_a_silence_after(b"$JS.API.CONSUMER.INFO").await;
 }
 
+/// An operator tuned the consumer by hand (`nats consumer edit`). A restart whose first look at
+/// it goes unanswered asks again, keeps the server's settings and names each that differs from
+/// its flags: it creates the consumer only when the server says there is none, never because a
+/// lookup failed (create is create-or-update, and would have reset them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_tuned_by_hand_keeps_its_settings_across_a_restart_whose_lookup_fails() {
+    let nats = inventory_tests::nats::shared_url().await;
+    let broker = FaultProxy::in_front_of(&nats).await;
+    let mut setup = Setup::new().await;
+    let js = jetstream::context(jetstream::connect(&nats, "operator").await.unwrap());
+    let topology = setup.names.topology();
+    let (stream, _) = jetstream::ensure_streams(&js, &topology).await.unwrap();
+    let tuned = jetstream::ConsumerSettings {
+        durable_name: "inventory-reserve-stock".into(),
+        filter_subject: setup.names.subjects(),
+        ack_wait: Duration::from_secs(7),
+        max_deliver: 5,
+        backoff: Vec::new(),
+        max_ack_pending: 77,
+    };
+    jetstream::ensure_consumer(&js, &stream, &tuned, false)
+        .await
+        .unwrap();
+
+    setup.0.nats_url = broker.url_for(&nats);
+    broker.silence_after(b"$JS.API.CONSUMER.INFO", 1);
+    setup.put_stock(BOOK, "Dune", 100);
+    let service = setup.serve_with(&[
+        "--strategy",
+        "natural",
+        "--nats-request-timeout",
+        "1s",
+        "--nats-ping-interval",
+        "1s",
+    ]);
+    eventually("serve's lookup silenced", || async {
+        broker.silences_made() == 1
+    })
+    .await;
+    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
+    setup.wait_for_reserved(2).await;
+    let (status, logs) = binary::stop(service);
+    assert!(status.success(), "{logs}");
+    assert!(logs.contains("asking again"), "{logs}");
+    for setting in ["ack_wait", "max_deliver", "max_ack_pending"] {
+        assert!(
+            logs.contains(&format!("has {setting} = ")) && logs.contains("keeping the existing"),
+            "{setting}: {logs}"
+        );
+    }
+    let kept = stream
+        .consumer_info("inventory-reserve-stock")
+        .await
+        .unwrap()
+        .config;
+    assert_eq!(
+        (kept.ack_wait, kept.max_deliver, kept.max_ack_pending),
+        (Duration::from_secs(7), 5, 77)
+    );
+}
+
 /// The stream is created; only the answer is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_waits_out_a_stream_create_left_unanswered() {

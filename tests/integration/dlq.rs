@@ -4,6 +4,7 @@
 //! changes nothing; a dead letter older than the replay allowance is replayed only when forced.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use async_nats::HeaderMap;
 use inventory_domain::{DeadLetterReason, StockItem};
@@ -405,5 +406,70 @@ async fn a_dead_letter_older_than_the_replay_allowance_is_refused_unless_forced(
     assert_eq!(
         broker.stream_messages(&broker.topology.stream).await,
         orders_before + 2
+    );
+}
+
+/// Requests that reached `subscription` until it has been quiet for a moment.
+async fn requests_seen(subscription: &mut async_nats::Subscriber) -> usize {
+    use futures::StreamExt as _;
+    let mut seen = 0;
+    while let Ok(Some(_)) =
+        tokio::time::timeout(Duration::from_millis(300), subscription.next()).await
+    {
+        seen += 1;
+    }
+    seen
+}
+
+/// The dead letters' gauges cost the same two requests a look whatever waits: the count from
+/// the stream's subject index, the oldest by one get. Reading every dead letter, as they once
+/// did, cost a request per dead letter every 30 s on every instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_at_the_dead_letters_costs_as_much_at_a_hundred_thousand_as_at_ten() {
+    let broker = Broker::new().await;
+    let consumer = broker.consumer_name.clone();
+    let subject = broker.topology.dlq_subject(&consumer);
+    let dlq = broker.topology.dlq_stream.clone();
+    let mut requests = broker
+        .client
+        .subscribe(format!("$JS.API.STREAM.*.{dlq}"))
+        .await
+        .unwrap();
+    let mut gets = broker
+        .client
+        .subscribe(format!("$JS.API.STREAM.MSG.GET.{dlq}"))
+        .await
+        .unwrap();
+    let letters = inventory_infra::jetstream::DeadLetterStream::new(
+        broker.js.clone(),
+        broker.topology.clone(),
+    );
+    let mut stored = 0;
+    let mut cost = Vec::new();
+    for waiting in [10, 100_000] {
+        for _ in stored..waiting {
+            broker
+                .client
+                .publish(subject.clone(), "a dead letter".into())
+                .await
+                .unwrap();
+        }
+        broker.client.flush().await.unwrap();
+        stored = waiting;
+        eventually(&format!("{waiting} dead letters stored"), || async {
+            broker.stream_messages(&dlq).await == waiting
+        })
+        .await;
+        requests_seen(&mut requests).await;
+        requests_seen(&mut gets).await;
+        let look = letters.waiting(&consumer).await.unwrap();
+        assert_eq!(look.count, waiting);
+        assert!(look.oldest_stored_at.is_some());
+        cost.push(requests_seen(&mut requests).await + requests_seen(&mut gets).await);
+    }
+    assert_eq!(
+        cost,
+        [2, 2],
+        "requests a look at 10 and at 100,000 dead letters"
     );
 }

@@ -42,6 +42,7 @@ async fn serve_health(
     )
     .await
     .unwrap()
+    .0
 }
 
 /// The status and the JSON body of `GET /healthz`.
@@ -188,7 +189,8 @@ async fn readyz_says_starting_until_set_up_and_livez_follows_the_tasks() {
         stop.clone(),
     )
     .await
-    .unwrap();
+    .unwrap()
+    .0;
     let (status, body) = get(addr, "/readyz").await;
     assert_eq!((status, body["status"].as_str()), (503, Some("starting")));
     assert_eq!(

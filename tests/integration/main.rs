@@ -5,6 +5,7 @@
     reason = "a test fails by panicking"
 )]
 
+mod boundary;
 mod compare;
 mod corpus;
 mod crash_points;

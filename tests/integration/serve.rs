@@ -483,17 +483,23 @@ async fn an_existing_stream_and_consumer_are_kept_and_their_differences_reported
         durable_name: broker.consumer_name.clone(),
         filter_subject: format!("{}.>", broker.topology.subject_prefix),
         ack_wait: std::time::Duration::from_secs(1),
-        max_deliver: 5,
+        max_deliver: -1,
         backoff: Vec::new(),
         max_ack_pending: 1_000,
     };
     wanted.max_deliver = 7;
-    let (mut consumer, drifts) = inventory_infra::jetstream::ensure_consumer(&stream, &wanted)
-        .await
-        .unwrap();
+    let ensure =
+        |update| inventory_infra::jetstream::ensure_consumer(&broker.js, &stream, &wanted, update);
+    let (mut consumer, drifts) = ensure(false).await.unwrap();
     assert_eq!(drifts.len(), 1);
     assert_eq!(drifts[0].setting, "max_deliver");
-    assert_eq!(consumer.info().await.unwrap().config.max_deliver, 5);
+    assert!(drifts[0].kept, "{}", drifts[0]);
+    assert_eq!(consumer.info().await.unwrap().config.max_deliver, -1);
+    // Told to, it sets its own.
+    let (mut consumer, drifts) = ensure(true).await.unwrap();
+    assert_eq!(drifts.len(), 1);
+    assert!(!drifts[0].kept, "{}", drifts[0]);
+    assert_eq!(consumer.info().await.unwrap().config.max_deliver, 7);
 }
 
 /// A lane whose handler panics takes no more messages and must not leave the process idling

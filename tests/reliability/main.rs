@@ -19,6 +19,8 @@
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
+//! - `stall`: the database silent for longer than the delivery cap allows, the instance
+//!   SIGKILLed as it comes back: no order neither reserved nor dead-lettered.
 //! - `chain`: every process of the chain (orders relays, natural instances, Inventory's relay,
 //!   the email notifier) SIGKILLed and restarted at random under 5,000 orders.
 #![expect(
@@ -35,4 +37,5 @@ mod load;
 mod network;
 mod outages;
 mod relay_outage;
+mod stall;
 mod support;

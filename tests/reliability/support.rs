@@ -184,14 +184,8 @@ impl Scenario {
     pub(crate) fn new(label: &str, database_url: &str, nats_url: &str, replicas: usize) -> Self {
         let names = unique_names(label);
         let topology = Topology {
-            stream: names.stream.clone(),
-            subject_prefix: names.subject_prefix.clone(),
-            dlq_stream: names.dlq_stream.clone(),
-            dlq_subject_prefix: names.dlq_subject_prefix.clone(),
-            events_stream: names.events_stream.clone(),
-            events_subject_prefix: names.events_subject_prefix.clone(),
-            duplicate_window: Duration::from_secs(120),
             replicas,
+            ..names.topology()
         };
         let logs = std::env::temp_dir().join(format!("inventory-{}", names.suffix));
         std::fs::create_dir_all(&logs).unwrap();

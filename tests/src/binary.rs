@@ -171,6 +171,7 @@ impl Drop for BinaryRun {
             self.names.stream.clone(),
             self.names.dlq_stream.clone(),
             self.names.events_stream.clone(),
+            jetstream::advisories_stream(&self.names.stream),
         ];
         run_to_end_from_drop(async move {
             if let Ok(client) = jetstream::connect(&nats_url, "test cleanup").await {

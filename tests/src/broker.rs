@@ -45,16 +45,7 @@ impl Broker {
 
     pub async fn on(url: &str) -> Self {
         let names = crate::nats::unique_names("");
-        let topology = Topology {
-            stream: names.stream,
-            subject_prefix: names.subject_prefix,
-            dlq_stream: names.dlq_stream,
-            dlq_subject_prefix: names.dlq_subject_prefix,
-            events_stream: names.events_stream,
-            events_subject_prefix: names.events_subject_prefix,
-            duplicate_window: Duration::from_secs(120),
-            replicas: 1,
-        };
+        let topology = names.topology();
         let client = jetstream::connect(url, "inventory tests").await.unwrap();
         let js = jetstream::context(client.clone());
         jetstream::ensure_streams(&js, &topology).await.unwrap();
@@ -89,14 +80,14 @@ impl Broker {
     }
 
     /// Runtime settings for the test's own consumer of every order event: `concurrency` lanes,
-    /// a short ack wait so a withheld ack is redelivered quickly, fast retries, and `max_deliver`
-    /// deliveries. The handler kind only names the settings: the test passes its own handler.
+    /// a short ack wait so a withheld ack is redelivered quickly, fast retries, and a cap of
+    /// `max_deliver` deliveries (the service's: the consumer has none). The handler kind only names the settings: the test passes its own handler.
     pub fn settings(&self, concurrency: usize, max_deliver: i64) -> RuntimeSettings {
         let kind = HandlerKind::NaturalKey(NaturalKeyPath::Orm);
         let mut settings = RuntimeSettings::new(self.topology.clone(), kind, concurrency);
         settings.consumer.durable_name = self.consumer_name.clone();
         settings.consumer.ack_wait = Duration::from_secs(1);
-        settings.consumer.max_deliver = max_deliver;
+        settings.max_deliver = max_deliver;
         settings.retry_delay = Duration::from_millis(50);
         settings.max_retry_delay = Duration::from_millis(500);
         settings
@@ -114,7 +105,8 @@ impl Broker {
     /// Creates the test's consumer as [`Self::settings`] would, before any service starts.
     pub async fn consumer(&self, max_deliver: i64) {
         let stream = self.js.get_stream(&self.topology.stream).await.unwrap();
-        jetstream::ensure_consumer(&stream, &self.settings(1, max_deliver).consumer)
+        let consumer = self.settings(1, max_deliver).consumer;
+        jetstream::ensure_consumer(&self.js, &stream, &consumer, false)
             .await
             .unwrap();
     }
@@ -174,12 +166,13 @@ impl Broker {
 impl Drop for Broker {
     fn drop(&mut self) {
         let js = self.js.clone();
-        // The events stream exists only if a test's relay created it; deleting an absent
-        // stream is harmless.
+        // The events stream exists only if a test's relay created it, the advisories' only for
+        // a consumer with a cap of its own; deleting an absent stream is harmless.
         let names = [
             self.topology.stream.clone(),
             self.topology.dlq_stream.clone(),
             self.topology.events_stream.clone(),
+            jetstream::advisories_stream(&self.topology.stream),
         ];
         crate::run_to_end_from_drop(async move {
             for name in names {

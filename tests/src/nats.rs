@@ -473,6 +473,19 @@ pub struct TestNames {
 }
 
 impl TestNames {
+    /// The names as the service's [`Topology`], the contract's duplicate window, one replica.
+    pub fn topology(&self) -> inventory_infra::jetstream::Topology {
+        inventory_infra::jetstream::Topology {
+            stream: self.stream.clone(),
+            subject_prefix: self.subject_prefix.clone(),
+            dlq_stream: self.dlq_stream.clone(),
+            dlq_subject_prefix: self.dlq_subject_prefix.clone(),
+            events_stream: self.events_stream.clone(),
+            events_subject_prefix: self.events_subject_prefix.clone(),
+            ..inventory_infra::jetstream::Topology::default()
+        }
+    }
+
     /// The orders stream's subject filter, `<subject_prefix>.>`.
     pub fn subjects(&self) -> String {
         format!("{}.>", self.subject_prefix)

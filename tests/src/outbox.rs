@@ -265,6 +265,7 @@ pub fn fast_settings() -> RelaySettings {
         publish_timeout: Duration::from_secs(1),
         retry_delay: Duration::from_millis(50),
         max_retry_delay: Duration::from_millis(500),
+        backlog_interval: Duration::from_millis(400),
         ..RelaySettings::default()
     }
 }

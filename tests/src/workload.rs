@@ -7,7 +7,7 @@
 //! quantity, `reserved` the sum of the distinct orders' quantities, and every stream message
 //! accounted for.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::PullConsumer;
@@ -15,9 +15,9 @@ use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::PublishMessage;
 use futures::StreamExt;
 use inventory_benches::workload::SplitMix64;
-use inventory_domain::{BookId, Event, Message, OrderId, StockEvent, StockEventKind};
+use inventory_domain::{BookId, Event, EventKind, Message, OrderId, StockEvent, StockEventKind};
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::{OrderPublisher, Topology};
+use inventory_infra::jetstream::{DeadLetterStream, OrderPublisher, Topology};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 use crate::placed;
@@ -319,6 +319,41 @@ pub async fn settle(
     }
 }
 
+/// Waits until the consumer has settled, or has nothing left to deliver (nothing pending,
+/// nothing unacked) for five seconds although its ack floor lags: what the server will never
+/// deliver again, which a check then finds lost. Panics after `limit`.
+pub async fn quiesce(
+    js: &Context,
+    topology: &Topology,
+    consumer: &str,
+    min_messages: u64,
+    limit: Duration,
+) -> StreamState {
+    let deadline = Instant::now() + limit;
+    let mut quiet_since = None;
+    let mut last = None;
+    loop {
+        if let Some(state) = stream_state(js, topology, consumer).await {
+            if state.settled() && state.stream_last_seq >= min_messages {
+                return state;
+            }
+            let quiet = state.pending == 0 && state.ack_pending == 0;
+            match (quiet, quiet_since) {
+                (true, None) => quiet_since = Some(Instant::now()),
+                (true, Some(since)) if since.elapsed() > Duration::from_secs(5) => return state,
+                (false, _) => quiet_since = None,
+                _ => {}
+            }
+            last = Some(state);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the consumer did not settle within {limit:?}; last state: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// What a fault scenario left behind, against what the workload asked for.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -466,4 +501,76 @@ pub async fn check_ledger(
         }
     }
     report
+}
+
+/// The orders whose OrderPlaced stands in the dead-letter stream of `topology`.
+pub async fn dead_lettered_orders(js: &Context, topology: &Topology) -> HashSet<OrderId> {
+    let letters = DeadLetterStream::new(js.clone(), topology.clone())
+        .read_all(chrono::Utc::now().timestamp())
+        .await
+        .expect("the dead letters");
+    letters
+        .iter()
+        .filter_map(|letter| Message::decode(EventKind::Placed, &letter.body).ok())
+        .map(|message| message.event.order_id())
+        .collect()
+}
+
+/// The weaker promise when messages may have been dead-lettered: every order of `workload`
+/// has exactly its one reservation, or none and its OrderPlaced stands in `dead_lettered`; no
+/// wrong or unknown rows, every book's
+/// `reserved` the sum of its reservations, and every stream message settled. Panics with a
+/// summary otherwise; returns it.
+pub async fn assert_reserved_once_or_dead_lettered(
+    db: &DatabaseConnection,
+    workload: &Workload,
+    state: StreamState,
+    dead_lettered: &HashSet<OrderId>,
+) -> String {
+    let report = check(db, workload, state).await;
+    let rows = db
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT DISTINCT order_id FROM stock_reservations".to_owned(),
+        ))
+        .await
+        .expect("the reservation rows");
+    let with_row: HashSet<OrderId> = rows
+        .iter()
+        .map(|row| OrderId::from(row.try_get::<uuid::Uuid>("", "order_id").expect("order_id")))
+        .collect();
+    let lost: Vec<&OrderId> = workload
+        .orders
+        .keys()
+        .filter(|order| !with_row.contains(*order) && !dead_lettered.contains(*order))
+        .collect();
+    let books_off = db
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT count(*) AS n FROM stock_items s WHERE reserved <> \
+               (SELECT COALESCE(SUM(quantity), 0) FROM stock_reservations r \
+                WHERE r.book_id = s.book_id AND r.status = 'reserved')"
+                .to_owned(),
+        ))
+        .await
+        .expect("the stock rows")
+        .expect("a count")
+        .try_get::<i64>("", "n")
+        .expect("n");
+    let summary = format!(
+        "{}; {} orders dead-lettered, {} neither reserved nor dead-lettered (e.g. {:?})",
+        report.summary(),
+        dead_lettered.len(),
+        lost.len(),
+        lost.first()
+    );
+    assert!(lost.is_empty(), "{summary}");
+    assert_eq!(report.rows_wrong, 0, "{summary}");
+    assert_eq!(report.rows_unknown, 0, "{summary}");
+    assert_eq!(
+        books_off, 0,
+        "a book's reserved is not the sum of its reservations; {summary}"
+    );
+    assert!(report.stream.settled(), "{summary}");
+    summary
 }

@@ -1,6 +1,7 @@
 //! `inventory bench hand-written`: the consumer one would write by hand around the service's
 //! statements, as the bound of what the service's own loop costs per message. N lanes take
-//! from one JetStream pull stream, as the service's lanes do: the next message, and after it
+//! from one continuous JetStream pull, as one writes it by hand (async-nats's `messages()`;
+//! the service fetches each lane's batch on demand instead): the next message, and after it
 //! what is already fetched, up to `--batch-size` (a batch never waits for more). A lane decodes
 //! the OrderPlaced bodies, runs the service's statements for them and acks each message after
 //! the commit. No retry policy, dead letters, spans, metrics or outage handling: a failure ends
@@ -41,7 +42,6 @@ use anyhow::{Context as _, Result, ensure};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use futures::{FutureExt as _, Stream, StreamExt as _};
 use inventory_infra::db;
-use inventory_infra::delivery;
 use inventory_infra::jetstream::{Context, Topology};
 use serde::Deserialize;
 use tokio::task::JoinSet;
@@ -215,8 +215,14 @@ impl HandWritten {
         let batch_size = batch_size.max(1);
         check(driver, &fresh.url, batch_size)?;
         let database = Arc::new(Database::open(fresh, driver).await?);
-        // As the service pulls: twice what the lanes hold, asked again when half is used.
-        let messages = delivery::pull(&consumer, (2 * lanes * batch_size).max(32)).await?;
+        // Twice what the lanes hold, asked again when half is used.
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch((2 * lanes * batch_size).max(32))
+            .heartbeat(std::time::Duration::from_secs(2))
+            .expires(std::time::Duration::from_secs(30))
+            .messages()
+            .await?;
         let messages = Arc::new(tokio::sync::Mutex::new(messages));
         let counts = Arc::new(Counts::default());
         let stop = CancellationToken::new();

@@ -32,6 +32,10 @@ pub enum HandleError {
     /// committed is unknown: the retry finds out.
     #[error("database work abandoned after {0:?} without an answer")]
     TimedOut(std::time::Duration),
+    /// An invariant of this program does not hold (a statement returned fewer rows than it
+    /// was given): a bug, which no retry fixes and no dead letter explains.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 /// The database's code in the message, so a log line says which failure it was.
@@ -59,6 +63,7 @@ impl HandleError {
                 detail: self.to_string(),
             }),
             Self::Provider(_) | Self::TimedOut(_) => ErrorKind::Transient,
+            Self::Internal(_) => ErrorKind::Internal,
             // Transient to the policy, as any failure another attempt would get past; the
             // consumer loop settles it before asking, leaving the delivery unacked as a dead
             // process would.

@@ -118,6 +118,19 @@ impl HandlerKind {
         Self::NaturalKey(path.with_batch_size(batch_size))
     }
 
+    /// Whether it keeps a row per message in the inbox, which retention purges past the
+    /// redelivery horizon. The natural key keeps none: its rows are the business record.
+    pub fn writes_inbox_rows(self) -> bool {
+        match self {
+            Self::Inbox(_) | Self::Email => true,
+            #[cfg(feature = "harness")]
+            Self::CheckThenProcess => true,
+            #[cfg(feature = "harness")]
+            Self::Naive => false,
+            Self::NaturalKey(_) => false,
+        }
+    }
+
     /// Whether a lane hands it several fetched messages at once, to commit together.
     pub fn takes_batches(self) -> bool {
         self == Self::NaturalKey(NaturalKeyPath::Batch)

@@ -18,7 +18,6 @@ use inventory_domain::{
     Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
     ReservationStatus, keyed_placements,
 };
-use sea_orm::DbErr;
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
 use sea_orm::sqlx::{self, ConnectOptions, Row};
 use tokio::sync::Mutex;
@@ -534,11 +533,9 @@ impl PgNaturalKey {
         placements
             .iter()
             .map(|_| {
-                placed_results.next().unwrap_or_else(|| {
-                    Err(HandleError::Database(DbErr::Custom(
-                        "batch statement returned too few rows".into(),
-                    )))
-                })
+                placed_results.next().unwrap_or(Err(HandleError::Internal(
+                    "the batch statement returned fewer rows than placements",
+                )))
             })
             .collect()
     }

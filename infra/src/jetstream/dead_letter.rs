@@ -147,6 +147,14 @@ impl DeadLetters {
     }
 }
 
+/// What waits in the dead-letter stream for one consumer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Waiting {
+    pub count: u64,
+    /// When the oldest was stored, Unix seconds; `None` when none waits.
+    pub oldest_stored_at: Option<i64>,
+}
+
 /// A dead letter as the dead-letter stream holds it (and as `dlq list --json` prints it).
 #[derive(Debug, Clone, Serialize)]
 pub struct DeadLetter {
@@ -252,6 +260,57 @@ impl DeadLetterStream {
             .get_stream(name)
             .await
             .map_err(nats_error(format!("opening the dead-letter stream {name}")))
+    }
+
+    /// What waits for `consumer`, at a cost that does not grow with the stream: two requests,
+    /// the count from the stream's subject index and the oldest's time from a get of its
+    /// first message on the consumer's subject.
+    pub async fn waiting(&self, consumer: &str) -> Result<Waiting, NatsError> {
+        use futures::StreamExt as _;
+        let subject = self.topology.dlq_subject(consumer);
+        let stream = self
+            .js
+            .get_stream_no_info(&self.topology.dlq_stream)
+            .await
+            .map_err(nats_error(format!(
+                "opening the dead-letter stream {}",
+                self.topology.dlq_stream
+            )))?;
+        let doing = format!("counting the dead letters on {subject}");
+        let mut subjects = stream
+            .info_with_subjects(&subject)
+            .await
+            .map_err(unclassified(doing.clone()))?;
+        // The filter is one subject: the first page holds its count, if any; asking on would
+        // be a request for an empty second page.
+        let count = match subjects.next().await {
+            Some(entry) => {
+                let (name, messages) = entry.map_err(unclassified(doing))?;
+                if name == subject {
+                    u64::try_from(messages).unwrap_or(u64::MAX)
+                } else {
+                    0
+                }
+            }
+            None => 0,
+        };
+        if count == 0 {
+            return Ok(Waiting::default());
+        }
+        let oldest = match stream.get_next_raw_message_by_subject(&subject).await {
+            Ok(first) => Some(first.time.unix_timestamp()),
+            // Deleted since it was counted.
+            Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => None,
+            Err(error) => {
+                return Err(unclassified(format!(
+                    "reading the oldest dead letter on {subject}"
+                ))(error));
+            }
+        };
+        Ok(Waiting {
+            count,
+            oldest_stored_at: oldest,
+        })
     }
 
     /// Every dead letter it holds, oldest first; `now` (Unix seconds) gives their ages.

@@ -105,6 +105,8 @@ pub struct RelaySettings {
     /// connection gone silent would otherwise hold the relay, and the stop waiting for it,
     /// for good. `None`: unbounded.
     pub db_timeout: Option<Duration>,
+    /// How often the backlog's figures are read for the metrics.
+    pub backlog_interval: Duration,
 }
 
 impl Default for RelaySettings {
@@ -119,6 +121,7 @@ impl Default for RelaySettings {
             max_retry_delay: Duration::from_secs(5),
             delete_chunk: 500,
             db_timeout: crate::db::DbTimeouts::default().work(),
+            backlog_interval: Duration::from_secs(30),
         }
     }
 }
@@ -301,10 +304,19 @@ fn publishable(subject: &str) -> bool {
         })
 }
 
+/// A panic of a task the relay runs, passed on as the relay's own, so whoever supervises the
+/// relay sees it.
+fn pass_on_panic(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = ended
+        && error.is_panic()
+    {
+        std::panic::resume_unwind(error.into_panic());
+    }
+}
+
 /// Reads the outbox's backlog for the metrics every `every` until `stop`, apart from the lease
-/// rounds: its sum and its oldest row are slowest when a broker outage has grown the backlog,
-/// and a failure to read them says nothing of whether the relay publishes. A failed look keeps
-/// the last figures.
+/// rounds: a failure to read it says nothing of whether the relay publishes. A failed look
+/// keeps the last figures.
 async fn watch_backlog(
     db: DatabaseConnection,
     source: OutboxSource,
@@ -539,7 +551,7 @@ impl Relay {
             self.db.clone(),
             self.source.clone(),
             self.status.clone(),
-            self.settings.lease / 5,
+            self.settings.backlog_interval,
             self.settings.db_timeout,
             stop.clone(),
         ));
@@ -600,13 +612,14 @@ impl Relay {
                         None => std::future::pending().await,
                     }
                 } => {
-                    // Without its leases it would only publish until they lapse.
+                    // Without its leases it would only publish until they lapse: the relay
+                    // ends, and its supervisor sees why (a panic passed on as one).
                     tracing::error!(
                         outbox = self.source.table(),
-                        ended = ?ended.err(),
                         "outbox relay: its lease keeper ended; stopping"
                     );
                     backlog.abort();
+                    pass_on_panic(ended.map(drop));
                     return;
                 }
             }
@@ -615,7 +628,16 @@ impl Relay {
         // that no round takes a partition back while they are given back.
         keeping.cancel();
         let keeper = match keeper {
-            Some(task) => task.await.ok(),
+            Some(task) => {
+                let ended = task.await;
+                match ended {
+                    Ok(keeper) => Some(keeper),
+                    Err(error) => {
+                        pass_on_panic(Err(error));
+                        None
+                    }
+                }
+            }
             None => self.keeper.take(),
         };
         if delay.is_none()
@@ -628,7 +650,8 @@ impl Relay {
             Some(mut keeper) => keeper.release_all().await,
             None => tracing::warn!("outbox relay: partitions not released; they expire"),
         }
-        backlog.abort();
+        // It stopped with `stop`.
+        pass_on_panic(backlog.await);
         tracing::info!(outbox = self.source.table(), "outbox relay stopped");
     }
 
