@@ -3,9 +3,10 @@
 //! and runs the lanes. `serve`, the comparison, the end-to-end benchmark and the tests all start
 //! consumers through it.
 //!
-//! The path of one message, in this file from top to bottom: a lane (`lane`) takes the next
-//! message from the pull stream; `Worker::process` reads its delivery count and decodes it (a
-//! body that cannot be decoded is a dead letter here); the handler applies it in one
+//! The path of one message, in this file from top to bottom: the `fetcher` asks the consumer
+//! for a batch for each lane that waits and hands them out; a lane (`lane`) takes one;
+//! `Worker::process` reads its delivery count, dead-letters a delivery past the cap, and
+//! decodes it (a body that cannot be decoded is a dead letter here); the handler applies it in one
 //! transaction; [`policy::decide`] says what becomes of it; `Worker::perform` acks, naks or
 //! dead-letters it. Nothing is acked before its transaction committed.
 
@@ -24,6 +25,7 @@ use inventory_infra::jetstream::{
 };
 use inventory_infra::outbox::RelayWake;
 use inventory_infra::{BuildError, HandleError, Handler, HandlerKind, Mailbox, MessageHandler};
+use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -423,12 +425,12 @@ struct LaneSettings {
 /// Runs the consumer until `shutdown.graceful` fires, then waits for every lane to finish its
 /// messages, or until `shutdown.immediate`, when each naks what it holds.
 ///
-/// `concurrency` lanes each fetch what they can handle now and handle it to its end. Each lane
-/// holds its own clone of the handler, so a handler that keeps a connection per clone keeps one
-/// per lane, for as long as the loop runs.
+/// `concurrency` lanes each take a batch the fetcher fetched for them and handle it to its end.
+/// Each lane holds its own clone of the handler, so a handler that keeps a connection per clone
+/// keeps one per lane, for as long as the loop runs.
 ///
-/// A lane ends only once told to stop. One that ends before (a panic, a broken invariant, its
-/// consumer gone) is a fault the other lanes cannot serve around: it is reported (an ERROR
+/// A lane, or the fetcher, ends only once told to stop. One that ends before (a panic, a broken
+/// invariant, its consumer gone) is a fault the other lanes cannot serve around: it is reported (an ERROR
 /// line, the task-failure metric, `/livez`), the other lanes stop as on a signal, and the loop
 /// returns an error, so the process exits with one for its supervisor to restart it, rather
 /// than idle with fewer lanes or none. Every lane's end is looked at, after the stop too: a
@@ -447,17 +449,30 @@ async fn run<H: MessageHandler>(
 ) -> Result<Ending, RuntimeError> {
     let consumer = &consumer;
     let lanes = worker.lanes.concurrency;
-    // One lane at a time waits at the consumer, the others for it: one request per instance
-    // waits at the server when idle.
-    let fetching = Arc::new(tokio::sync::Mutex::new(()));
     let stop = shutdown.graceful.child_token();
+    // A lane that waits for work says so; the fetcher asks the consumer for as many batches at
+    // once as lanes wait, and hands one to each. One request per instance waits at the server
+    // when idle, and nothing is fetched that a waiting lane does not start.
+    let waiting = Arc::new(Semaphore::new(0));
+    let (hand, handed) = tokio::sync::mpsc::channel(lanes);
+    let handed = Arc::new(tokio::sync::Mutex::new(handed));
     let mut running = JoinSet::new();
+    running.spawn(fetcher(
+        Fetcher {
+            consumer: consumer.clone(),
+            client,
+            batch_size: worker.lanes.batch_size,
+            waiting: waiting.clone(),
+            hand,
+        },
+        stop.clone(),
+        shutdown.immediate.clone(),
+    ));
     for _ in 0..lanes {
         running.spawn(tracker.track_future(lane(
             worker.clone(),
-            consumer.clone(),
-            client.clone(),
-            fetching.clone(),
+            handed.clone(),
+            waiting.clone(),
             db.clone(),
             stop.clone(),
             shutdown.immediate.clone(),
@@ -515,6 +530,12 @@ async fn run<H: MessageHandler>(
         }
         failures.push(why);
     }
+    // Handed to a lane that stopped before it took them: back to the server at once.
+    let mut handed = handed.lock().await;
+    handed.close();
+    while let Ok(batch) = handed.try_recv() {
+        nak_now(&batch).await;
+    }
     if consumer_gone {
         return Err(RuntimeError::StreamEnded(
             consumer.cached_info().name.clone(),
@@ -571,50 +592,66 @@ enum LaneError {
     Halted(String),
 }
 
-/// One lane: fetch what it can handle now, handle it to the end, repeat, until `stop`. On
-/// `immediate` it gives up the messages it holds, nak'ed to come again at once.
-async fn lane<H: MessageHandler>(
-    worker: Worker<H>,
+/// What the fetcher fetches for, and how it hands it out.
+struct Fetcher {
     consumer: PullConsumer,
     client: Client,
-    fetching: Arc<tokio::sync::Mutex<()>>,
-    db: DatabaseConnection,
+    batch_size: usize,
+    /// A permit for each lane that waits for work.
+    waiting: Arc<Semaphore>,
+    hand: tokio::sync::mpsc::Sender<Vec<Delivery>>,
+}
+
+/// Until `stop`: once lanes wait, asks the consumer for a batch for each of them at once (those
+/// there now, or the first to come), and hands each a batch; a fetch for lanes that no longer
+/// wait is given up at the stop, and what was handed out and not taken is nak'ed by the loop.
+async fn fetcher(
+    fetcher: Fetcher,
     stop: CancellationToken,
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
+    let Fetcher {
+        consumer,
+        client,
+        batch_size,
+        waiting,
+        hand,
+    } = fetcher;
     loop {
-        // Every lane holds while the database is suspect, not only the first to notice: a lane
-        // that fetched on would burn its messages' deliveries on an outage.
-        if worker.database_suspect.load(Ordering::Relaxed) {
-            if !wait_for_database(&db, worker.lanes.work_timeout, &stop).await {
-                return Ok(());
+        let lanes = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            permit = waiting.acquire() => {
+                permit.map_err(|_| LaneError::Halted("the lanes' semaphore closed".into()))?.forget();
+                1 + waiting.forget_permits(usize::MAX)
             }
-            worker.database_suspect.store(false, Ordering::Relaxed);
-        }
-        let asked = Instant::now();
-        let fetching = async {
-            let _turn = tokio::select! {
-                () = stop.cancelled() => return None,
-                turn = fetching.lock() => turn,
-            };
-            Some(delivery::fetch(&consumer, &client, worker.lanes.batch_size, &stop).await)
         };
+        let asked = Instant::now();
         let fetched = tokio::select! {
-            fetched = fetching => match fetched {
-                Some(fetched) => fetched,
-                None => return Ok(()),
-            },
+            fetched = delivery::fetch(&consumer, &client, lanes * batch_size, &stop) => fetched,
             () = immediate.cancelled() => return Ok(()),
         };
-        let failed = fetched.error.is_some();
         if let Some(error) = &fetched.error {
             tracing::warn!(%error, "fetching");
         }
-        if (failed || fetched.unanswered) && jetstream::consumer_is_gone(&consumer).await {
+        if (fetched.error.is_some() || fetched.unanswered)
+            && jetstream::consumer_is_gone(&consumer).await
+        {
             return Err(LaneError::ConsumerGone);
         }
-        let batch = fetched.messages;
-        if batch.is_empty() {
+        let failed = fetched.error.is_some();
+        let mut messages = fetched.messages.into_iter().peekable();
+        let mut handed = 0;
+        while messages.peek().is_some() {
+            let batch: Vec<Delivery> = messages.by_ref().take(batch_size).collect();
+            if hand.send(batch).await.is_err() {
+                // Every lane ended.
+                return Ok(());
+            }
+            handed += 1;
+        }
+        // Those still waiting are asked for again.
+        waiting.add_permits(lanes.saturating_sub(handed));
+        if handed == 0 {
             // Failed, or refused at once (other requests wait for what there is): not a reason
             // to ask again in a tight loop.
             let pause = if failed {
@@ -628,8 +665,37 @@ async fn lane<H: MessageHandler>(
                 () = stop.cancelled() => return Ok(()),
                 () = tokio::time::sleep(pause) => {}
             }
-            continue;
         }
+    }
+}
+
+/// One lane: wait for a batch the fetcher hands it, handle it to the end, repeat, until `stop`.
+/// On `immediate` it gives up the messages it holds, nak'ed to come again at once.
+async fn lane<H: MessageHandler>(
+    worker: Worker<H>,
+    handed: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Vec<Delivery>>>>,
+    waiting: Arc<Semaphore>,
+    db: DatabaseConnection,
+    stop: CancellationToken,
+    immediate: CancellationToken,
+) -> Result<(), LaneError> {
+    loop {
+        // Every lane holds while the database is suspect, not only the first to notice: a lane
+        // that fetched on would burn its messages' deliveries on an outage.
+        if worker.database_suspect.load(Ordering::Relaxed) {
+            if !wait_for_database(&db, worker.lanes.work_timeout, &stop).await {
+                return Ok(());
+            }
+            worker.database_suspect.store(false, Ordering::Relaxed);
+        }
+        waiting.add_permits(1);
+        let batch = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            batch = async { handed.lock().await.recv().await } => match batch {
+                Some(batch) => batch,
+                None => return Ok(()),
+            },
+        };
         let handled = async {
             match batch.as_slice() {
                 [message] => vec![worker.process(message).instrument(message_span()).await],

@@ -162,13 +162,13 @@ async fn serve_processes_published_orders_and_exits_zero_on_sigterm() {
 /// to elect a stream's new leader): serve asks again and starts, instead of exiting 1 on the
 /// first request that timed out. `trigger`: the set-up request whose answer never comes; the
 /// connection stays silent after it until the client's pings find it dead and it connects
-/// again.
-async fn serve_through_a_silence_after(trigger: &[u8]) {
-    let nats = inventory_tests::nats::shared_url().await;
-    // Made before the run, so it outlives the run's cleanup of its streams through it.
-    let broker = FaultProxy::in_front_of(&nats).await;
-    let mut setup = Setup::new().await;
-    setup.0.nats_url = broker.url_for(&nats);
+/// again. `setup` reaches NATS through `broker`, made before it so that it outlives the run's
+/// cleanup of its streams through it. Serve's log.
+async fn serve_through_a_silence_after(
+    setup: &Setup,
+    broker: &FaultProxy,
+    trigger: &[u8],
+) -> String {
     broker.silence_after(trigger, 1);
     setup.put_stock(BOOK, "Dune", 100);
     let service = setup.serve_with(&[
@@ -189,11 +189,22 @@ async fn serve_through_a_silence_after(trigger: &[u8]) {
     let (status, logs) = binary::stop(service);
     assert!(status.success(), "{logs}");
     assert!(logs.contains("asking again"), "{logs}");
+    logs
+}
+
+/// A run whose NATS is reached through a proxy of its own, and the proxy.
+async fn behind_a_proxy() -> (FaultProxy, Setup, String) {
+    let nats = inventory_tests::nats::shared_url().await;
+    let broker = FaultProxy::in_front_of(&nats).await;
+    let mut setup = Setup::new().await;
+    setup.0.nats_url = broker.url_for(&nats);
+    (broker, setup, nats)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_waits_out_a_consumer_lookup_left_unanswered() {
-    serve_through_a_silence_after(b"$JS.API.CONSUMER.INFO").await;
+    let (broker, setup, _) = behind_a_proxy().await;
+    serve_through_a_silence_after(&setup, &broker, b"$JS.API.CONSUMER.INFO").await;
 }
 
 /// An operator tuned the consumer by hand (`nats consumer edit`). A restart whose first look at
@@ -202,12 +213,11 @@ async fn serve_waits_out_a_consumer_lookup_left_unanswered() {
 /// lookup failed (create is create-or-update, and would have reset them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_tuned_by_hand_keeps_its_settings_across_a_restart_whose_lookup_fails() {
-    let nats = inventory_tests::nats::shared_url().await;
-    let broker = FaultProxy::in_front_of(&nats).await;
-    let mut setup = Setup::new().await;
+    let (broker, setup, nats) = behind_a_proxy().await;
     let js = jetstream::context(jetstream::connect(&nats, "operator").await.unwrap());
-    let topology = setup.names.topology();
-    let (stream, _) = jetstream::ensure_streams(&js, &topology).await.unwrap();
+    let (stream, _) = jetstream::ensure_streams(&js, &setup.names.topology())
+        .await
+        .unwrap();
     let tuned = jetstream::ConsumerSettings {
         durable_name: "inventory-reserve-stock".into(),
         filter_subject: setup.names.subjects(),
@@ -220,26 +230,7 @@ async fn a_consumer_tuned_by_hand_keeps_its_settings_across_a_restart_whose_look
         .await
         .unwrap();
 
-    setup.0.nats_url = broker.url_for(&nats);
-    broker.silence_after(b"$JS.API.CONSUMER.INFO", 1);
-    setup.put_stock(BOOK, "Dune", 100);
-    let service = setup.serve_with(&[
-        "--strategy",
-        "natural",
-        "--nats-request-timeout",
-        "1s",
-        "--nats-ping-interval",
-        "1s",
-    ]);
-    eventually("serve's lookup silenced", || async {
-        broker.silences_made() == 1
-    })
-    .await;
-    setup.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "2"]);
-    setup.wait_for_reserved(2).await;
-    let (status, logs) = binary::stop(service);
-    assert!(status.success(), "{logs}");
-    assert!(logs.contains("asking again"), "{logs}");
+    let logs = serve_through_a_silence_after(&setup, &broker, b"$JS.API.CONSUMER.INFO").await;
     for setting in ["ack_wait", "max_deliver", "max_ack_pending"] {
         assert!(
             logs.contains(&format!("has {setting} = ")) && logs.contains("keeping the existing"),
@@ -260,7 +251,8 @@ async fn a_consumer_tuned_by_hand_keeps_its_settings_across_a_restart_whose_look
 /// The stream is created; only the answer is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_waits_out_a_stream_create_left_unanswered() {
-    serve_through_a_silence_after(b"$JS.API.STREAM.CREATE").await;
+    let (broker, setup, _) = behind_a_proxy().await;
+    serve_through_a_silence_after(&setup, &broker, b"$JS.API.STREAM.CREATE").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,6 +14,18 @@ use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 use tokio::sync::{Notify, Semaphore};
 
+/// A database and streams of the test's own, one order published.
+async fn one_order() -> (TestDb, Broker) {
+    let db = TestDb::new(Backend::Postgres).await;
+    let broker = Broker::new().await;
+    broker
+        .publisher()
+        .publish(&placed(db.dune(10).await, 2))
+        .await
+        .unwrap();
+    (db, broker)
+}
+
 /// Holds every handling until a permit is given; each one then counts as a duplicate.
 #[derive(Clone)]
 struct Gated(Arc<Semaphore>);
@@ -71,13 +83,7 @@ impl MessageHandler for DiesHoldingIt {
 /// unhandled, so it ends in the DLQ rather than nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_past_the_services_cap_is_dead_lettered_unhandled() {
-    let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
-    broker
-        .publisher()
-        .publish(&placed(db.dune(10).await, 2))
-        .await
-        .unwrap();
+    let (db, broker) = one_order().await;
     let handled = Arc::new(AtomicUsize::new(0));
     let service = RunningService::start(
         &broker,
@@ -106,8 +112,7 @@ async fn a_delivery_past_the_services_cap_is_dead_lettered_unhandled() {
 /// MAX_DELIVERIES advisory brings it to the DLQ through the backstop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_the_server_gave_up_on_is_dead_lettered_by_the_backstop() {
-    let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
+    let (db, broker) = one_order().await;
     let settings = broker.settings(1, 10);
     let stream = broker.js.get_stream(&broker.topology.stream).await.unwrap();
     let capped = ConsumerSettings {
@@ -115,11 +120,6 @@ async fn a_message_the_server_gave_up_on_is_dead_lettered_by_the_backstop() {
         ..settings.consumer.clone()
     };
     jetstream::ensure_consumer(&broker.js, &stream, &capped, false)
-        .await
-        .unwrap();
-    broker
-        .publisher()
-        .publish(&placed(db.dune(10).await, 2))
         .await
         .unwrap();
     let handled = Arc::new(AtomicUsize::new(0));
@@ -165,13 +165,7 @@ impl MessageHandler for BreaksAnInvariant {
 /// left for its ack wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_invariant_fails_the_loop_and_sends_nothing() {
-    let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
-    broker
-        .publisher()
-        .publish(&placed(db.dune(10).await, 2))
-        .await
-        .unwrap();
+    let (db, broker) = one_order().await;
     let service = RunningService::start(
         &broker,
         BreaksAnInvariant,
@@ -211,13 +205,7 @@ impl MessageHandler for PanicsWhenReleased {
 /// the stop does, so the process exits with an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_panicking_after_the_stop_fails_the_loop() {
-    let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
-    broker
-        .publisher()
-        .publish(&placed(db.dune(10).await, 2))
-        .await
-        .unwrap();
+    let (db, broker) = one_order().await;
     let handler = PanicsWhenReleased {
         reached: Arc::new(Notify::new()),
         release: Arc::new(Notify::new()),

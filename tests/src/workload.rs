@@ -302,32 +302,29 @@ pub async fn settle(
     min_messages: u64,
     limit: Duration,
 ) -> StreamState {
-    let deadline = Instant::now() + limit;
-    let mut last = None;
-    loop {
-        if let Some(state) = stream_state(js, topology, consumer).await {
-            if state.settled() && state.stream_last_seq >= min_messages {
-                return state;
-            }
-            last = Some(state);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the consumer did not settle within {limit:?}; last state: {last:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_consumer(js, topology, consumer, min_messages, limit, false).await
 }
 
-/// Waits until the consumer has settled, or has nothing left to deliver (nothing pending,
-/// nothing unacked) for five seconds although its ack floor lags: what the server will never
-/// deliver again, which a check then finds lost. Panics after `limit`.
+/// [`settle`], or until the consumer has nothing left to deliver (nothing pending, nothing
+/// unacked) for five seconds although its ack floor lags: what the server will never deliver
+/// again, which a check then finds lost.
 pub async fn quiesce(
     js: &Context,
     topology: &Topology,
     consumer: &str,
     min_messages: u64,
     limit: Duration,
+) -> StreamState {
+    wait_for_consumer(js, topology, consumer, min_messages, limit, true).await
+}
+
+async fn wait_for_consumer(
+    js: &Context,
+    topology: &Topology,
+    consumer: &str,
+    min_messages: u64,
+    limit: Duration,
+    or_quiet: bool,
 ) -> StreamState {
     let deadline = Instant::now() + limit;
     let mut quiet_since = None;
@@ -337,12 +334,12 @@ pub async fn quiesce(
             if state.settled() && state.stream_last_seq >= min_messages {
                 return state;
             }
-            let quiet = state.pending == 0 && state.ack_pending == 0;
-            match (quiet, quiet_since) {
-                (true, None) => quiet_since = Some(Instant::now()),
-                (true, Some(since)) if since.elapsed() > Duration::from_secs(5) => return state,
-                (false, _) => quiet_since = None,
-                _ => {}
+            let quiet = or_quiet && state.pending == 0 && state.ack_pending == 0;
+            let since = *quiet_since.get_or_insert_with(Instant::now);
+            if !quiet {
+                quiet_since = None;
+            } else if since.elapsed() > Duration::from_secs(5) {
+                return state;
             }
             last = Some(state);
         }
