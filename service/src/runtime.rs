@@ -430,10 +430,10 @@ struct LaneSettings {
 /// keeps one per lane, for as long as the loop runs.
 ///
 /// A lane, or the fetcher, ends only once told to stop. One that ends before (a panic, a broken
-/// invariant, its consumer gone) is a fault the other lanes cannot serve around: it is reported (an ERROR
-/// line, the task-failure metric, `/livez`), the other lanes stop as on a signal, and the loop
-/// returns an error, so the process exits with one for its supervisor to restart it, rather
-/// than idle with fewer lanes or none. Every lane's end is looked at, after the stop too: a
+/// invariant, its consumer gone) is a fault the other lanes cannot serve around: it is reported
+/// (an ERROR line, the task-failure metric, `/livez`), the other lanes stop as on a signal, and
+/// the loop returns an error, so the process exits with one for its supervisor to restart it,
+/// rather than idle with fewer lanes or none. Every lane's end is looked at, after the stop too: a
 /// panic while draining fails the loop as well.
 async fn run<H: MessageHandler>(
     Lanes {
@@ -495,13 +495,18 @@ async fn run<H: MessageHandler>(
         tokio::time::sleep(IMMEDIATE_GRACE).await;
     };
     tokio::pin!(abort_after_grace);
-    let mut aborted = false;
+    let (mut stopping, mut aborted) = (false, false);
     loop {
         let ended = tokio::select! {
             ended = running.join_next() => match ended {
                 Some(ended) => ended,
                 None => break,
             },
+            () = stop.cancelled(), if !stopping => {
+                stopping = true;
+                tracing::info!(lanes, "stopped fetching; finishing in-flight messages");
+                continue;
+            }
             () = &mut abort_after_grace, if !aborted => {
                 aborted = true;
                 running.abort_all();

@@ -473,7 +473,8 @@ pub struct TestNames {
 }
 
 impl TestNames {
-    /// The names as the service's [`Topology`], the contract's duplicate window, one replica.
+    /// The names as the service's [`Topology`](inventory_infra::jetstream::Topology), the
+    /// contract's duplicate window, one replica.
     pub fn topology(&self) -> inventory_infra::jetstream::Topology {
         inventory_infra::jetstream::Topology {
             stream: self.stream.clone(),

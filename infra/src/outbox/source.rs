@@ -239,7 +239,7 @@ impl OutboxSource {
         })
     }
 
-    /// The statements behind [`Self::backlog`]: the oldest row waiting, the newest row, the
+    /// The statements behind the backlog's figures: the oldest row waiting, the newest row, the
     /// parked rows counted; public so that a test can look at their plans.
     pub fn backlog_statements(&self) -> [String; 3] {
         let table = &self.table;
@@ -297,7 +297,7 @@ pub struct ParkedRow {
 /// How far behind the relays are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backlog {
-    /// Rows waiting, estimated ([`OutboxSource::backlog`]).
+    /// Rows waiting, estimated: the span of seqs from the oldest waiting row to the newest.
     pub pending: u64,
     pub parked: u64,
     pub oldest_pending: Option<DateTime<Utc>>,
