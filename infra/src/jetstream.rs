@@ -25,6 +25,7 @@ use async_nats::jetstream::stream::{
 };
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use async_nats::{ConnectError, HeaderMap};
+use backon::{ExponentialBuilder, Retryable as _};
 use bytes::Bytes;
 use inventory_domain::{EventKind, Message, StockEvent};
 use secrecy::{ExposeSecret as _, SecretString};
@@ -417,30 +418,29 @@ fn compare<T: std::fmt::Debug + PartialEq>(
 /// lost: seconds), and a process starting then should wait that out, not exit.
 const SET_UP_PATIENCE: Duration = Duration::from_secs(60);
 
+/// The pauses between set-up requests: 250 ms, doubling up to 5 s.
+const SET_UP_PAUSES: ExponentialBuilder = ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(250))
+    .with_max_delay(Duration::from_secs(5))
+    .without_max_times();
+
 /// `step` again, after a growing pause, while it times out or the server fails to store what
 /// it creates, and [`SET_UP_PATIENCE`] lasts. The set-up steps look before they create, so one
 /// whose request reached the server and whose answer was lost finds its own work the next time.
-pub(crate) async fn patiently<T, Fut>(mut step: impl FnMut() -> Fut) -> Result<T, NatsError>
+pub(crate) async fn patiently<T, Fut>(step: impl FnMut() -> Fut) -> Result<T, NatsError>
 where
     Fut: Future<Output = Result<T, NatsError>>,
 {
     let started = std::time::Instant::now();
-    let mut pause = Duration::from_millis(250);
-    loop {
-        match step().await {
-            Err(error)
-                if matches!(
-                    error.kind,
-                    NatsErrorKind::TimedOut | NatsErrorKind::StoreFailed
-                ) && started.elapsed() + pause < SET_UP_PATIENCE =>
-            {
-                tracing::warn!(retry_in = ?pause, "{error}; asking again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-            result => return result,
-        }
-    }
+    step.retry(SET_UP_PAUSES)
+        .when(|error| {
+            matches!(
+                error.kind,
+                NatsErrorKind::TimedOut | NatsErrorKind::StoreFailed
+            ) && started.elapsed() < SET_UP_PATIENCE
+        })
+        .notify(|error, pause| tracing::warn!(retry_in = ?pause, "{error}; asking again"))
+        .await
 }
 
 /// Creates `wanted` if absent; reports how an existing one differs (and keeps it).
@@ -695,22 +695,23 @@ pub struct PublishReceipt {
     pub duplicate: bool,
 }
 
+/// Five tries of a publish: 100 ms, doubling up to 2 s, between them.
+const PUBLISH_PAUSES: ExponentialBuilder = ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(100))
+    .with_max_delay(Duration::from_secs(2))
+    .with_max_times(4);
+
 /// The producer: publishes a message under its own id as `Nats-Msg-Id`, and retries with that
 /// same id, so a retry after a lost acknowledgement is dropped by the stream.
 #[derive(Clone)]
 pub struct OrderPublisher {
     js: Context,
     topology: Topology,
-    attempts: u32,
 }
 
 impl OrderPublisher {
     pub fn new(js: Context, topology: Topology) -> Self {
-        Self {
-            js,
-            topology,
-            attempts: 5,
-        }
+        Self { js, topology }
     }
 
     pub async fn publish(&self, message: &Message) -> Result<PublishReceipt, NatsError> {
@@ -745,36 +746,26 @@ impl OrderPublisher {
         message_id: &str,
         body: Bytes,
     ) -> Result<PublishReceipt, NatsError> {
-        let mut delay = Duration::from_millis(100);
-        let mut attempt = 1;
-        loop {
+        let publish = || async {
             let publish = Publish::build()
                 .message_id(message_id)
                 .payload(body.clone());
-            let result = match self.js.send_publish(subject.to_owned(), publish).await {
-                Ok(ack) => ack.await,
-                Err(error) => Err(error),
-            };
-            match result {
-                Ok(ack) => {
-                    return Ok(PublishReceipt {
-                        sequence: ack.sequence,
-                        duplicate: ack.duplicate,
-                    });
-                }
-                Err(error) if attempt < self.attempts => {
-                    tracing::warn!(%error, message_id, attempt, "publish failed; retrying with the same message id");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
-                    attempt += 1;
-                }
-                Err(error) => {
-                    return Err(nats_error(format!("publishing {message_id} to {subject}"))(
-                        error,
-                    ));
-                }
-            }
-        }
+            self.js
+                .send_publish(subject.to_owned(), publish)
+                .await?
+                .await
+        };
+        let ack = publish
+            .retry(PUBLISH_PAUSES)
+            .notify(|error, _| {
+                tracing::warn!(%error, message_id, "publish failed; retrying with the same message id");
+            })
+            .await
+            .map_err(nats_error(format!("publishing {message_id} to {subject}")))?;
+        Ok(PublishReceipt {
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
     }
 }
 
@@ -978,29 +969,6 @@ mod tests {
                 .expect_err("nothing to connect to");
             assert_eq!(error.kind(), NatsErrorKind::Connect, "{error}");
         }
-    }
-
-    /// Needs a NATS server with JetStream: `NATS_URL`, else the local one.
-    #[tokio::test]
-    async fn publishing_where_no_stream_listens_is_stream_not_found() {
-        let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-        let client = connect(&url, "kind test")
-            .await
-            .expect("a NATS server (set NATS_URL)");
-        let topology = Topology {
-            subject_prefix: format!("nowhere_{}", uuid::Uuid::new_v4().simple()),
-            ..Topology::default()
-        };
-        let publisher = OrderPublisher {
-            attempts: 1,
-            ..OrderPublisher::new(context(client), topology.clone())
-        };
-        let subject = topology.subject(EventKind::Placed);
-        let error = publisher
-            .publish_raw(&subject, "m-1", Bytes::from_static(b"{}"))
-            .await
-            .expect_err("no stream holds the subject");
-        assert_eq!(error.kind(), NatsErrorKind::StreamNotFound, "{error}");
     }
 
     fn refused(err_code: u64, description: &str) -> jetstream::Error {

@@ -1,9 +1,11 @@
 //! Keeping secrets out of logs and error messages.
 
+use url::Url;
+
 /// `scheme://user:password@host/…?password=…` with the user information and the value of every
 /// secret parameter (`password`, `sslpassword`, `token`: the drivers take a password there too)
 /// masked; other text unchanged. A comma-separated list of URLs (a NATS cluster) has each one
-/// masked.
+/// masked. What does not parse as a URL is masked whole: it could be anything.
 pub fn redact_url(urls: &str) -> String {
     urls.split(',')
         .map(redact_one)
@@ -14,46 +16,36 @@ pub fn redact_url(urls: &str) -> String {
 /// Query parameters whose value is a secret, whatever their case.
 const SECRET_PARAMETERS: [&str; 3] = ["password", "sslpassword", "token"];
 
-fn redact_one(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|at| at + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let masked = match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{}***@{}", &url[..scheme_end], &rest[at + 1..]),
-        None => url.to_owned(),
-    };
-    redact_query(&masked)
+fn is_secret(parameter: &str) -> bool {
+    SECRET_PARAMETERS
+        .iter()
+        .any(|secret| parameter.eq_ignore_ascii_case(secret))
 }
 
-fn redact_query(url: &str) -> String {
-    let Some((head, query)) = url.split_once('?') else {
-        return url.to_owned();
+fn redact_one(text: &str) -> String {
+    let Ok(mut url) = Url::parse(text) else {
+        return "***".to_owned();
     };
-    let (query, fragment) = match query.split_once('#') {
-        Some((query, fragment)) => (query, Some(fragment)),
-        None => (query, None),
-    };
-    let pairs: Vec<String> = query
-        .split('&')
-        .map(|pair| match pair.split_once('=') {
-            Some((name, _))
-                if SECRET_PARAMETERS
-                    .iter()
-                    .any(|secret| name.eq_ignore_ascii_case(secret)) =>
-            {
-                format!("{name}=***")
-            }
-            _ => pair.to_owned(),
-        })
-        .collect();
-    let mut out = format!("{head}?{}", pairs.join("&"));
-    if let Some(fragment) = fragment {
-        out.push('#');
-        out.push_str(fragment);
+    if !url.username().is_empty() || url.password().is_some() {
+        // Both fail only for a URL without a host, which has no user information either.
+        let _ = url.set_password(None);
+        let _ = url.set_username("***");
     }
-    out
+    if url.query_pairs().any(|(name, _)| is_secret(&name)) {
+        let masked: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(name, value)| {
+                let value = if is_secret(&name) {
+                    "***".into()
+                } else {
+                    value
+                };
+                (name.into_owned(), value.into_owned())
+            })
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(masked);
+    }
+    url.into()
 }
 
 #[cfg(test)]
@@ -95,5 +87,10 @@ mod tests {
             redact_url("postgres://db/stock?application_name=password"),
             "postgres://db/stock?application_name=password"
         );
+    }
+
+    #[test]
+    fn what_is_not_a_url_is_masked_whole() {
+        assert_eq!(redact_url("postgres://u:s3cret@exa mple/stock"), "***");
     }
 }

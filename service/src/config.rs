@@ -5,12 +5,11 @@
 //!
 //! - The environment: `INVENTORY_<FLAG>` (`--ack-wait` → `INVENTORY_ACK_WAIT`), except the URLs
 //!   that keep the names every tool of their kind reads (`DATABASE_URL`, `NATS_URL`,
-//!   `ORDERS_DATABASE_URL`). The names some flags read before the prefix ([`ALIASES`]) are
-//!   still read, below the prefixed one. A secret ([`SECRETS`]) may be given as a file:
+//!   `ORDERS_DATABASE_URL`). A secret ([`SECRETS`]) may be given as a file:
 //!   `INVENTORY_<FLAG>_FILE` holds its path.
 //! - The file: TOML, named by `--config` or `INVENTORY_CONFIG`, with the flags' long names as
 //!   its keys (`ack-wait = "30s"`), read with figment.
-//! - clap stays the one parser. The file's values, the old names' and the secrets' files become
+//! - clap stays the one parser. The file's values and the secrets' files become
 //!   the flags' defaults before clap parses: each value goes through its flag's own parser
 //!   whichever layer it came from, and clap's environment and command line rank above them.
 //!
@@ -71,29 +70,6 @@ pub fn env_name(long: &str) -> String {
         format!("INVENTORY_{name}")
     }
 }
-
-/// The environment's names from before the `INVENTORY_` prefix, still read; the prefixed name
-/// wins when both are set.
-pub const ALIASES: [(&str, &str); 18] = [
-    ("metrics-addr", "METRICS_ADDR"),
-    ("db-connect-timeout", "DB_CONNECT_TIMEOUT"),
-    ("db-statement-timeout", "DB_STATEMENT_TIMEOUT"),
-    ("nats-creds", "NATS_CREDS"),
-    ("nats-user", "NATS_USER"),
-    ("nats-password", "NATS_PASSWORD"),
-    ("nats-token", "NATS_TOKEN"),
-    ("nats-tls-ca", "NATS_TLS_CA"),
-    ("nats-tls-cert", "NATS_TLS_CERT"),
-    ("nats-tls-key", "NATS_TLS_KEY"),
-    ("nats-require-tls", "NATS_REQUIRE_TLS"),
-    ("nats-connect-timeout", "NATS_CONNECT_TIMEOUT"),
-    ("nats-ping-interval", "NATS_PING_INTERVAL"),
-    ("nats-request-timeout", "NATS_REQUEST_TIMEOUT"),
-    ("inbox-retention", "INBOX_RETENTION"),
-    ("purge-interval", "PURGE_INTERVAL"),
-    ("replay-allowance", "REPLAY_ALLOWANCE"),
-    ("lag-allowance", "LAG_ALLOWANCE"),
-];
 
 /// How a secret is masked wherever it is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,21 +199,13 @@ struct Layered {
 }
 
 impl Layers {
-    /// The file's values, then the old names' and the secrets' files over them.
+    /// The file's values, then the secrets' files over them.
     fn read(file: Option<&Path>, settings: &SettingNames) -> Result<Self, clap::Error> {
         let mut layers = BTreeMap::new();
         if let Some(path) = file {
             for (long, values) in read_file(path, &settings.all)? {
                 let from = format!("file {}", path.display());
                 layers.insert(long, Layered { values, from });
-            }
-        }
-        for (long, name) in ALIASES {
-            if let Some(value) = std::env::var_os(name).filter(|value| !value.is_empty()) {
-                let value = value.to_string_lossy().into_owned();
-                let values = vec![value];
-                let from = format!("env {name}");
-                layers.insert(long.to_owned(), Layered { values, from });
             }
         }
         for (long, _) in SECRETS {

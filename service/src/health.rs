@@ -19,11 +19,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use axum::{Json, Router};
 use inventory_infra::db::{DatabaseConnection, Probe};
 use inventory_infra::jetstream;
 use tokio_util::sync::CancellationToken;
@@ -123,14 +123,6 @@ pub async fn serve(
     Ok((bound, server))
 }
 
-fn json(status: StatusCode, body: &serde_json::Value) -> impl IntoResponse + use<> {
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-}
-
 async fn render_metrics(State(health): State<Health>) -> impl IntoResponse {
     // The dependencies' gauges are as fresh as the scrape.
     check_dependencies(&health).await;
@@ -166,7 +158,7 @@ async fn livez(State(health): State<Health>) -> impl IntoResponse {
             StatusCode::OK
         }
     };
-    json(status, &body)
+    (status, Json(body))
 }
 
 /// What the readiness check found.
@@ -204,9 +196,9 @@ async fn check_dependencies(health: &Health) -> Option<Checked> {
 
 async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     let Some(checked) = check_dependencies(&health).await else {
-        return json(
+        return (
             StatusCode::SERVICE_UNAVAILABLE,
-            &serde_json::json!({ "status": "starting" }),
+            Json(serde_json::json!({ "status": "starting" })),
         );
     };
     let status = if checked.nats && checked.database && checked.relay != Some(false) {
@@ -221,5 +213,5 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     if let Some(publishing) = checked.relay {
         body["relay"] = if publishing { "publishing" } else { "failing" }.into();
     }
-    json(status, &body)
+    (status, Json(body))
 }

@@ -225,7 +225,7 @@ impl Metrics {
             &["version", "commit"],
         )?;
         build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION"), env!("INVENTORY_GIT_COMMIT")])
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::cli::COMMIT])
             .set(1);
         let dependency_up = gauges(
             &registry,

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use backon::{ExponentialBuilder, Retryable as _};
 use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
 };
@@ -750,28 +751,28 @@ async fn wait_for_database(
     bound: Option<Duration>,
     shutdown: &CancellationToken,
 ) -> bool {
-    let mut delay = Duration::from_millis(200);
     let mut was_down = false;
-    loop {
-        match db::bounded(bound, db::check_writable(db)).await {
-            Ok(()) => {
-                if was_down {
-                    tracing::info!("database reachable; consuming");
-                }
-                return true;
-            }
-            Err(error) => {
-                was_down = true;
-                tracing::warn!(%error, "database unreachable; not fetching");
-            }
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return false,
-            () = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
+    let reachable = (|| db::bounded(bound, db::check_writable(db)))
+        .retry(DATABASE_LOOKS)
+        .notify(|error, _| {
+            was_down = true;
+            tracing::warn!(%error, "database unreachable; not fetching");
+        });
+    tokio::select! {
+        () = shutdown.cancelled() => return false,
+        _ = reachable => {}
     }
+    if was_down {
+        tracing::info!("database reachable; consuming");
+    }
+    true
 }
+
+/// How often [`wait_for_database`] looks: after 200 ms, doubling up to 5 s, until it answers.
+const DATABASE_LOOKS: ExponentialBuilder = ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(200))
+    .with_max_delay(Duration::from_secs(5))
+    .without_max_times();
 
 /// What became of one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]

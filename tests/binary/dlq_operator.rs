@@ -44,8 +44,8 @@ fn dlq(server: &NatsServer, args: &[&str], env: &[(&str, &str)]) -> Output {
         .arg("dlq")
         .args(args)
         .env("NATS_URL", server.url())
-        .env("NATS_USER", OPERATOR)
-        .env("NATS_PASSWORD", PASSWORD)
+        .env("INVENTORY_NATS_USER", OPERATOR)
+        .env("INVENTORY_NATS_PASSWORD", PASSWORD)
         .env("RUST_LOG", "info");
     for (name, value) in env {
         command.env(name, value);

@@ -43,9 +43,9 @@ fn command(run: &BinaryRun, server: &NatsServer, name: &str, password: &str) -> 
     command
         .env("DATABASE_URL", &run.database_url)
         .env("NATS_URL", server.url())
-        .env("NATS_USER", name)
-        .env("NATS_PASSWORD", password)
-        .env("METRICS_ADDR", "127.0.0.1:0")
+        .env("INVENTORY_NATS_USER", name)
+        .env("INVENTORY_NATS_PASSWORD", password)
+        .env("INVENTORY_METRICS_ADDR", "127.0.0.1:0")
         .env("RUST_LOG", "info,sqlx=warn");
     command
 }

@@ -451,9 +451,9 @@ async fn secrets_never_reach_the_logs_or_help() {
     ];
     let with_secrets = |command: &mut Command| {
         command
-            .env("NATS_USER", "inventory")
-            .env("NATS_PASSWORD", &nats_password)
-            .env("NATS_TOKEN", &nats_token)
+            .env("INVENTORY_NATS_USER", "inventory")
+            .env("INVENTORY_NATS_PASSWORD", &nats_password)
+            .env("INVENTORY_NATS_TOKEN", &nats_token)
             .env("RUST_LOG", "debug");
     };
 

@@ -99,7 +99,7 @@ impl BinaryRun {
             .env("NATS_URL", &self.nats_url)
             // The health listener is on by default at a fixed port; tests run many processes
             // at once, so each takes a free one unless it names its own (the flag wins).
-            .env("METRICS_ADDR", "127.0.0.1:0")
+            .env("INVENTORY_METRICS_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", self.log_filter);
         command
     }

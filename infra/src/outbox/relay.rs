@@ -68,6 +68,7 @@ use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishError, Pub
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::{self as js, ErrorCode};
+use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -563,8 +564,8 @@ impl Relay {
             .keeper
             .take()
             .map(|keeper| tokio::spawn(keeper.keep(keeping.clone())));
-        // The current backoff, while passes fail.
-        let mut delay: Option<Duration> = None;
+        // The delays still to come, while passes fail.
+        let mut backoff: Option<ExponentialBackoff> = None;
         // When the next pass is due: now, after a wake or a full batch; a poll interval after
         // a pass; a backoff delay after a failed one.
         let mut next_pass = Instant::now();
@@ -573,7 +574,7 @@ impl Relay {
                 next_pass = match self.pass().await {
                     Ok(report) if report.failed == 0 => {
                         // Aside, a pass publishes nothing: no news of the broker.
-                        if delay.take().is_some() && !self.aside.load(Ordering::Relaxed) {
+                        if backoff.take().is_some() && !self.aside.load(Ordering::Relaxed) {
                             tracing::info!(outbox = self.source.table(), "publishing again");
                         }
                         if report.more {
@@ -583,16 +584,22 @@ impl Relay {
                         }
                     }
                     Ok(_) | Err(_) => {
-                        let next = delay.map_or(self.settings.retry_delay, |d| {
-                            (d * 2).min(self.settings.max_retry_delay)
-                        });
+                        let next = backoff
+                            .get_or_insert_with(|| {
+                                ExponentialBuilder::new()
+                                    .with_min_delay(self.settings.retry_delay)
+                                    .with_max_delay(self.settings.max_retry_delay)
+                                    .without_max_times()
+                                    .build()
+                            })
+                            .next()
+                            .unwrap_or(self.settings.max_retry_delay);
                         tracing::warn!(
                             outbox = self.source.table(),
                             error = self.status.last_failure().unwrap_or_default(),
                             retry_in = ?next,
                             "outbox relay: rows wait"
                         );
-                        delay = Some(next);
                         Instant::now() + next
                     }
                 };
@@ -600,7 +607,7 @@ impl Relay {
             if stop.is_cancelled() {
                 break;
             }
-            let backing_off = delay.is_some();
+            let backing_off = backoff.is_some();
             tokio::select! {
                 () = stop.cancelled() => break,
                 // A wake does not cut a backoff short: a failing broker is not hammered.
@@ -640,7 +647,7 @@ impl Relay {
             }
             None => self.keeper.take(),
         };
-        if delay.is_none()
+        if backoff.is_none()
             && jetstream::is_connected(&self.client)
             && let Err(error) = self.pass().await
         {
