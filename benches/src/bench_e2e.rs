@@ -2,9 +2,8 @@
 //! service loop into PostgreSQL or SQLite, acked after commit; messages per second from the
 //! first fetch to the last ack.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::fresh::FreshDatabase;
@@ -19,6 +18,7 @@ use sea_orm::{ConnectionTrait as _, Statement};
 use serde::Serialize;
 
 use crate::bench_hand::{self, Driver, HandWritten};
+use crate::latency::{Latency, PublishClock};
 use inventory_infra::delivery::PullConsumer;
 use inventory_service::args::{NatsArgs, natural_key_path};
 use inventory_service::runtime::{ConsumerRuntime, Running, RuntimeSettings, Shutdown};
@@ -95,15 +95,6 @@ pub struct EndToEndReport {
     /// With `--rss-every`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rss: Option<RssReport>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Latency {
-    pub samples: usize,
-    pub p50_ms: f64,
-    pub p90_ms: f64,
-    pub p99_ms: f64,
-    pub max_ms: f64,
 }
 
 /// The process's resident memory (VmRSS) while consuming, in KiB.
@@ -294,46 +285,6 @@ async fn ensure_rows(db: &DatabaseConnection, orders: usize) -> Result<()> {
         "{reservations} reservations and {events} outbox events for {orders} orders"
     );
     Ok(())
-}
-
-/// When each message was published and how long each took from then to its handling.
-#[derive(Debug, Default)]
-pub struct PublishClock {
-    sent: Mutex<HashMap<String, Instant>>,
-    took: Mutex<Vec<Duration>>,
-}
-
-impl PublishClock {
-    fn sent(&self, key: String) {
-        lock(&self.sent).insert(key, Instant::now());
-    }
-
-    /// The message of dedup key `key` was handled `at`: counted once, at its first handling.
-    pub(crate) fn handled(&self, key: &str, at: Instant) {
-        if let Some(sent) = lock(&self.sent).remove(key) {
-            lock(&self.took).push(at.saturating_duration_since(sent));
-        }
-    }
-
-    fn latency(&self) -> Option<Latency> {
-        let mut took = std::mem::take(&mut *lock(&self.took));
-        took.sort_unstable();
-        let last = took.len().checked_sub(1)?;
-        let at = |q: f64| took[(last as f64 * q).round() as usize].as_secs_f64() * 1e3;
-        Some(Latency {
-            samples: took.len(),
-            p50_ms: at(0.5),
-            p90_ms: at(0.9),
-            p99_ms: at(0.99),
-            max_ms: at(1.0),
-        })
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The service's handler, telling the clock when each message's handling ended.

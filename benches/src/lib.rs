@@ -19,6 +19,8 @@
 //! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
 //!   that is not.
 //! - [`fresh`]: a database of its own per run, created and dropped.
+//! - [`latency`]: when each message was published and how long it took to be handled, for the
+//!   runs at a steady rate of `bench_e2e` and `bench_hand`.
 //! - [`system_cpu`]: the machine's CPU during a run by process (this one, nats-server,
 //!   PostgreSQL, the rest), from /proc.
 //! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
@@ -45,5 +47,6 @@ pub mod compare;
 pub mod demo;
 pub mod fresh;
 pub mod guard_cost;
+pub mod latency;
 pub mod system_cpu;
 pub mod workload;

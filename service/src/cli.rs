@@ -19,32 +19,12 @@ use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refu
 use crate::telemetry::LogFormat;
 use crate::{dlq, publish, relay, serve, study};
 
-/// The commit this binary was built from, in the 12 digits the image tags use too; `unknown`
-/// where it was built without git.
-pub const COMMIT: &str = short_commit(option_env!("VERGEN_GIT_SHA"));
-
-/// Without git, vergen gives a placeholder that is no hash.
-const fn short_commit(sha: Option<&'static str>) -> &'static str {
-    let Some(sha) = sha else { return "unknown" };
-    if sha.len() < 12 {
-        return "unknown";
-    }
-    let (short, _) = sha.split_at(12);
-    let mut at = 0;
-    while at < short.len() {
-        if !short.as_bytes()[at].is_ascii_hexdigit() {
-            return "unknown";
-        }
-        at += 1;
-    }
-    short
-}
-
 /// `inventory --version`: the release, the commit it was built from and the build's date.
 fn version() -> String {
     format!(
-        "{} (commit {COMMIT}, built {})",
+        "{} (commit {}, built {})",
         env!("CARGO_PKG_VERSION"),
+        crate::COMMIT,
         env!("VERGEN_BUILD_DATE")
     )
 }

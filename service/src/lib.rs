@@ -6,7 +6,7 @@
 //! - [`runtime`]: the consumer runtime: one [`runtime::RuntimeSettings`] value, the streams and
 //!   the durable consumer set up, the lanes, and the path of one message from fetch to ack;
 //!   [`policy`]: what becomes of a delivery (ack, nak after a delay, dead letter), as a pure
-//!   function.
+//!   function, and what became of it ([`policy::Disposition`]).
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
 //!   horizon guard ([`retention`]), Prometheus metrics ([`metrics`]) and the health endpoints
 //!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); `tasks`: the tasks `serve`
@@ -19,6 +19,30 @@
 //! - [`dlq`]: listing, replaying and deleting dead letters; [`publish`]: the producer command.
 //! - [`study`]: `inventory demo|compare|bench`, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.
+//!
+//! No module imports one that imports it back: [`policy`] depends on no other module,
+//! [`metrics`] on [`policy`], [`runtime`] on those and [`health`], the commands on them.
+
+/// The commit this binary was built from, in the 12 digits the image tags use too; `unknown`
+/// where it was built without git.
+pub const COMMIT: &str = short_commit(option_env!("VERGEN_GIT_SHA"));
+
+/// Without git, vergen gives a placeholder that is no hash.
+const fn short_commit(sha: Option<&'static str>) -> &'static str {
+    let Some(sha) = sha else { return "unknown" };
+    if sha.len() < 12 {
+        return "unknown";
+    }
+    let (short, _) = sha.split_at(12);
+    let mut at = 0;
+    while at < short.len() {
+        if !short.as_bytes()[at].is_ascii_hexdigit() {
+            return "unknown";
+        }
+        at += 1;
+    }
+    short
+}
 
 pub mod args;
 pub mod cli;

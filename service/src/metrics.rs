@@ -16,7 +16,7 @@ use prometheus::{
 use inventory_domain::DeadLetterReason;
 
 use crate::policy::Acked;
-use crate::runtime::Disposition;
+use crate::policy::Disposition;
 
 /// The service's metrics, registered in a registry of their own (no process-global state, so
 /// tests in one process do not share counters).
@@ -225,7 +225,7 @@ impl Metrics {
             &["version", "commit"],
         )?;
         build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::cli::COMMIT])
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::COMMIT])
             .set(1);
         let dependency_up = gauges(
             &registry,

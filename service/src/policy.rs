@@ -156,6 +156,22 @@ pub fn dead_letter_not_stored(delivered: i64, retry: &RetryPolicy) -> Action {
     }
 }
 
+/// What became of one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    Acked(Acked),
+    DeadLettered(DeadLetterReason),
+    /// Nak'ed, to come again after the delay.
+    Retried(Duration),
+    /// Left unacked (the handler died, or an ack or dead letter could not be sent): JetStream
+    /// redelivers it after the ack wait, or, past the consumer's own cap, says so in the
+    /// MAX_DELIVERIES advisory that the backstop turns into a dead letter.
+    LeftForRedelivery,
+    /// Left unacked because the handler broke an invariant of this program: the lane stops,
+    /// and with it the process.
+    Halted(String),
+}
+
 #[cfg(test)]
 mod tests {
     use inventory_domain::{Quantity, Refusal};

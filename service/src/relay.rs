@@ -232,7 +232,7 @@ pub(crate) fn report_task_failure(task: &str, why: &str, metrics: &Metrics, live
 /// cleanly.
 pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
-    crate::serve::listen_for_signals(shutdown.clone())?;
+    shutdown.on_signals()?;
     shutdown.bound(args.stop.shutdown_timeout);
     let mut background = Background::new(shutdown.graceful.clone());
     let (metrics, liveness, readiness) =

@@ -34,7 +34,7 @@ use tracing::{Instrument, field};
 
 use crate::health::Liveness;
 use crate::metrics::ConsumerMetrics;
-use crate::policy::{self, Acked, Action, RetryPolicy};
+use crate::policy::{self, Acked, Action, Disposition, RetryPolicy};
 
 /// Everything that says how one consumer runs.
 #[derive(Debug, Clone)]
@@ -381,6 +381,28 @@ pub struct Shutdown {
 }
 
 impl Shutdown {
+    /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
+    /// second for an immediate one.
+    pub fn on_signals(&self) -> std::io::Result<()> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut terminate = signal(SignalKind::terminate())?;
+        let shutdown = self.clone();
+        tokio::spawn(async move {
+            for token in [&shutdown.graceful, &shutdown.immediate] {
+                tokio::select! {
+                    _ = interrupt.recv() => {}
+                    _ = terminate.recv() => {}
+                }
+                token.cancel();
+                if token == &shutdown.graceful {
+                    tracing::info!("signal received: stopping; a second signal stops at once");
+                }
+            }
+        });
+        Ok(())
+    }
+
     /// Bounds the stop as a whole: `timeout` after the graceful stop begins, the immediate one
     /// follows and cuts short whatever still waits on it (in-flight messages, the relay's last
     /// pass, the NATS drain), so that the process ends before its supervisor kills it.
@@ -773,22 +795,6 @@ const DATABASE_LOOKS: ExponentialBuilder = ExponentialBuilder::new()
     .with_min_delay(Duration::from_millis(200))
     .with_max_delay(Duration::from_secs(5))
     .without_max_times();
-
-/// What became of one delivery.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Disposition {
-    Acked(Acked),
-    DeadLettered(DeadLetterReason),
-    /// Nak'ed, to come again after the delay.
-    Retried(Duration),
-    /// Left unacked (the handler died, or an ack or dead letter could not be sent): JetStream
-    /// redelivers it after the ack wait, or, past the consumer's own cap, says so in the
-    /// MAX_DELIVERIES advisory that the backstop turns into a dead letter.
-    LeftForRedelivery,
-    /// Left unacked because the handler broke an invariant of this program: the lane stops,
-    /// and with it the process.
-    Halted(String),
-}
 
 /// Counts of dispositions since start.
 #[derive(Debug, Default)]

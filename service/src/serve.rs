@@ -253,31 +253,10 @@ async fn watch_dead_letters(
     }
 }
 
-/// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
-/// second for an immediate one.
-pub(crate) fn listen_for_signals(shutdown: Shutdown) -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    tokio::spawn(async move {
-        for token in [&shutdown.graceful, &shutdown.immediate] {
-            tokio::select! {
-                _ = interrupt.recv() => {}
-                _ = terminate.recv() => {}
-            }
-            token.cancel();
-            if token == &shutdown.graceful {
-                tracing::info!("signal received: stopping; a second signal stops at once");
-            }
-        }
-    });
-    Ok(())
-}
-
 /// `inventory serve`: wiring, then the runtime until a signal. Ok(true) when it drained cleanly.
 pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
-    listen_for_signals(shutdown.clone())?;
+    shutdown.on_signals()?;
     let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
     // The health server, the purge and the watchers; the purge and the watchers stop with the
     // first signal (the purge must not hold the database while the lanes drain), the health

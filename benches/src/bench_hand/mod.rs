@@ -48,8 +48,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::bench_e2e::PublishClock;
 use crate::fresh::FreshDatabase;
+use crate::latency::PublishClock;
 
 pub(crate) use postgres::{connect, reserve};
 
