@@ -21,6 +21,7 @@ use crate::bench_hand::{self, Driver, HandWritten};
 use crate::latency::{Latency, PublishClock};
 use inventory_infra::delivery::PullConsumer;
 use inventory_service::args::{NatsArgs, natural_key_path};
+use inventory_service::metrics::ConsumerMetrics;
 use inventory_service::runtime::{ConsumerRuntime, Running, RuntimeSettings, Shutdown};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -353,11 +354,13 @@ impl Prepared {
         Ok(match self {
             Self::Service(runtime) => {
                 let handler = runtime.handler(None)?;
+                let metrics =
+                    ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
                 Consuming::Service(match clock {
                     Some(clock) => {
-                        runtime.start(Timed { handler, clock }, None, Shutdown::default())
+                        runtime.start(Timed { handler, clock }, metrics, Shutdown::default())
                     }
-                    None => runtime.start(handler, None, Shutdown::default()),
+                    None => runtime.start(handler, metrics, Shutdown::default()),
                 })
             }
             Self::HandWritten(consumer, driver) => Consuming::HandWritten(
@@ -377,10 +380,7 @@ impl Consuming {
     /// Acked so far, not as duplicates, and as duplicates.
     fn counts(&self) -> (u64, u64) {
         match self {
-            Self::Service(running) => (
-                running.stats.acked.load(Relaxed),
-                running.stats.duplicates.load(Relaxed),
-            ),
+            Self::Service(running) => (running.metrics.acked(), running.metrics.duplicates()),
             Self::HandWritten(lanes) => (
                 lanes.counts.acked.load(Relaxed),
                 lanes.counts.duplicates.load(Relaxed),

@@ -11,7 +11,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -29,9 +28,8 @@ use inventory_infra::{
 use serde::Serialize;
 
 use inventory_service::args::NatsArgs;
-use inventory_service::runtime::{
-    ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
-};
+use inventory_service::metrics::ConsumerMetrics;
+use inventory_service::runtime::{ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown};
 
 /// The server `compare` creates its databases on when neither the flag nor `DATABASE_URL` names
 /// one: the local PostgreSQL.
@@ -909,10 +907,6 @@ struct Instance {
     conn: Option<DatabaseConnection>,
 }
 
-fn load(counter: &std::sync::atomic::AtomicU64) -> i64 {
-    i64::try_from(counter.load(Ordering::Relaxed)).unwrap_or(i64::MAX)
-}
-
 impl Run {
     fn durable_name(strategy: HandlerKind) -> String {
         format!("compare-{}", strategy.strategy_name().replace(' ', "-"))
@@ -986,17 +980,21 @@ impl Run {
         let started = Instant::now();
         let instances: Vec<Instance> = ready
             .into_iter()
-            .map(|(runtime, handler, conn)| Instance {
-                running: runtime.start(handler, None, Shutdown::default()),
-                conn,
+            .map(|(runtime, handler, conn)| {
+                let metrics =
+                    ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
+                Ok(Instance {
+                    running: runtime.start(handler, metrics, Shutdown::default()),
+                    conn,
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let drained = self.wait_until_drained(&script, &instances).await;
         let seconds = started.elapsed().as_secs_f64();
         let mut stats = Vec::new();
         let mut failure = None;
         for instance in instances {
-            let stats_of_instance = instance.running.stats.clone();
+            let stats_of_instance = instance.running.metrics.clone();
             let ending = instance.running.stop().await;
             if let Some(conn) = instance.conn
                 && let Err(error) = conn.close().await
@@ -1020,8 +1018,11 @@ impl Run {
             return Err(failure);
         }
         drained?;
-        let total = |pick: fn(&Stats) -> &std::sync::atomic::AtomicU64| {
-            stats.iter().map(|stats| load(pick(stats))).sum::<i64>()
+        let total = |pick: fn(&ConsumerMetrics) -> u64| {
+            stats
+                .iter()
+                .map(|stats| i64::try_from(pick(stats)).unwrap_or(i64::MAX))
+                .sum::<i64>()
         };
         let expected_reserved: i64 = self.workload.orders.iter().map(|o| o.quantity).sum();
         let actual_reserved = stock.total_reserved().await?;
@@ -1034,11 +1035,11 @@ impl Run {
         let mut row = StrategyRow {
             strategy: strategy.strategy_name(),
             delivered,
-            processed: total(|s| &s.acked),
-            duplicates: total(|s| &s.duplicates),
-            ack_withheld: total(|s| &s.left_for_redelivery),
-            dead_lettered: total(|s| &s.dead_lettered),
-            retried: total(|s| &s.retried),
+            processed: total(ConsumerMetrics::acked),
+            duplicates: total(ConsumerMetrics::duplicates),
+            ack_withheld: total(ConsumerMetrics::left_for_redelivery),
+            dead_lettered: total(ConsumerMetrics::dead_lettered),
+            retried: total(ConsumerMetrics::retried),
             expected_reserved,
             actual_reserved,
             difference: actual_reserved - expected_reserved,

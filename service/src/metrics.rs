@@ -570,6 +570,55 @@ impl Drop for InFlight {
 }
 
 impl ConsumerMetrics {
+    /// `consumer`'s metrics in a registry of their own, for a runtime that serves none (tests,
+    /// benchmarks, the study): its counts are still read from them.
+    pub fn unexported(consumer: &str) -> Result<Self, prometheus::Error> {
+        Ok(Metrics::new()?.consumer(consumer))
+    }
+
+    /// Deliveries since start that ended as `outcome`, as `inventory_messages_total` counts
+    /// them: what tests, benchmarks and the study read.
+    fn ended_as(&self, outcome: &str) -> u64 {
+        self.messages
+            .with_label_values(&[self.consumer.as_str(), outcome])
+            .get()
+    }
+
+    /// Acked, and not as a duplicate.
+    pub fn acked(&self) -> u64 {
+        Acked::ALL
+            .into_iter()
+            .filter(|acked| *acked != Acked::Duplicate)
+            .map(|acked| self.ended_as(acked.label()))
+            .sum()
+    }
+
+    pub fn duplicates(&self) -> u64 {
+        self.ended_as(Acked::Duplicate.label())
+    }
+
+    pub fn dead_lettered(&self) -> u64 {
+        self.ended_as("dead_lettered")
+    }
+
+    pub fn retried(&self) -> u64 {
+        self.ended_as("retried")
+    }
+
+    pub fn left_for_redelivery(&self) -> u64 {
+        self.ended_as("left_for_redelivery")
+    }
+
+    /// Every delivery counted so far.
+    pub fn deliveries(&self) -> u64 {
+        self.acked()
+            + self.duplicates()
+            + UNACKED_OUTCOMES
+                .map(|outcome| self.ended_as(outcome))
+                .iter()
+                .sum::<u64>()
+    }
+
     /// Counts a task of the process that ended while the service ran.
     pub fn task_failed(&self, task: &str) {
         self.task_failures.with_label_values(&[task]).inc();

@@ -11,7 +11,7 @@
 //! dead-letters it. Nothing is acked before its transaction committed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use backon::{ExponentialBuilder, Retryable as _};
@@ -251,12 +251,12 @@ impl ConsumerRuntime {
     }
 
     /// Starts the lanes with `handler` (the settings' own, or one wrapped around it) in a task
-    /// of their own, until `shutdown`. The lanes hand batches as `settings.handler` says,
-    /// whatever `handler` is: name the batch kind there to batch.
+    /// of their own, until `shutdown`, counting into `metrics`. The lanes hand batches as
+    /// `settings.handler` says, whatever `handler` is: name the batch kind there to batch.
     pub fn start<H: MessageHandler>(
         self,
         handler: H,
-        metrics: Option<ConsumerMetrics>,
+        metrics: ConsumerMetrics,
         shutdown: Shutdown,
     ) -> Running {
         let batch_size = if self.settings.handler.takes_batches() {
@@ -282,12 +282,11 @@ impl ConsumerRuntime {
                     max_retry_delay: self.settings.max_retry_delay,
                 },
             }),
-            stats: Arc::new(Stats::default()),
             database_suspect: Arc::new(AtomicBool::new(false)),
             metrics,
             relay_wake: self.relay_wake,
         };
-        let stats = worker.stats.clone();
+        let metrics = worker.metrics.clone();
         shutdown.bound(self.settings.shutdown_timeout);
         let consumer = self.consumer.clone();
         let lanes = TaskTracker::new();
@@ -305,7 +304,7 @@ impl ConsumerRuntime {
         });
         Running {
             shutdown,
-            stats,
+            metrics,
             consumer,
             lanes,
             task,
@@ -316,7 +315,8 @@ impl ConsumerRuntime {
 /// A consumer's lanes, running.
 pub struct Running {
     pub shutdown: Shutdown,
-    pub stats: Arc<Stats>,
+    /// What became of its deliveries so far, among the rest.
+    pub metrics: ConsumerMetrics,
     consumer: PullConsumer,
     lanes: TaskTracker,
     task: JoinHandle<Result<Ending, RuntimeError>>,
@@ -550,9 +550,7 @@ async fn run<H: MessageHandler>(
         if failures.is_empty() {
             tracing::error!(%why, "a lane ended; stopping the other lanes");
             liveness.task_failed("lane", &why);
-            if let Some(metrics) = &worker.metrics {
-                metrics.task_failed("lane");
-            }
+            worker.metrics.task_failed("lane");
             // The whole service stops, as on a signal, within the same bound.
             shutdown.graceful.cancel();
         }
@@ -796,44 +794,6 @@ const DATABASE_LOOKS: ExponentialBuilder = ExponentialBuilder::new()
     .with_max_delay(Duration::from_secs(5))
     .without_max_times();
 
-/// Counts of dispositions since start.
-#[derive(Debug, Default)]
-pub struct Stats {
-    /// Acked, and not as a duplicate.
-    pub acked: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub retried: AtomicU64,
-    pub left_for_redelivery: AtomicU64,
-}
-
-impl Stats {
-    fn record(&self, disposition: &Disposition) {
-        let counter = match disposition {
-            Disposition::Acked(Acked::Duplicate) => &self.duplicates,
-            Disposition::Acked(_) => &self.acked,
-            Disposition::DeadLettered(_) => &self.dead_lettered,
-            Disposition::Retried(_) => &self.retried,
-            Disposition::LeftForRedelivery | Disposition::Halted(_) => &self.left_for_redelivery,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Every delivery counted so far.
-    pub fn deliveries(&self) -> u64 {
-        [
-            &self.acked,
-            &self.duplicates,
-            &self.dead_lettered,
-            &self.retried,
-            &self.left_for_redelivery,
-        ]
-        .iter()
-        .map(|counter| counter.load(Ordering::Relaxed))
-        .sum()
-    }
-}
-
 /// Whether a handling that came to `outcome` committed an outbox event: every decision of
 /// the natural key does, a duplicate or a placement after the cancellation does not.
 fn wrote_an_event(outcome: &Outcome) -> bool {
@@ -867,11 +827,9 @@ struct Worker<H> {
     handler: H,
     dead_letters: DeadLetters,
     lanes: Arc<LaneSettings>,
-    stats: Arc<Stats>,
     /// Set when a handler hit a database error: the loop checks the database before fetching.
     database_suspect: Arc<AtomicBool>,
-    /// Prometheus counters, when `--metrics-addr` is set.
-    metrics: Option<ConsumerMetrics>,
+    metrics: ConsumerMetrics,
     /// The outbox relay to wake after a handling that committed an event.
     relay_wake: Option<RelayWake>,
 }
@@ -880,7 +838,7 @@ impl<H: MessageHandler> Worker<H> {
     /// Handles one delivery to its end.
     async fn process(&self, message: &Delivery) -> Disposition {
         let started = Instant::now();
-        let in_flight = self.metrics.as_ref().map(ConsumerMetrics::start);
+        let in_flight = self.metrics.start();
         let disposition = match self.admit(message).await {
             Admitted::Settled(disposition) => disposition,
             Admitted::Decoded(origin, decoded) => {
@@ -897,20 +855,14 @@ impl<H: MessageHandler> Worker<H> {
     }
 
     fn record(&self, disposition: &Disposition, started: Instant) {
-        self.stats.record(disposition);
-        if let Some(metrics) = &self.metrics {
-            metrics.record(disposition, started.elapsed());
-        }
+        self.metrics.record(disposition, started.elapsed());
     }
 
     /// Handles deliveries as one batch: the handler may commit them in one transaction; each
     /// is then acked, dead-lettered or nak'ed on its own outcome.
     async fn process_batch(&self, messages: &[Delivery]) -> Vec<Disposition> {
         let started = Instant::now();
-        let in_flight: Vec<_> = messages
-            .iter()
-            .filter_map(|_| self.metrics.as_ref().map(ConsumerMetrics::start))
-            .collect();
+        let in_flight: Vec<_> = messages.iter().map(|_| self.metrics.start()).collect();
         let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
         let mut decoded = Vec::new();
         let mut origins = Vec::new();

@@ -386,7 +386,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         runtime.server_consumer().max_ack_pending,
     );
     let mut relay = relay.map(RunningRelay::start);
-    let running = runtime.start(handler, Some(consumer_metrics.clone()), shutdown);
+    let running = runtime.start(handler, consumer_metrics.clone(), shutdown);
     background.adopt(
         "the lag watcher",
         running.report_lag(consumer_metrics, LAG_INTERVAL),

@@ -173,16 +173,16 @@ async fn a_broken_invariant_fails_the_loop_and_sends_nothing() {
         broker.settings(2, 5),
     )
     .await;
-    let (liveness, stats) = (service.liveness.clone(), service.stats.clone());
+    let (liveness, stats) = (service.liveness.clone(), service.metrics.clone());
     let ended = tokio::time::timeout(Duration::from_secs(30), service.wait())
         .await
         .expect("the loop ended")
         .expect_err("the loop failed");
     assert!(ended.to_string().contains("broken invariant"), "{ended:#}");
     assert!(liveness.failure().is_some());
-    assert_eq!(stats.retried.load(Ordering::Relaxed), 0, "never nak'ed");
-    assert_eq!(stats.dead_lettered.load(Ordering::Relaxed), 0);
-    assert_eq!(stats.left_for_redelivery.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.retried(), 0, "never nak'ed");
+    assert_eq!(stats.dead_lettered(), 0);
+    assert_eq!(stats.left_for_redelivery(), 1);
     assert_eq!(broker.stream_messages(&broker.topology.dlq_stream).await, 0);
 }
 

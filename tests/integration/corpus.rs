@@ -11,7 +11,6 @@
 //! parsing) is what stops it. One such server per test; each handler runs on streams of its own.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 
 use inventory_domain::{BookId, OrderId, StockItem};
 use inventory_infra::jetstream::dlq_headers;
@@ -182,9 +181,9 @@ async fn corpus_through_the_service(server: &NatsServer, backend: Backend, strat
         "one dead letter each: {seen:?}"
     );
     // Each dead letter was stored once before its original was terminated: first try.
-    assert_eq!(service.stats.retried.load(Ordering::Relaxed), 0);
+    assert_eq!(service.metrics.retried(), 0);
     assert_eq!(
-        service.stats.left_for_redelivery.load(Ordering::Relaxed),
+        service.metrics.left_for_redelivery(),
         0,
         "{}: every message settled on its first delivery",
         strategy.label()

@@ -8,7 +8,6 @@
 //! The handler-level versions of these (no broker) are in `natural.rs`, `inbox.rs`, `naive.rs`
 //! and `email.rs`; here the redelivery is JetStream's own.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use inventory_domain::{
@@ -20,7 +19,8 @@ use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind,
     InMemoryEmailProvider, MessageHandler, NaturalKeyPath,
 };
-use inventory_service::runtime::{RuntimeSettings, Stats};
+use inventory_service::metrics::ConsumerMetrics;
+use inventory_service::runtime::RuntimeSettings;
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed, stock_reserved, workload};
 
@@ -34,7 +34,7 @@ const STOCK_POINTS: [CrashPoint; 3] = [
 struct Run {
     book: BookId,
     order: inventory_domain::OrderId,
-    stats: Arc<Stats>,
+    stats: ConsumerMetrics,
     dead_letter_reasons: Vec<String>,
 }
 
@@ -61,11 +61,7 @@ async fn crash_and_redeliver<H: MessageHandler>(
         std::slice::from_ref(&message),
     )
     .await;
-    assert_eq!(
-        stats.left_for_redelivery.load(Ordering::Relaxed),
-        1,
-        "the handler crashed once"
-    );
+    assert_eq!(stats.left_for_redelivery(), 1, "the handler crashed once");
     Run {
         book,
         order: message.event.order_id(),
@@ -83,7 +79,7 @@ async fn crash_in_loop<H: MessageHandler>(
     handler: H,
     settings: RuntimeSettings,
     messages: &[Message],
-) -> (Arc<Stats>, Vec<String>) {
+) -> (ConsumerMetrics, Vec<String>) {
     for message in messages {
         match &message.event {
             Event::StockReserved(_) => {
@@ -96,13 +92,10 @@ async fn crash_in_loop<H: MessageHandler>(
         }
     }
     let service = RunningService::start(broker, handler, db.conn.clone(), settings).await;
-    let stats = service.stats.clone();
+    let stats = service.metrics.clone();
     let published = messages.len() as u64;
     eventually("every message ended, redeliveries included", || async {
-        stats.acked.load(Ordering::Relaxed)
-            + stats.duplicates.load(Ordering::Relaxed)
-            + stats.dead_lettered.load(Ordering::Relaxed)
-            == published
+        stats.acked() + stats.duplicates() + stats.dead_lettered() == published
     })
     .await;
     broker.settled().await;
@@ -140,7 +133,7 @@ async fn stock_strategy(strategy: HandlerKind, expected: impl Fn(CrashPoint) -> 
         let context = format!("{} crashed {}", strategy.label(), point.as_str());
         assert_eq!(db.reserved(run.book).await, copies, "{context}");
         assert_eq!(
-            run.stats.duplicates.load(Ordering::Relaxed),
+            run.stats.duplicates(),
             u64::from(duplicate),
             "{context}: the redelivery's outcome"
         );
@@ -369,7 +362,7 @@ async fn statement_path_crashes(backend: Backend, kind: HandlerKind) {
     .await;
     for (point, book, kept, withdrawn, stats, letters, kinds) in runs {
         let context = format!("{} on {backend:?} crashed {}", kind.label(), point.as_str());
-        let crashed = stats.left_for_redelivery.load(Ordering::Relaxed);
+        let crashed = stats.left_for_redelivery();
         // A crash in the batch statement loses the whole batch: every placement in it.
         assert!(crashed >= 1, "{context}: the point was reached");
         // One lane in the stream's order: a placement reaches the statement's points first.
@@ -396,7 +389,7 @@ async fn statement_path_crashes(backend: Backend, kind: HandlerKind) {
             0
         };
         assert_eq!(
-            stats.duplicates.load(Ordering::Relaxed),
+            stats.duplicates(),
             duplicates,
             "{context}: the redeliveries' outcome"
         );

@@ -3,8 +3,6 @@
 //! copy when the original comes back, a replay that died between its publish and its delete
 //! is stored once, and a replay the orders stream did not store leaves its dead letter there.
 
-use std::sync::atomic::Ordering;
-
 use async_nats::jetstream::consumer::PullConsumer;
 use futures::StreamExt;
 use inventory_domain::{BookId, DeadLetterReason, EventKind};
@@ -56,7 +54,7 @@ async fn a_process_that_died_after_storing_the_dead_letter_stores_no_second_copy
     // The next instance gets it again after the ack wait and dead-letters it as usual.
     let service = natural_key_service(&db, &broker, 5).await;
     eventually("the redelivery dead-lettered", || async {
-        service.stats.dead_lettered.load(Ordering::Relaxed) == 1
+        service.metrics.dead_lettered() == 1
     })
     .await;
     broker.settled().await;
@@ -85,10 +83,10 @@ async fn the_original_is_terminated_only_once_its_dead_letter_is_stored() {
         .await
         .unwrap();
     eventually("the refusal retried, not terminated", || async {
-        service.stats.retried.load(Ordering::Relaxed) >= 2
+        service.metrics.retried() >= 2
     })
     .await;
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert_eq!(service.metrics.dead_lettered(), 0);
     let state = broker.consumer_state().await;
     assert_eq!(
         state.pending + u64::try_from(state.ack_pending).unwrap(),
@@ -100,7 +98,7 @@ async fn the_original_is_terminated_only_once_its_dead_letter_is_stored() {
         .await
         .unwrap();
     eventually("dead-lettered once the stream is back", || async {
-        service.stats.dead_lettered.load(Ordering::Relaxed) == 1
+        service.metrics.dead_lettered() == 1
     })
     .await;
     broker.settled().await;
@@ -122,7 +120,7 @@ async fn a_replay_that_died_between_its_publish_and_its_delete_is_stored_once() 
         .unwrap();
     let service = natural_key_service(&db, &broker, 5).await;
     eventually("dead-lettered", || async {
-        service.stats.dead_lettered.load(Ordering::Relaxed) == 1
+        service.metrics.dead_lettered() == 1
     })
     .await;
     service.stop().await;
@@ -183,7 +181,7 @@ async fn a_replay_the_orders_stream_cannot_store_keeps_its_dead_letter() {
         .unwrap();
     let service = natural_key_service(&db, &broker, 5).await;
     eventually("dead-lettered", || async {
-        service.stats.dead_lettered.load(Ordering::Relaxed) == 1
+        service.metrics.dead_lettered() == 1
     })
     .await;
     service.stop().await;

@@ -3,7 +3,6 @@
 //! one already handled is skipped. A delete takes exactly what it selects; a dry run of either
 //! changes nothing; a dead letter older than the replay allowance is replayed only when forced.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -38,8 +37,7 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     )
     .await;
     eventually("two dead letters and one processed", || async {
-        service.stats.dead_lettered.load(Ordering::Relaxed) == 2
-            && service.stats.acked.load(Ordering::Relaxed) == 1
+        service.metrics.dead_lettered() == 2 && service.metrics.acked() == 1
     })
     .await;
 
@@ -147,11 +145,11 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     assert_eq!(report.replayed.len(), 1);
     assert_eq!(report.missing, [9_999]);
     eventually("the replayed copy acked as a duplicate", || async {
-        service.stats.duplicates.load(Ordering::Relaxed) == 1
+        service.metrics.duplicates() == 1
     })
     .await;
     assert_eq!(db.reserved(known).await, 2);
-    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 2);
+    assert_eq!(service.metrics.acked(), 2);
 
     // Replayed once: it is gone from the DLQ, so a second replay finds nothing.
     let again = dlq::replay_selected(

@@ -383,7 +383,6 @@ async fn a_batch_decides_each_message_as_one_by_one_handling_would() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     use inventory_tests::broker::{Broker, RunningService, eventually};
-    use std::sync::atomic::Ordering;
 
     let (db, handler) = batch_fixture().await;
     let book = db.dune(1_000_000).await;
@@ -421,10 +420,10 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
     })
     .await;
     broker.settled().await;
-    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 400);
+    assert_eq!(service.metrics.acked(), 400);
     // 40 resends under new ids and 58 replays; more only if one outwaited the 1 s ack wait.
-    assert!(service.stats.duplicates.load(Ordering::Relaxed) >= 40 + 58);
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert!(service.metrics.duplicates() >= 40 + 58);
+    assert_eq!(service.metrics.dead_lettered(), 0);
     assert!(handler.seen().1 > 1, "no batch of more than one message");
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
@@ -565,7 +564,6 @@ async fn rows_and_orders(db: &TestDb) -> (i64, i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once_later() {
     use inventory_tests::broker::{Broker, RunningService, eventually};
-    use std::sync::atomic::Ordering;
 
     const ORDERS: usize = 24;
     let (db, handler) = batch_fixture().await;
@@ -599,14 +597,14 @@ async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once
     let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
 
     eventually("every message failed and nak'ed", || async {
-        handler.seen().0 == ORDERS && service.stats.retried.load(Ordering::Relaxed) >= ORDERS as u64
+        handler.seen().0 == ORDERS && service.metrics.retried() >= ORDERS as u64
     })
     .await;
     // Every one was tried and refused: none committed, none acked, none dead-lettered.
     assert_eq!(db.reserved(book).await, 0);
     assert_eq!(rows_and_orders(&db).await, (0, 0));
-    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 0);
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert_eq!(service.metrics.acked(), 0);
+    assert_eq!(service.metrics.dead_lettered(), 0);
     assert!(handler.seen().1 > 1, "no batch of more than one message");
 
     db.conn
@@ -620,8 +618,8 @@ async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once
     broker.settled().await;
     let orders = i64::try_from(ORDERS).unwrap();
     assert_eq!(rows_and_orders(&db).await, (orders, orders));
-    assert_eq!(service.stats.acked.load(Ordering::Relaxed), ORDERS as u64);
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert_eq!(service.metrics.acked(), ORDERS as u64);
+    assert_eq!(service.metrics.dead_lettered(), 0);
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
 }
@@ -630,7 +628,6 @@ async fn a_failing_batch_statement_naks_the_whole_batch_and_each_is_applied_once
 async fn one_refused_message_in_a_batch_is_dead_lettered_alone_and_the_rest_reserved() {
     use inventory_infra::jetstream::dlq_headers;
     use inventory_tests::broker::{Broker, RunningService};
-    use std::sync::atomic::Ordering;
 
     let (db, handler) = batch_fixture().await;
     let book = db.dune(1_000).await;
@@ -659,8 +656,8 @@ async fn one_refused_message_in_a_batch_is_dead_lettered_alone_and_the_rest_rese
     assert!(handler.seen().1 > 1, "no batch of more than one message");
     assert_eq!(db.reserved(book).await, expected);
     assert_eq!(rows_and_orders(&db).await, (21, 21));
-    assert_eq!(service.stats.acked.load(Ordering::Relaxed), 21);
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 2);
+    assert_eq!(service.metrics.acked(), 21);
+    assert_eq!(service.metrics.dead_lettered(), 2);
     let letters = broker.dead_letters().await;
     let mut refused: Vec<(&str, Message)> = letters
         .iter()

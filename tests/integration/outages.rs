@@ -1,6 +1,5 @@
 //! The service survives its database and its broker going away mid-stream.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use inventory_domain::{BookId, Message};
@@ -102,7 +101,7 @@ async fn database_cut_off_longer_than_the_retry_budget_loses_and_dead_letters_no
     )
     .await;
     eventually("some messages processed", || async {
-        service.stats.acked.load(Ordering::Relaxed) >= 40
+        service.metrics.acked() >= 40
     })
     .await;
     let cut = Cut::new(&db).await;
@@ -129,10 +128,7 @@ async fn database_cut_off_longer_than_the_retry_budget_loses_and_dead_letters_no
             .map(|letter| letter.header("Dlq-Reason"))
             .collect::<Vec<_>>()
     );
-    assert!(
-        service.stats.retried.load(Ordering::Relaxed) > 0,
-        "the outage was felt"
-    );
+    assert!(service.metrics.retried() > 0, "the outage was felt");
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
 }
@@ -155,7 +151,7 @@ async fn nats_stopped_and_restarted_mid_stream_loses_nothing() {
     )
     .await;
     eventually("some messages processed", || async {
-        service.stats.acked.load(Ordering::Relaxed) >= 40
+        service.metrics.acked() >= 40
     })
     .await;
     server.stop().await;
@@ -175,7 +171,7 @@ async fn nats_stopped_and_restarted_mid_stream_loses_nothing() {
     })
     .await;
     broker.settled().await;
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    assert_eq!(service.metrics.dead_lettered(), 0);
     service.stop().await;
     assert_eq!(db.reserved(book).await, expected);
 }

@@ -41,10 +41,10 @@ async fn a_message_is_processed_and_acked_once() {
     .await;
     reserved_reaches(&db, book, 2).await;
     broker.settled().await;
-    let stats = service.stats.clone();
+    let stats = service.metrics.clone();
     assert_eq!(service.stop().await, Ending::Drained);
-    assert_eq!(stats.acked.load(Ordering::Relaxed), 1);
-    assert_eq!(stats.retried.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.acked(), 1);
+    assert_eq!(stats.retried(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -88,7 +88,7 @@ impl MessageHandler for FailsAfterCommitOnce {
 async fn redelivered_once<H: MessageHandler>(
     db: &TestDb,
     make_handler: impl FnOnce(&TestDb) -> H,
-) -> Arc<inventory_service::runtime::Stats> {
+) -> inventory_service::metrics::ConsumerMetrics {
     let broker = Broker::new().await;
     let book = db.dune(10).await;
     broker.publisher().publish(&placed(book, 2)).await.unwrap();
@@ -100,12 +100,12 @@ async fn redelivered_once<H: MessageHandler>(
     )
     .await;
     eventually("the redelivery acked as a duplicate", || async {
-        service.stats.duplicates.load(Ordering::Relaxed) == 1
+        service.metrics.duplicates() == 1
     })
     .await;
     assert_eq!(db.reserved(book).await, 2);
     broker.settled().await;
-    let stats = service.stats.clone();
+    let stats = service.metrics.clone();
     service.stop().await;
     stats
 }
@@ -118,7 +118,7 @@ async fn a_redelivery_after_a_nak_is_a_duplicate() {
         failed: Arc::default(),
     })
     .await;
-    assert_eq!(stats.retried.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.retried(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -130,7 +130,7 @@ async fn a_consumer_that_died_before_its_ack_gets_a_duplicate() {
             .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
     })
     .await;
-    assert_eq!(stats.left_for_redelivery.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.left_for_redelivery(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,7 +224,7 @@ async fn poison_messages_are_dead_lettered_and_the_service_keeps_going() {
         malformed.header(dlq_headers::ORIGINAL_MSG_ID),
         Some("poison-1")
     );
-    assert_eq!(service.stats.dead_lettered.load(Ordering::Relaxed), 6);
+    assert_eq!(service.metrics.dead_lettered(), 6);
     service.stop().await;
 }
 
@@ -291,7 +291,7 @@ async fn the_last_allowed_delivery_failing_is_a_max_deliveries_dead_letter() {
         Some("max-deliveries")
     );
     assert_eq!(letters[0].header(dlq_headers::DELIVERIES), Some("3"));
-    assert_eq!(service.stats.retried.load(Ordering::Relaxed), 2);
+    assert_eq!(service.metrics.retried(), 2);
     service.stop().await;
 }
 
@@ -355,7 +355,7 @@ async fn cloud_events_and_cancellations_flow_through() {
         .unwrap();
     reserved_reaches(&db, book, 0).await;
     broker.settled().await;
-    assert_eq!(service.stats.duplicates.load(Ordering::Relaxed), 1);
+    assert_eq!(service.metrics.duplicates(), 1);
     service.stop().await;
 }
 
@@ -427,24 +427,21 @@ async fn competing_instances(db: TestDb) {
         RunningService::start(&broker, crashing, db.conn.clone(), broker.settings(4, 10)).await;
     reserved_reaches(&db, book, expected).await;
     broker.settled().await;
-    let total = |pick: fn(&inventory_service::runtime::Stats) -> u64| {
-        pick(&first.stats) + pick(&second.stats)
+    let total = |pick: fn(&inventory_service::metrics::ConsumerMetrics) -> u64| {
+        pick(&first.metrics) + pick(&second.metrics)
     };
     // 60 orders, each processed once; one of them committed by the instance that then died
     // before its ack, so it was acked later as a duplicate.
-    let crashed = total(|stats| stats.left_for_redelivery.load(Ordering::Relaxed));
+    let crashed = total(|stats| stats.left_for_redelivery());
     assert_eq!(crashed, 1);
-    assert_eq!(
-        total(|stats| stats.acked.load(Ordering::Relaxed)) + crashed,
-        60
-    );
+    assert_eq!(total(|stats| stats.acked()) + crashed, 60);
     // At least the 20 resends under new ids (the natural key's catch) and the one redelivery;
     // more if a message outwaited the 1 s ack wait in a queue for the database and came again.
     // The 12 resends under the same id never reached the consumer: the stream dropped them.
-    assert!(total(|stats| stats.duplicates.load(Ordering::Relaxed)) >= 21);
+    assert!(total(|stats| stats.duplicates()) >= 21);
     assert_eq!(broker.stream_messages(&broker.topology.stream).await, 80);
-    assert!(first.stats.acked.load(Ordering::Relaxed) > 0);
-    assert!(second.stats.acked.load(Ordering::Relaxed) > 0);
+    assert!(first.metrics.acked() > 0);
+    assert!(second.metrics.acked() > 0);
     first.stop().await;
     second.stop().await;
     assert!(

@@ -1,7 +1,6 @@
 //! A test's own streams on a real NATS server, and the service loop running in-process on them.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
@@ -11,9 +10,8 @@ use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublishe
 use inventory_infra::outbox::RelayWake;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_service::health::Liveness;
-use inventory_service::runtime::{
-    ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown, Stats,
-};
+use inventory_service::metrics::ConsumerMetrics;
+use inventory_service::runtime::{ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown};
 
 /// A test's own streams (removed on drop) on `url`.
 pub struct Broker {
@@ -185,7 +183,8 @@ impl Drop for Broker {
 /// The service's consumer runtime running in-process on a test's streams.
 pub struct RunningService {
     running: Running,
-    pub stats: Arc<Stats>,
+    /// What became of its deliveries so far.
+    pub metrics: ConsumerMetrics,
     /// Where the loop reports a lane that ended while it ran, as `/livez` reads it.
     pub liveness: Liveness,
 }
@@ -218,9 +217,11 @@ impl RunningService {
         }
         let liveness = Liveness::default();
         runtime.report_failures_to(liveness.clone());
-        let running = runtime.start(handler, None, Shutdown::default());
+        let metrics =
+            ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name).unwrap();
+        let running = runtime.start(handler, metrics, Shutdown::default());
         Self {
-            stats: running.stats.clone(),
+            metrics: running.metrics.clone(),
             running,
             liveness,
         }
