@@ -199,9 +199,6 @@ fn counters(
     registered(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
 }
 
-/// The outcomes `inventory_messages_total` counts beside the acked ones ([`Acked::ALL`]).
-const UNACKED_OUTCOMES: [&str; 3] = ["dead_lettered", "retried", "left_for_redelivery"];
-
 /// The tasks `inventory_task_failures_total` counts.
 const TASKS: [&str; 2] = ["lane", "relay"];
 
@@ -391,10 +388,6 @@ impl Metrics {
     /// Every series of the consumer that a rule or the dashboard reads exists from here on, at
     /// 0: a counter that first appears at 1 has no increase for Prometheus to see.
     pub fn consumer(&self, consumer: &str) -> ConsumerMetrics {
-        let outcomes = Acked::ALL.map(Acked::label);
-        for outcome in outcomes.iter().chain(&UNACKED_OUTCOMES) {
-            self.messages.with_label_values(&[consumer, outcome]);
-        }
         for reason in DeadLetterReason::ALL {
             self.dead_letters
                 .with_label_values(&[consumer, reason.as_str()]);
@@ -409,7 +402,7 @@ impl Metrics {
         ConsumerMetrics {
             consumer: consumer.to_owned(),
             task_failures: self.task_failures.clone(),
-            messages: self.messages.clone(),
+            outcomes: Outcomes::of(&self.messages, consumer),
             dead_letters: self.dead_letters.clone(),
             handling: self.handling.with_label_values(&[consumer]),
             in_flight: self.in_flight.with_label_values(&[consumer]),
@@ -528,7 +521,7 @@ impl Metrics {
 pub struct ConsumerMetrics {
     consumer: String,
     task_failures: IntCounterVec,
-    messages: IntCounterVec,
+    outcomes: Outcomes,
     dead_letters: IntCounterVec,
     handling: Histogram,
     in_flight: IntGauge,
@@ -576,47 +569,43 @@ impl ConsumerMetrics {
         Ok(Metrics::new()?.consumer(consumer))
     }
 
-    /// Deliveries since start that ended as `outcome`, as `inventory_messages_total` counts
-    /// them: what tests, benchmarks and the study read.
-    fn ended_as(&self, outcome: &str) -> u64 {
-        self.messages
-            .with_label_values(&[self.consumer.as_str(), outcome])
-            .get()
-    }
-
-    /// Acked, and not as a duplicate.
+    /// Deliveries since start acked, and not as a duplicate: `inventory_messages_total` as
+    /// tests, benchmarks and the study read it.
     pub fn acked(&self) -> u64 {
-        Acked::ALL
-            .into_iter()
-            .filter(|acked| *acked != Acked::Duplicate)
-            .map(|acked| self.ended_as(acked.label()))
-            .sum()
+        let outcomes = &self.outcomes;
+        [
+            &outcomes.processed,
+            &outcomes.rejected,
+            &outcomes.reconciled,
+        ]
+        .iter()
+        .map(|counter| counter.get())
+        .sum()
     }
 
     pub fn duplicates(&self) -> u64 {
-        self.ended_as(Acked::Duplicate.label())
+        self.outcomes.duplicate.get()
     }
 
     pub fn dead_lettered(&self) -> u64 {
-        self.ended_as("dead_lettered")
+        self.outcomes.dead_lettered.get()
     }
 
     pub fn retried(&self) -> u64 {
-        self.ended_as("retried")
+        self.outcomes.retried.get()
     }
 
     pub fn left_for_redelivery(&self) -> u64 {
-        self.ended_as("left_for_redelivery")
+        self.outcomes.left_for_redelivery.get()
     }
 
     /// Every delivery counted so far.
     pub fn deliveries(&self) -> u64 {
         self.acked()
             + self.duplicates()
-            + UNACKED_OUTCOMES
-                .map(|outcome| self.ended_as(outcome))
-                .iter()
-                .sum::<u64>()
+            + self.dead_lettered()
+            + self.retried()
+            + self.left_for_redelivery()
     }
 
     /// Counts a task of the process that ended while the service ran.
@@ -645,20 +634,101 @@ impl ConsumerMetrics {
     }
 
     pub fn record(&self, disposition: &Disposition, elapsed: Duration) {
-        let outcome = match disposition {
-            Disposition::Acked(acked) => acked.label(),
+        let outcomes = &self.outcomes;
+        let counter = match disposition {
+            Disposition::Acked(Acked::Processed) => &outcomes.processed,
+            Disposition::Acked(Acked::Rejected) => &outcomes.rejected,
+            Disposition::Acked(Acked::Reconciled) => &outcomes.reconciled,
+            Disposition::Acked(Acked::Duplicate) => &outcomes.duplicate,
             Disposition::DeadLettered(reason) => {
                 self.dead_letters
                     .with_label_values(&[self.consumer.as_str(), reason.as_str()])
                     .inc();
-                "dead_lettered"
+                &outcomes.dead_lettered
             }
-            Disposition::Retried(_) => "retried",
-            Disposition::LeftForRedelivery | Disposition::Halted(_) => "left_for_redelivery",
+            Disposition::Retried(_) => &outcomes.retried,
+            Disposition::LeftForRedelivery | Disposition::Halted(_) => {
+                &outcomes.left_for_redelivery
+            }
         };
-        self.messages
-            .with_label_values(&[self.consumer.as_str(), outcome])
-            .inc();
+        counter.inc();
         self.handling.observe(elapsed.as_secs_f64());
+    }
+}
+
+/// One consumer's series of `inventory_messages_total`, a counter per outcome, looked up once
+/// (each exists from then on, at 0) rather than by its labels at every message.
+#[derive(Clone)]
+struct Outcomes {
+    processed: IntCounter,
+    rejected: IntCounter,
+    reconciled: IntCounter,
+    duplicate: IntCounter,
+    dead_lettered: IntCounter,
+    retried: IntCounter,
+    left_for_redelivery: IntCounter,
+}
+
+impl Outcomes {
+    fn of(messages: &IntCounterVec, consumer: &str) -> Self {
+        let outcome = |label: &str| messages.with_label_values(&[consumer, label]);
+        Self {
+            processed: outcome(Acked::Processed.label()),
+            rejected: outcome(Acked::Rejected.label()),
+            reconciled: outcome(Acked::Reconciled.label()),
+            duplicate: outcome(Acked::Duplicate.label()),
+            dead_lettered: outcome("dead_lettered"),
+            retried: outcome("retried"),
+            left_for_redelivery: outcome("left_for_redelivery"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use inventory_domain::DeadLetterReason;
+
+    use super::Metrics;
+    use crate::policy::{Acked, Disposition};
+
+    #[test]
+    fn each_disposition_is_counted_under_its_own_outcome() {
+        let metrics = Metrics::new().expect("a registry");
+        let consumer = metrics.consumer("c");
+        for disposition in [
+            Disposition::Acked(Acked::Processed),
+            Disposition::Acked(Acked::Rejected),
+            Disposition::Acked(Acked::Reconciled),
+            Disposition::Acked(Acked::Duplicate),
+            Disposition::DeadLettered(DeadLetterReason::ALL[0]),
+            Disposition::Retried(Duration::from_secs(1)),
+            Disposition::LeftForRedelivery,
+        ] {
+            consumer.record(&disposition, Duration::ZERO);
+        }
+        let text = metrics.render().expect("rendered");
+        for outcome in [
+            "processed",
+            "rejected",
+            "reconciled",
+            "duplicate",
+            "dead_lettered",
+            "retried",
+            "left_for_redelivery",
+        ] {
+            let series =
+                format!("inventory_messages_total{{consumer=\"c\",outcome=\"{outcome}\"}} 1");
+            assert!(text.contains(&series), "{series} in\n{text}");
+        }
+        assert_eq!(
+            (
+                consumer.acked(),
+                consumer.duplicates(),
+                consumer.deliveries()
+            ),
+            (3, 1, 7)
+        );
     }
 }

@@ -64,13 +64,6 @@ pub enum Acked {
 }
 
 impl Acked {
-    pub const ALL: [Self; 4] = [
-        Self::Processed,
-        Self::Rejected,
-        Self::Reconciled,
-        Self::Duplicate,
-    ];
-
     pub fn label(self) -> &'static str {
         match self {
             Self::Processed => "processed",
