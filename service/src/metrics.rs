@@ -15,8 +15,7 @@ use prometheus::{
 
 use inventory_domain::DeadLetterReason;
 
-use crate::policy::Acked;
-use crate::policy::Disposition;
+use crate::policy::{Acked, Disposition};
 
 /// The service's metrics, registered in a registry of their own (no process-global state, so
 /// tests in one process do not share counters).

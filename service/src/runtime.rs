@@ -656,15 +656,13 @@ async fn fetcher(
             fetched = delivery::fetch(&consumer, &client, lanes * batch_size, &stop) => fetched,
             () = immediate.cancelled() => return Ok(()),
         };
+        let failed = fetched.error.is_some();
         if let Some(error) = &fetched.error {
             tracing::warn!(%error, "fetching");
         }
-        if (fetched.error.is_some() || fetched.unanswered)
-            && jetstream::consumer_is_gone(&consumer).await
-        {
+        if (failed || fetched.unanswered) && jetstream::consumer_is_gone(&consumer).await {
             return Err(LaneError::ConsumerGone);
         }
-        let failed = fetched.error.is_some();
         let mut messages = fetched.messages.into_iter().peekable();
         let mut handed = 0;
         while messages.peek().is_some() {

@@ -10,21 +10,9 @@ use std::time::Duration;
 use inventory_domain::{Message, Outcome};
 use inventory_infra::jetstream::{self, ConsumerSettings, dlq_headers};
 use inventory_infra::{CrashPoint, HandleError, MessageHandler};
-use inventory_tests::broker::{Broker, RunningService, eventually};
+use inventory_tests::broker::{Broker, RunningService, eventually, one_order};
 use inventory_tests::{Backend, TestDb, placed};
 use tokio::sync::{Notify, Semaphore};
-
-/// A database and streams of the test's own, one order published.
-async fn one_order() -> (TestDb, Broker) {
-    let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
-    broker
-        .publisher()
-        .publish(&placed(db.dune(10).await, 2))
-        .await
-        .unwrap();
-    (db, broker)
-}
 
 /// Holds every handling until a permit is given; each one then counts as a duplicate.
 #[derive(Clone)]

@@ -11,7 +11,7 @@ use inventory_infra::{
     DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
 };
 use inventory_service::runtime::Ending;
-use inventory_tests::broker::{Broker, RunningService, eventually};
+use inventory_tests::broker::{Broker, RunningService, eventually, one_order};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::DbErr;
 use tokio::sync::Barrier;
@@ -271,13 +271,7 @@ impl MessageHandler for AlwaysFails {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_allowed_delivery_failing_is_a_max_deliveries_dead_letter() {
-    let db = TestDb::new(Backend::Postgres).await;
-    let broker = Broker::new().await;
-    broker
-        .publisher()
-        .publish(&placed(db.dune(10).await, 2))
-        .await
-        .unwrap();
+    let (db, broker) = one_order().await;
     let service =
         RunningService::start(&broker, AlwaysFails, db.conn.clone(), broker.settings(1, 3)).await;
     eventually("a max-deliveries dead letter", || async {

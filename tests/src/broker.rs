@@ -180,6 +180,19 @@ impl Drop for Broker {
     }
 }
 
+/// A PostgreSQL database and streams of the test's own, one order for 2 copies of a book with 10
+/// on hand published.
+pub async fn one_order() -> (crate::TestDb, Broker) {
+    let db = crate::TestDb::new(crate::Backend::Postgres).await;
+    let broker = Broker::new().await;
+    broker
+        .publisher()
+        .publish(&crate::placed(db.dune(10).await, 2))
+        .await
+        .unwrap();
+    (db, broker)
+}
+
 /// The service's consumer runtime running in-process on a test's streams.
 pub struct RunningService {
     running: Running,
