@@ -9,6 +9,7 @@
 //! strategy after the other so their rates do not compete for the cores, and its figures are set
 //! against what the workload predicts for it.
 
+use crate::faults;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,8 +23,7 @@ use inventory_infra::CrashPoint;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{
-    DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
-    StockRepository,
+    DetectMode, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository,
 };
 use serde::Serialize;
 
@@ -483,7 +483,7 @@ impl MessageHandler for Scripted {
         let armed = locked(&self.script.armed).remove(&key);
         let handler = if armed {
             self.inner
-                .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+                .with_faults(faults::crash_once_at(CrashPoint::AfterCommit))
         } else {
             self.inner.clone()
         };

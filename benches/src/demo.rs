@@ -4,6 +4,8 @@
 //! handlers' crash points; each prints one line and says whether it came out as the study
 //! predicts. The table at the end runs the four strategies through the four kinds of duplicate.
 
+use crate::faults;
+use crate::mail::InMemoryEmailProvider;
 use std::time::Duration;
 
 use crate::fresh::FreshDatabase;
@@ -18,7 +20,7 @@ use inventory_infra::db::{DatabaseConnection, DbBackend};
 use inventory_infra::redact::redact_url;
 use inventory_infra::{
     DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, Handler, HandlerKind,
-    InMemoryEmailProvider, MessageHandler, NaturalKeyPath, StockRepository,
+    MessageHandler, NaturalKeyPath, StockRepository,
 };
 use sea_orm::{ConnectionTrait, Statement};
 
@@ -151,7 +153,7 @@ async fn two_copies_at_once(
     consumer: &Handler,
     message: &Message,
 ) -> Result<(Outcome, Outcome, bool)> {
-    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
+    let (faults, mut hold) = faults::hold_once_at(CrashPoint::AfterDedupCheck);
     let first = tokio::spawn({
         let consumer = consumer.with_faults(faults);
         let message = message.clone();
@@ -323,7 +325,7 @@ impl Lab {
         let book = self.dune(DUNE_ON_HAND).await?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
-            .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+            .with_faults(faults::crash_once_at(CrashPoint::AfterCommit))
             .handle(&message)
             .await;
         anyhow::ensure!(crashed_at(&crashed, CrashPoint::AfterCommit), "no crash");
@@ -370,7 +372,7 @@ impl Lab {
         let consumer = self.consumer(HandlerKind::CheckThenProcess)?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
-            .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+            .with_faults(faults::crash_once_at(CrashPoint::AfterCommit))
             .handle(&message)
             .await;
         let redelivered = consumer.handle(&message).await?;
@@ -402,7 +404,7 @@ impl Lab {
         let consumer = self.consumer(HandlerKind::Inbox(DetectMode::OnConflict))?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
-            .with_faults(Faults::crash_once_at(CrashPoint::BeforeCommit))
+            .with_faults(faults::crash_once_at(CrashPoint::BeforeCommit))
             .handle(&message)
             .await;
         let after_crash = self.reserved(book).await?;
@@ -461,7 +463,7 @@ impl Lab {
             "an OrderPlaced",
         ));
         let crashed = consumer
-            .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
+            .with_faults(faults::crash_once_at(CrashPoint::AfterSend))
             .handle(&message)
             .await;
         let second = consumer.handle(&message).await?;
@@ -565,7 +567,7 @@ impl Lab {
         Ok(MistakenConsumer::new(
             self.db.clone(),
             name(consumer_name)?,
-            Faults::crash_once_at(point),
+            faults::crash_once_at(point),
         ))
     }
 
@@ -654,7 +656,7 @@ impl Lab {
         let natural = self.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))?;
         let crashing = PreFiltered {
             cache: cache.clone(),
-            handler: natural.with_faults(Faults::crash_once_at(CrashPoint::AfterCommit)),
+            handler: natural.with_faults(faults::crash_once_at(CrashPoint::AfterCommit)),
         };
         let crashed = crashing.handle(&message).await;
         let cached_after_crash = cache.seen(&message).await;
@@ -826,7 +828,7 @@ impl Lab {
                 tokio::spawn(async move { copy.handle(&message).await })
             })
         };
-        let (faults, mut hold) = Faults::hold_once_at(CrashPoint::BeforeCommit);
+        let (faults, mut hold) = faults::hold_once_at(CrashPoint::BeforeCommit);
         let first = start(faults)?;
         hold.reached().await;
         let mut second = start(Faults::none())?;

@@ -16,9 +16,13 @@
 //!   PostgreSQL's, the one-statement handler's statements bound as its lanes bind them,
 //!   without NATS; [`bench_prefilter`]: a Redis pre-filter in front of the natural key, what
 //!   it saves per duplicate and costs per fresh message.
+//! - [`faults`]: the crashes, holds and panics the demo and the tests inject at the handlers'
+//!   crash points.
 //! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
 //!   that is not.
 //! - [`fresh`]: a database of its own per run, created and dropped.
+//! - [`mail`]: the email provider of the demo and the tests, in memory, with or without a
+//!   lookup by idempotency key.
 //! - [`latency`]: when each message was published and how long it took to be handled, for the
 //!   runs at a steady rate of `bench_e2e` and `bench_hand`.
 //! - [`system_cpu`]: the machine's CPU during a run by process (this one, nats-server,
@@ -45,8 +49,10 @@ pub mod chart;
 pub mod cli;
 pub mod compare;
 pub mod demo;
+pub mod faults;
 pub mod fresh;
 pub mod guard_cost;
 pub mod latency;
+pub mod mail;
 pub mod system_cpu;
 pub mod workload;

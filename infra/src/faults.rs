@@ -1,17 +1,16 @@
-//! Injected failures, for the study and the tests only (the `harness` feature): a handler
-//! passes through each [`CrashPoint`], and a plan made by a test or the demo can make it die
-//! there (as a killed process would) or hold it there (to line up two concurrent copies). A
-//! handler built without a plan carries `Faults::none()`, which does nothing; the serving
-//! binary is built without the feature, so its handlers have no crash points at all.
+//! Crash points: the places where a handler can be stopped as a killed process would stop, so
+//! that each strategy's failure windows can be shown and tested. Every handler passes through
+//! its points; what happens there is a [`FaultPlan`], which only the study and the tests
+//! provide (`inventory_benches::faults`). A served handler carries [`Faults::none`], and its
+//! points do nothing.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use tokio::sync::oneshot;
+use futures::future::BoxFuture;
 
 use crate::consumers::HandleError;
 
-/// The places where a handler can be made to die as a process would, so the failure windows of
-/// each strategy can be shown and tested.
+/// The places where a handler can be made to die as a process would.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CrashPoint {
     /// The dedup check or claim ran; the work has not started.
@@ -39,122 +38,32 @@ impl CrashPoint {
     }
 }
 
+/// What happens when a handler reaches a crash point: the study's and the tests' side.
+pub trait FaultPlan: Send + Sync {
+    /// Awaited as a handler reaches `point` (a plan may hold it there); `true` stops the
+    /// handler there, as a crash would.
+    fn dies_at(&self, point: CrashPoint) -> BoxFuture<'_, bool>;
+}
+
+/// The plan a handler follows at its crash points, if any.
 #[derive(Clone, Default)]
-pub struct Faults {
-    plan: Option<Arc<Plan>>,
-}
-
-struct Plan {
-    crash: Mutex<Option<CrashPoint>>,
-    hold: Mutex<Option<(CrashPoint, Gate)>>,
-    /// Panics there instead: a bug in a handler, which the consumer loop must not outlive
-    /// unnoticed.
-    panic: Mutex<Option<CrashPoint>>,
-}
-
-struct Gate {
-    reached: oneshot::Sender<()>,
-    release: oneshot::Receiver<()>,
-}
-
-/// The test's side of a hold: wait until the handler is parked, then let it go on.
-pub struct Hold {
-    reached: oneshot::Receiver<()>,
-    release: oneshot::Sender<()>,
-}
-
-impl Hold {
-    /// Resolves once the handler stands at the held point.
-    pub async fn reached(&mut self) {
-        // A dropped sender means the handler ended before the point: nothing to wait for.
-        let _ = (&mut self.reached).await;
-    }
-
-    pub fn release(self) {
-        let _ = self.release.send(());
-    }
-}
+pub struct Faults(Option<Arc<dyn FaultPlan>>);
 
 impl Faults {
-    /// No injected failure: what production runs with.
+    /// No injected failure: what `serve` runs with.
     pub fn none() -> Self {
         Self::default()
     }
 
-    /// The handler dies the first time it reaches `point`.
-    pub fn crash_once_at(point: CrashPoint) -> Self {
-        Self::planned(None, Some(point)).0
-    }
-
-    /// The handler stops the first time it reaches `point` until the [`Hold`] is released.
-    pub fn hold_once_at(point: CrashPoint) -> (Self, Hold) {
-        Self::planned(Some(point), None)
-    }
-
-    /// Held at `hold_at` until released, then dies at `crash_at`: a copy that claimed its key
-    /// and rolls back while another copy waits for it.
-    pub fn hold_then_crash(hold_at: CrashPoint, crash_at: CrashPoint) -> (Self, Hold) {
-        Self::planned(Some(hold_at), Some(crash_at))
-    }
-
-    /// The handler panics the first time it reaches `point`.
-    pub fn panic_once_at(point: CrashPoint) -> Self {
-        let faults = Self::planned(None, None).0;
-        if let Some(plan) = &faults.plan {
-            *plan
-                .panic
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(point);
-        }
-        faults
-    }
-
-    fn planned(hold_at: Option<CrashPoint>, crash_at: Option<CrashPoint>) -> (Self, Hold) {
-        let (reached_tx, reached_rx) = oneshot::channel();
-        let (release_tx, release_rx) = oneshot::channel();
-        let gate = Gate {
-            reached: reached_tx,
-            release: release_rx,
-        };
-        let faults = Self {
-            plan: Some(Arc::new(Plan {
-                crash: Mutex::new(crash_at),
-                hold: Mutex::new(hold_at.map(|point| (point, gate))),
-                panic: Mutex::new(None),
-            })),
-        };
-        let hold = Hold {
-            reached: reached_rx,
-            release: release_tx,
-        };
-        (faults, hold)
+    pub fn planned(plan: Arc<dyn FaultPlan>) -> Self {
+        Self(Some(plan))
     }
 
     /// Called by handlers at each crash point.
     pub(crate) async fn pass(&self, point: CrashPoint) -> Result<(), HandleError> {
-        let Some(plan) = &self.plan else {
-            return Ok(());
-        };
-        let gate = take_if(&plan.hold, |(held, _)| *held == point).map(|(_, gate)| gate);
-        if let Some(gate) = gate {
-            let _ = gate.reached.send(());
-            let _ = gate.release.await;
+        match &self.0 {
+            Some(plan) if plan.dies_at(point).await => Err(HandleError::Crashed(point)),
+            _ => Ok(()),
         }
-        if take_if(&plan.panic, |panic| *panic == point).is_some() {
-            panic!("injected panic at {}", point.as_str());
-        }
-        match take_if(&plan.crash, |crash| *crash == point) {
-            Some(point) => Err(HandleError::Crashed(point)),
-            None => Ok(()),
-        }
-    }
-}
-
-fn take_if<T>(slot: &Mutex<Option<T>>, matches: impl Fn(&T) -> bool) -> Option<T> {
-    let mut slot = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if slot.as_ref().is_some_and(matches) {
-        slot.take()
-    } else {
-        None
     }
 }

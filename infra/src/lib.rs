@@ -21,20 +21,20 @@
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - `entities`: the sea-orm models (private).
+//! - [`faults`]: the handlers' crash points, and `FaultPlan`, what happens there, which only
+//!   the study and the tests provide.
 //!
 //! # The `harness` feature
 //! The study and the tests turn it on; the serving binary is built without it. It adds the
-//! study's handlers (naive, check-then-process, and the mistaken designs of
-//! `consumers::study`), crash and hold injection at the handlers' crash points
-//! (`faults`), and the hooks the tests and the benchmarks reach below the handlers' API with.
-//! Cargo unifies features across one build: `cargo build -p inventory-service` builds the
-//! service without it, a build that includes the study or the tests builds it with.
+//! study's strategies: naive, check-then-process, and the mistaken designs of
+//! `consumers::study`. Cargo unifies features across one build: `cargo build -p
+//! inventory-service` builds the service without it, a build that includes the study or the
+//! tests builds it with.
 
 pub mod consumers;
 pub mod db;
 pub mod delivery;
 mod entities;
-#[cfg(feature = "harness")]
 pub mod faults;
 pub mod jetstream;
 pub mod mailbox;
@@ -44,14 +44,11 @@ pub mod redact;
 pub mod retention;
 pub mod stock;
 
-#[cfg(feature = "harness")]
-pub use consumers::email::InMemoryEmailProvider;
 pub use consumers::email::{EMAIL_CONSUMER, EmailConsumer};
 pub use consumers::{
-    BuildError, DetectMode, HandleError, Handler, HandlerKind, Mailbox, MessageHandler,
-    NaturalKeyPath, StockConsumer,
+    BuildError, DetectMode, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
+    StockConsumer,
 };
-#[cfg(feature = "harness")]
-pub use faults::{CrashPoint, Faults, Hold};
+pub use faults::{CrashPoint, FaultPlan, Faults};
 pub use mailbox::{FileMailbox, MailboxError};
 pub use stock::{DataError, InboxEntry, RecordedReservation, StockRepository};

@@ -25,7 +25,7 @@ use inventory_infra::jetstream::{
     Origin, Topology,
 };
 use inventory_infra::outbox::RelayWake;
-use inventory_infra::{BuildError, HandleError, Handler, HandlerKind, Mailbox, MessageHandler};
+use inventory_infra::{BuildError, FileMailbox, HandleError, Handler, HandlerKind, MessageHandler};
 use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -245,7 +245,7 @@ impl ConsumerRuntime {
 
     /// The settings' handler on this runtime's database, its dedup rows under the consumer's
     /// name; the email handler sends to `mailbox`.
-    pub fn handler(&self, mailbox: Option<Mailbox>) -> Result<Handler, RuntimeError> {
+    pub fn handler(&self, mailbox: Option<FileMailbox>) -> Result<Handler, RuntimeError> {
         let consumer = ConsumerName::parse(self.settings.consumer.durable_name.clone())?;
         Ok(self.settings.handler.build(&self.db, consumer, mailbox)?)
     }
@@ -961,9 +961,8 @@ impl<H: MessageHandler> Worker<H> {
         origin: &Origin<'_>,
         result: Result<Outcome, HandleError>,
     ) -> Disposition {
-        // An injected crash (the study's and the tests' `harness` feature): the process "died"
-        // here, so it sends nothing and JetStream delivers the message again after its ack wait.
-        #[cfg(feature = "harness")]
+        // A crash injected at a crash point (the study's and the tests' `FaultPlan`): the process
+        // "died" here, so it sends nothing and JetStream delivers the message again after its ack wait.
         if let Err(HandleError::Crashed(point)) = &result {
             tracing::warn!(point = point.as_str(), "handler crashed (injected)");
             return Disposition::LeftForRedelivery;

@@ -9,7 +9,7 @@ use inventory_infra::db::{self, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings};
 use inventory_infra::outbox::{OutboxSource, RelaySettings};
 use inventory_infra::redact::redact_url;
-use inventory_infra::{DetectMode, FileMailbox, HandlerKind, Mailbox, NaturalKeyPath};
+use inventory_infra::{DetectMode, FileMailbox, HandlerKind, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
 
 use crate::tasks::Background;
@@ -364,11 +364,11 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     }
 
     let mailbox = match runtime.settings().handler {
-        HandlerKind::Email => Some(Mailbox::File(
+        HandlerKind::Email => Some(
             FileMailbox::open(&args.mailbox)
                 .await
                 .with_context(|| format!("opening the mailbox {}", args.mailbox.display()))?,
-        )),
+        ),
         _ => None,
     };
     let handler = runtime.handler(mailbox)?;

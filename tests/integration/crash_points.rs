@@ -8,6 +8,8 @@
 //! The handler-level versions of these (no broker) are in `natural.rs`, `inbox.rs`, `naive.rs`
 //! and `email.rs`; here the redelivery is JetStream's own.
 
+use inventory_benches::faults;
+use inventory_benches::mail::InMemoryEmailProvider;
 use std::sync::{Arc, Mutex};
 
 use inventory_domain::{
@@ -16,8 +18,8 @@ use inventory_domain::{
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind,
-    InMemoryEmailProvider, MessageHandler, NaturalKeyPath,
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, HandleError, HandlerKind, MessageHandler,
+    NaturalKeyPath,
 };
 use inventory_service::metrics::ConsumerMetrics;
 use inventory_service::runtime::RuntimeSettings;
@@ -120,7 +122,7 @@ async fn stock_strategy(strategy: HandlerKind, expected: impl Fn(CrashPoint) -> 
         async move {
             let run = crash_and_redeliver(
                 db,
-                || consumer.with_faults(Faults::crash_once_at(point)),
+                || consumer.with_faults(faults::crash_once_at(point)),
                 false,
             )
             .await;
@@ -240,7 +242,7 @@ async fn email_crash_at_every_point_is_redelivered_and_mails_once() {
                 db,
                 || Recorded {
                     inner: EmailConsumer::new(db.conn.clone(), name, provider.clone())
-                        .with_faults(Faults::crash_once_at(point)),
+                        .with_faults(faults::crash_once_at(point)),
                     outcomes: Arc::clone(&outcomes),
                 },
                 true,
@@ -334,7 +336,7 @@ async fn statement_path_crashes(backend: Backend, kind: HandlerKind) {
     let runs = futures::future::join_all(STATEMENT_PATH_POINTS.map(|point| {
         let kinds = Arc::default();
         let handler = CrashedOn {
-            inner: handler.with_faults(Faults::crash_once_at(point)),
+            inner: handler.with_faults(faults::crash_once_at(point)),
             kinds: Arc::clone(&kinds),
         };
         let db = &db;

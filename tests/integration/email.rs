@@ -1,5 +1,7 @@
 //! The two-phase record around a side effect outside the transaction.
 
+use inventory_benches::faults;
+use inventory_benches::mail::InMemoryEmailProvider;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,10 +11,7 @@ use inventory_domain::{
     ProviderError, Quantity, SentLookup, StockReservedEmail,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::{
-    EMAIL_CONSUMER, EmailConsumer, Faults, FileMailbox, HandleError, InMemoryEmailProvider,
-    MailboxError,
-};
+use inventory_infra::{EMAIL_CONSUMER, EmailConsumer, FileMailbox, HandleError, MailboxError};
 use inventory_tests::{TestDb, crash_at, on_both_backends, stock_reserved};
 
 fn email_consumer<P: EmailProvider + Clone>(
@@ -228,7 +227,7 @@ async fn email_lookup_failure_is_retryable_and_keeps_the_record(db: TestDb) {
     let message = stock_reserved(db.dune(10).await, 2);
     let key = message.key.storage_key();
     let crashed = consumer
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
+        .with_faults(faults::crash_once_at(CrashPoint::AfterSend))
         .handle(&message)
         .await;
     assert!(crashed.is_err());
@@ -255,7 +254,7 @@ async fn email_two_copies_at_once_send_one_email(db: TestDb) {
     let provider = InMemoryEmailProvider::with_lookup();
     let consumer = email_consumer(&db, EMAIL_CONSUMER, provider.clone());
     let message = stock_reserved(db.dune(10).await, 2);
-    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
+    let (faults, mut hold) = faults::hold_once_at(CrashPoint::AfterDedupCheck);
     let first = tokio::spawn({
         let consumer = consumer.with_faults(faults);
         let message = message.clone();

@@ -1,9 +1,10 @@
 //! Every natural-key path takes its locks in the one order `natural.rs` sets down, so two
 //! messages never wait for each other in a cycle (a deadlock, SQLSTATE 40P01).
 
+use inventory_benches::faults;
 use inventory_domain::{Message, OrderId, Outcome};
 use inventory_infra::CrashPoint;
-use inventory_infra::{Faults, HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::ConnectionTrait;
 
@@ -78,7 +79,7 @@ async fn a_copy_on_the_one_statement_waits_for_the_reference_without_deadlock() 
     let reference = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let statements = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Batch));
     let message = placed(book, 2);
-    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
+    let (faults, mut hold) = faults::hold_once_at(CrashPoint::AfterDedupCheck);
     let first = tokio::spawn({
         let reference = reference.with_faults(faults);
         let message = message.clone();

@@ -37,9 +37,10 @@ mod secure;
 mod serve;
 mod silent_network;
 
+use inventory_benches::faults;
 use inventory_domain::{Message, Outcome};
 use inventory_infra::CrashPoint;
-use inventory_infra::{Faults, HandleError, Handler};
+use inventory_infra::{HandleError, Handler};
 use inventory_tests::{Backend, TestDb};
 
 /// Two copies of `message` at once. The first is held right after its dedup claim (and, with
@@ -55,8 +56,8 @@ pub(crate) async fn two_copies(
     second_must_wait: bool,
 ) -> (Result<Outcome, HandleError>, Outcome) {
     let (faults, mut hold) = match first_crashes_at {
-        Some(point) => Faults::hold_then_crash(CrashPoint::AfterDedupCheck, point),
-        None => Faults::hold_once_at(CrashPoint::AfterDedupCheck),
+        Some(point) => faults::hold_then_crash(CrashPoint::AfterDedupCheck, point),
+        None => faults::hold_once_at(CrashPoint::AfterDedupCheck),
     };
     let first = tokio::spawn({
         let consumer = consumer.with_faults(faults);

@@ -1,11 +1,12 @@
 //! Natural idempotency: the reservation's key (order_id, book_id) refuses a second reservation.
 
+use inventory_benches::faults;
 use inventory_domain::Message;
 use inventory_domain::{
     BookId, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::{Faults, HandleError, HandlerKind, NaturalKeyPath};
+use inventory_infra::{HandleError, HandlerKind, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, crash_at, on_both_backends, placed, placed_for};
 
 use crate::two_copies;
@@ -190,7 +191,7 @@ async fn natural_key_concurrent_cancel_and_place_cancel_wins(db: TestDb) {
         } else {
             (cancel.clone(), order.clone())
         };
-        let (faults, mut hold) = Faults::hold_once_at(CrashPoint::AfterDedupCheck);
+        let (faults, mut hold) = faults::hold_once_at(CrashPoint::AfterDedupCheck);
         let first = tokio::spawn({
             let consumer = consumer.with_faults(faults);
             async move { consumer.handle(&held).await }

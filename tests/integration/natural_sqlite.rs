@@ -3,7 +3,6 @@
 //! `crash_points.rs`; hostile input in `corpus.rs`.
 
 use inventory_domain::{Effect, Message, OrderId, Outcome, Quantity, ReservationStatus};
-use inventory_infra::outbox;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 
@@ -81,9 +80,9 @@ async fn a_batch_keeps_copies_resends_and_a_cancellation_between_placements_of_i
     }
     // One event per decision, in the batch's order: none for a copy, a resend or the
     // placement after the cancellation.
-    let events: Vec<(&str, OrderId)> = outbox::pending(&db.conn)
+    let events: Vec<(&str, OrderId)> = db
+        .pending_events()
         .await
-        .unwrap()
         .iter()
         .map(|event| (event.subject_token(), event.order_id))
         .collect();

@@ -7,7 +7,6 @@
 
 use inventory_domain::{Event, Message, OrderId, StockEvent, StockEventKind};
 use inventory_infra::CrashPoint;
-use inventory_infra::outbox::pending;
 use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
 use sea_orm::{ConnectionTrait, Statement};
@@ -15,9 +14,8 @@ use serde_json::Value;
 
 /// (subject kind, the message that caused it) of the events waiting, in write order.
 async fn events(db: &TestDb) -> Vec<(StockEventKind, String)> {
-    pending(&db.conn)
+    db.pending_events()
         .await
-        .unwrap()
         .into_iter()
         .map(|event: StockEvent| (event.kind, event.caused_by))
         .collect()

@@ -3,13 +3,14 @@
 //! of the publish, two relays at once, transactions committing out of seq order, a row that
 //! cannot be published, and NATS going away.
 
+use inventory_benches::faults;
 use std::time::Duration;
 
 use inventory_domain::OrderId;
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream;
 use inventory_infra::outbox::{OutboxSource, Relay, RelaySettings, Retry};
-use inventory_infra::{Faults, Handler, HandlerKind, NaturalKeyPath};
+use inventory_infra::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_service::health::{self, Liveness, Readiness};
 use inventory_service::metrics::Metrics;
 use inventory_tests::broker::{Broker, RunningService, eventually};
@@ -229,7 +230,7 @@ async fn a_row_committed_out_of_seq_order_is_not_skipped() {
     let handler = orm(&db);
     let (early_book, late_book) = (db.dune(10).await, db.dune(10).await);
     let early = placed_for(OrderId::new_v7(), early_book, 1);
-    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::BeforeCommit);
+    let (faults, mut hold) = faults::hold_once_at(CrashPoint::BeforeCommit);
     let held = tokio::spawn({
         let handler = handler.with_faults(faults);
         async move { handler.handle(&early).await }

@@ -1,10 +1,12 @@
 //! Retention of inbox rows: bounded batches, processing rows kept.
 
 use chrono::{Duration, Utc};
+use inventory_benches::faults;
+use inventory_benches::mail::InMemoryEmailProvider;
 use inventory_domain::ConsumerName;
 use inventory_infra::CrashPoint;
 use inventory_infra::retention::purge_completed;
-use inventory_infra::{DetectMode, EmailConsumer, Faults, HandlerKind, InMemoryEmailProvider};
+use inventory_infra::{DetectMode, EmailConsumer, HandlerKind};
 use inventory_tests::broker::eventually;
 use inventory_tests::{Backend, TestDb, on_both_backends, placed, stock_reserved};
 use sea_orm::{ConnectionTrait, TransactionTrait};
@@ -25,7 +27,7 @@ async fn purge_deletes_completed_rows_in_batches_and_keeps_processing_ones(db: T
     );
     let stuck = stock_reserved(book, 1);
     let _ = email
-        .with_faults(Faults::crash_once_at(CrashPoint::AfterSend))
+        .with_faults(faults::crash_once_at(CrashPoint::AfterSend))
         .handle(&stuck)
         .await;
     let sent = stock_reserved(book, 2);

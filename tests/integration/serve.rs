@@ -1,5 +1,6 @@
 //! The JetStream subscriber, in-process, against a real NATS server and a real database.
 
+use inventory_benches::faults;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -8,7 +9,7 @@ use inventory_domain::{Message, Outcome};
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{
-    DetectMode, Faults, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
+    DetectMode, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
 };
 use inventory_service::runtime::Ending;
 use inventory_tests::broker::{Broker, RunningService, eventually, one_order};
@@ -127,7 +128,7 @@ async fn a_consumer_that_died_before_its_ack_gets_a_duplicate() {
     // The handler commits and dies before the ack; JetStream redelivers after the ack wait.
     let stats = redelivered_once(&db, |db| {
         db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))
-            .with_faults(Faults::crash_once_at(CrashPoint::AfterCommit))
+            .with_faults(faults::crash_once_at(CrashPoint::AfterCommit))
     })
     .await;
     assert_eq!(stats.left_for_redelivery(), 1);
@@ -295,7 +296,7 @@ async fn shutdown_lets_the_message_in_flight_finish_and_ack() {
     let broker = Broker::new().await;
     let book = db.dune(10).await;
     broker.publisher().publish(&placed(book, 2)).await.unwrap();
-    let (faults, mut hold) = Faults::hold_once_at(CrashPoint::BeforeCommit);
+    let (faults, mut hold) = faults::hold_once_at(CrashPoint::BeforeCommit);
     let service = RunningService::start(
         &broker,
         db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm))
@@ -408,7 +409,7 @@ async fn competing_instances(db: TestDb) {
     // Both instances share one consumer: made before either starts.
     broker.consumer(10).await;
     let handler = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
-    let crashing = handler.with_faults(Faults::crash_once_at(CrashPoint::AfterCommit));
+    let crashing = handler.with_faults(faults::crash_once_at(CrashPoint::AfterCommit));
     let both = Arc::new(Barrier::new(2));
     let (handler, crashing) = (
         MeetsTheOther::new(handler, &both),
@@ -503,7 +504,7 @@ async fn a_lane_whose_handler_panics_stops_the_loop_with_an_error() {
     let broker = Broker::new().await;
     let book = db.dune(10).await;
     let natural = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement));
-    let panicking = natural.with_faults(Faults::panic_once_at(CrashPoint::BeforeStatement));
+    let panicking = natural.with_faults(faults::panic_once_at(CrashPoint::BeforeStatement));
     let service =
         RunningService::start(&broker, panicking, db.conn.clone(), broker.settings(4, 5)).await;
     let liveness = service.liveness.clone();

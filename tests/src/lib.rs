@@ -40,6 +40,7 @@ mod process;
 pub mod tls;
 pub mod workload;
 
+use inventory_benches::faults;
 use std::time::Duration;
 
 use inventory_benches::fresh::FreshDatabase;
@@ -49,6 +50,7 @@ use inventory_domain::{
 use inventory_infra::CrashPoint;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::{Faults, HandleError, Handler, HandlerKind, MessageHandler, StockRepository};
+use sea_orm::{ConnectionTrait, Statement};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -92,6 +94,27 @@ impl TestDb {
             stock: StockRepository::new(fresh.conn.clone()),
             fresh: Some(fresh),
         }
+    }
+
+    /// The events waiting in the outbox, in write order, decoded as a consumer of `INVENTORY`
+    /// would decode them.
+    pub async fn pending_events(&self) -> Vec<StockEvent> {
+        let sql = "SELECT subject, payload FROM outbox ORDER BY seq";
+        let rows = self
+            .conn
+            .query_all_raw(Statement::from_string(
+                self.conn.get_database_backend(),
+                sql,
+            ))
+            .await
+            .unwrap();
+        rows.iter()
+            .map(|row| {
+                let subject: String = row.try_get("", "subject").unwrap();
+                let payload: String = row.try_get("", "payload").unwrap();
+                StockEvent::decode(&subject, payload.as_bytes()).unwrap()
+            })
+            .collect()
     }
 
     /// A new book titled Dune with `on_hand` copies.
@@ -168,7 +191,7 @@ pub async fn crash_at<H: MessageHandler>(
     point: CrashPoint,
     with_faults: impl FnOnce(Faults) -> H,
 ) {
-    let result = with_faults(Faults::crash_once_at(point))
+    let result = with_faults(faults::crash_once_at(point))
         .handle(message)
         .await;
     assert!(

@@ -26,7 +26,6 @@ use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
 use super::inbox::claim_on_conflict;
 use super::{HandleError, compare_payload};
 use crate::entities::inbox;
-#[cfg(feature = "harness")]
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::find_inbox_entry;
 
@@ -38,7 +37,6 @@ pub struct EmailConsumer<P> {
     db: DatabaseConnection,
     consumer: ConsumerName,
     provider: P,
-    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -48,7 +46,6 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
             db,
             consumer,
             provider,
-            #[cfg(feature = "harness")]
             faults: Faults::none(),
         }
     }
@@ -57,7 +54,6 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
         &self.consumer
     }
 
-    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             faults,
@@ -84,7 +80,6 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
         if !claim_on_conflict(&self.db, &key, &self.consumer, &hash, false).await? {
             return self.judge_earlier_claim(&key, &hash, &email).await;
         }
-        #[cfg(feature = "harness")]
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
         if let Err(error) = self.provider.send(&key, &email).await {
             // The provider refused it, so nothing went out: free the claim for the retry. A row a
@@ -97,7 +92,6 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
                 .await?;
             return Err(error.into());
         }
-        #[cfg(feature = "harness")]
         self.faults.pass(CrashPoint::AfterSend).await?;
         self.mark_completed(&key, &hash).await?;
         Ok(Outcome::Processed(Effect::EmailSent))
@@ -138,11 +132,9 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
             SentLookup::NotSent => {
                 // The lookup is this delivery's dedup check; the same crash points follow it as
                 // on a first delivery, so a crash here is reconciled by the next one.
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterDedupCheck).await?;
                 // On a refusal the row stays "processing": the retry looks up again.
                 self.provider.send(key, email).await?;
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterSend).await?;
                 self.mark_completed(key, hash).await?;
                 Ok(Outcome::Processed(Effect::EmailSent))
@@ -171,100 +163,5 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
             claim_on_conflict(&self.db, key, &self.consumer, hash, true).await?;
         }
         Ok(())
-    }
-}
-
-#[cfg(feature = "harness")]
-pub use in_memory::InMemoryEmailProvider;
-
-#[cfg(feature = "harness")]
-mod in_memory {
-    use std::collections::HashMap;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::{Arc, Mutex};
-
-    use inventory_domain::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
-
-    /// A provider that keeps sent mail in memory and honours the idempotency key, for the demo and
-    /// the tests. It comes in two kinds: with a lookup by key, and without one (like a provider with
-    /// no lookup API), which answers [`SentLookup::Unknown`]. It counts every call to `send` beside
-    /// the mail delivered, since its deduplication would hide a consumer that sends twice.
-    #[derive(Clone)]
-    pub struct InMemoryEmailProvider {
-        sent: Arc<Mutex<HashMap<String, StockReservedEmail>>>,
-        send_calls: Arc<AtomicUsize>,
-        answers_lookups: bool,
-    }
-
-    impl Default for InMemoryEmailProvider {
-        /// Without lookups: the conservative provider, which leaves a half-done send to a person.
-        fn default() -> Self {
-            Self::without_lookup()
-        }
-    }
-
-    impl InMemoryEmailProvider {
-        /// A provider that answers lookups by idempotency key (Sent / NotSent).
-        pub fn with_lookup() -> Self {
-            Self {
-                sent: Arc::default(),
-                send_calls: Arc::default(),
-                answers_lookups: true,
-            }
-        }
-
-        /// A provider without a lookup API: every lookup answers Unknown.
-        pub fn without_lookup() -> Self {
-            Self {
-                sent: Arc::default(),
-                send_calls: Arc::default(),
-                answers_lookups: false,
-            }
-        }
-
-        /// Distinct emails delivered: one per idempotency key, however often it was sent.
-        pub fn sent_count(&self) -> usize {
-            self.sent
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .len()
-        }
-
-        /// Every call to `send`, repeats under a key already delivered included.
-        pub fn send_calls(&self) -> usize {
-            self.send_calls.load(Ordering::SeqCst)
-        }
-    }
-
-    impl EmailProvider for InMemoryEmailProvider {
-        async fn send(
-            &self,
-            idempotency_key: &str,
-            email: &StockReservedEmail,
-        ) -> Result<(), ProviderError> {
-            self.send_calls.fetch_add(1, Ordering::SeqCst);
-            self.sent
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .entry(idempotency_key.to_owned())
-                .or_insert_with(|| email.clone());
-            Ok(())
-        }
-
-        async fn lookup(&self, idempotency_key: &str) -> Result<SentLookup, ProviderError> {
-            if !self.answers_lookups {
-                return Ok(SentLookup::Unknown);
-            }
-            let sent = self
-                .sent
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .contains_key(idempotency_key);
-            Ok(if sent {
-                SentLookup::Sent
-            } else {
-                SentLookup::NotSent
-            })
-        }
     }
 }

@@ -22,9 +22,8 @@ pub enum HandleError {
     /// The provider did not take the email: retry later.
     #[error(transparent)]
     Provider(#[from] ProviderError),
-    /// An injected crash (the study's and the tests' `harness` feature): the handler "died" at
-    /// this point, as a killed process would.
-    #[cfg(feature = "harness")]
+    /// A crash injected at this point (the study's and the tests' `FaultPlan`): the handler
+    /// "died" there, as a killed process would.
     #[error("crashed at {}", .0.as_str())]
     Crashed(crate::faults::CrashPoint),
     /// The database work did not finish within the client's bound (a server gone silent, a
@@ -67,7 +66,6 @@ impl HandleError {
             // Transient to the policy, as any failure another attempt would get past; the
             // consumer loop settles it before asking, leaving the delivery unacked as a dead
             // process would.
-            #[cfg(feature = "harness")]
             Self::Crashed(_) => ErrorKind::Transient,
         }
     }

@@ -2,17 +2,13 @@
 //! `serve` flags, `compare`, the benchmarks and the tests all choose through it), and
 //! [`Handler`] is the chosen one, built and ready for the consumer loop.
 
-use inventory_domain::{ConsumerName, EmailProvider, Message, Outcome, SentLookup};
-use inventory_domain::{ProviderError, StockReservedEmail};
+use inventory_domain::{ConsumerName, Message, Outcome};
 use sea_orm::{DatabaseConnection, DbBackend};
 
 use super::email::EmailConsumer;
-#[cfg(feature = "harness")]
-use super::email::InMemoryEmailProvider;
 use super::natural_pg::PgNaturalKey;
 use super::natural_sqlite::SqliteNaturalKey;
 use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
-#[cfg(feature = "harness")]
 use crate::faults::Faults;
 use crate::mailbox::FileMailbox;
 
@@ -142,7 +138,7 @@ impl HandlerKind {
         self,
         db: &DatabaseConnection,
         consumer: ConsumerName,
-        mailbox: Option<Mailbox>,
+        mailbox: Option<FileMailbox>,
     ) -> Result<Handler, BuildError> {
         let stock = |strategy| StockConsumer::new(db.clone(), self, strategy, consumer.clone());
         Ok(match self {
@@ -174,37 +170,6 @@ pub enum BuildError {
     NeedsMailbox,
 }
 
-/// Where the email handler's mail goes: the durable file of `serve` (or, with the `harness`
-/// feature, memory for the study and the tests).
-#[derive(Clone)]
-pub enum Mailbox {
-    File(FileMailbox),
-    #[cfg(feature = "harness")]
-    InMemory(InMemoryEmailProvider),
-}
-
-impl EmailProvider for Mailbox {
-    async fn send(
-        &self,
-        idempotency_key: &str,
-        email: &StockReservedEmail,
-    ) -> Result<(), ProviderError> {
-        match self {
-            Self::File(mailbox) => mailbox.send(idempotency_key, email).await,
-            #[cfg(feature = "harness")]
-            Self::InMemory(provider) => provider.send(idempotency_key, email).await,
-        }
-    }
-
-    async fn lookup(&self, idempotency_key: &str) -> Result<SentLookup, ProviderError> {
-        match self {
-            Self::File(mailbox) => mailbox.lookup(idempotency_key).await,
-            #[cfg(feature = "harness")]
-            Self::InMemory(provider) => provider.lookup(idempotency_key).await,
-        }
-    }
-}
-
 /// A built handler of any kind.
 #[derive(Clone)]
 pub enum Handler {
@@ -215,7 +180,7 @@ pub enum Handler {
     OneStatement(PgNaturalKey),
     /// The natural key on SQLite's one writer, a message or a batch per transaction.
     SqliteWriter(SqliteNaturalKey),
-    Email(EmailConsumer<Mailbox>),
+    Email(EmailConsumer<FileMailbox>),
 }
 
 impl Handler {
@@ -230,7 +195,6 @@ impl Handler {
     }
 
     /// The same handler, failing as `faults` says (the tests and the study only).
-    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         match self {
             Self::Stock(consumer) => Self::Stock(consumer.with_faults(faults)),

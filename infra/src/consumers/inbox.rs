@@ -6,7 +6,6 @@ use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult}
 
 use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, work};
 use crate::entities::inbox;
-#[cfg(feature = "harness")]
 use crate::faults::CrashPoint;
 use crate::stock::find_inbox_entry;
 
@@ -120,7 +119,6 @@ impl StockConsumer {
             txn.rollback().await?;
             return Ok(judge_lost_claim(&self.db, &key, &self.consumer, &hash).await?);
         }
-        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::AfterDedupCheck).await {
             return self.finish(txn, Err(crash)).await;
         }

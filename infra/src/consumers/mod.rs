@@ -37,9 +37,8 @@ use sea_orm::{
     TransactionTrait,
 };
 
-#[cfg(feature = "harness")]
 use crate::faults::{CrashPoint, Faults};
-pub use handler::{BuildError, Handler, HandlerKind, Mailbox, NaturalKeyPath};
+pub use handler::{BuildError, Handler, HandlerKind, NaturalKeyPath};
 
 pub use error::HandleError;
 
@@ -136,7 +135,6 @@ pub struct StockConsumer {
     kind: HandlerKind,
     strategy: Strategy,
     consumer: ConsumerName,
-    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -152,13 +150,11 @@ impl StockConsumer {
             kind,
             strategy,
             consumer,
-            #[cfg(feature = "harness")]
             faults: Faults::none(),
         }
     }
 
     /// The same consumer, failing as `faults` says (tests and the demo only).
-    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             faults,
@@ -262,13 +258,11 @@ impl StockConsumer {
     ) -> Result<Outcome, HandleError> {
         match result {
             Ok(outcome) if outcome.processed() => {
-                #[cfg(feature = "harness")]
                 if let Err(crash) = self.faults.pass(CrashPoint::BeforeCommit).await {
                     txn.rollback().await?;
                     return Err(crash);
                 }
                 txn.commit().await?;
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }

@@ -47,7 +47,6 @@ use uuid::Uuid;
 use super::work::{lock_stock, not_an_order_event, release_stock, set_reserved, unknown_book};
 use super::{HandleError, StockConsumer, begin_write};
 use crate::entities::{order_states, stock_items, stock_reservations};
-#[cfg(feature = "harness")]
 use crate::faults::CrashPoint;
 use crate::outbox;
 use crate::stock::{DataError, quantity_column, quantity_from};
@@ -112,7 +111,6 @@ impl StockConsumer {
                 })?;
             return Ok(second_request(existing, placed.quantity));
         }
-        #[cfg(feature = "harness")]
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
         let Some(decision) = decision else {
@@ -181,7 +179,6 @@ impl StockConsumer {
         if held.iter().any(|r| !books.contains(&r.book_id)) {
             return Ok(None);
         }
-        #[cfg(feature = "harness")]
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
 
         let mut copies = 0;

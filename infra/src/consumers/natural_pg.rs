@@ -28,7 +28,6 @@ use uuid::Uuid;
 
 use super::work::unknown_book;
 use super::{HandleError, MessageHandler, StockConsumer};
-#[cfg(feature = "harness")]
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
@@ -214,7 +213,6 @@ pub struct PgNaturalKey {
     connection: Mutex<Option<PgConnection>>,
     /// Cancellations are rare: they go through the reference handler.
     reference: StockConsumer,
-    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -226,7 +224,6 @@ impl Clone for PgNaturalKey {
             connect_timeout: self.connect_timeout,
             connection: Mutex::new(None),
             reference: self.reference.clone(),
-            #[cfg(feature = "harness")]
             faults: self.faults.clone(),
         }
     }
@@ -248,7 +245,6 @@ impl PgNaturalKey {
             options: Arc::new(options),
             connect_timeout,
             connection: Mutex::new(None),
-            #[cfg(feature = "harness")]
             faults: reference.faults.clone(),
             reference,
         }
@@ -260,7 +256,6 @@ impl PgNaturalKey {
 
     /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
     /// `AfterCommit`, a cancellation the reference handler's points.
-    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             reference: self.reference.with_faults(faults.clone()),
@@ -362,13 +357,12 @@ impl PgNaturalKey {
         results
     }
 
-    /// The placements' results once committed; with the `harness` feature, the crash point
-    /// after the commit, where a crash loses every result.
+    /// The placements' results once committed, past the crash point after the commit, where a
+    /// crash loses every result.
     async fn after_commit(
         &self,
         results: Vec<Result<Outcome, HandleError>>,
     ) -> Vec<Result<Outcome, HandleError>> {
-        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
             return results.iter().map(|_| Err(crash.clone())).collect();
         }
@@ -478,13 +472,11 @@ impl MessageHandler for PgNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match &message.event {
             Event::Placed(placed) => {
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::BeforeStatement).await?;
                 let key = message.key.storage_key();
                 let outcome = self
                     .with_connection(async |connection| decide(connection, &key, placed).await)
                     .await?;
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }
@@ -514,7 +506,6 @@ impl PgNaturalKey {
     /// Placements in one statement, one result each, in order.
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements = keyed_placements(messages);
-        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
             return placements.iter().map(|_| Err(crash.clone())).collect();
         }

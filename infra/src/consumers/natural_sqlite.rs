@@ -18,8 +18,7 @@
 //! reference handler's cancellation begins `IMMEDIATE` too) orders it with every cancellation
 //! of its order, and with the events of that order in the outbox.
 //!
-//! With the `harness` feature, `writer_options`, `in_transaction`, `reserve` and `reserve_each`
-//! are public so that `inventory bench sqlite-bound` runs these very statements, on a
+//! `writer_options`, `in_transaction`, `reserve` and `reserve_each` are public so that `inventory bench sqlite-bound` runs these very statements, on a
 //! connection made the same way, in a loop without NATS: the bound the service is measured
 //! against. [`READ_SQL`] and [`WRITE_SQL`] are public for `inventory bench hand-written`, which
 //! runs them in a consumer written by hand.
@@ -41,7 +40,6 @@ use tokio::sync::Mutex;
 
 use super::work::unknown_book;
 use super::{HandleError, MessageHandler, StockConsumer};
-#[cfg(feature = "harness")]
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
@@ -74,7 +72,6 @@ pub struct SqliteNaturalKey {
     writer: Arc<Writer>,
     /// Cancellations are rare: they go through the reference handler.
     reference: StockConsumer,
-    #[cfg(feature = "harness")]
     faults: Faults,
 }
 
@@ -96,7 +93,6 @@ impl SqliteNaturalKey {
                 options: writer_options(&reference.db),
                 connection: Mutex::new(None),
             }),
-            #[cfg(feature = "harness")]
             faults: reference.faults.clone(),
             reference,
         }
@@ -108,7 +104,6 @@ impl SqliteNaturalKey {
 
     /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
     /// `AfterCommit`, a cancellation the reference handler's points.
-    #[cfg(feature = "harness")]
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
             reference: self.reference.with_faults(faults.clone()),
@@ -152,7 +147,6 @@ impl SqliteNaturalKey {
     /// Placements in one transaction, one result each, in order.
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements = keyed_placements(messages);
-        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
             return placements.iter().map(|_| Err(crash.clone())).collect();
         }
@@ -178,7 +172,6 @@ impl SqliteNaturalKey {
             Err(error) => return placements.iter().map(|_| Err(error.clone())).collect(),
         };
         // A crash after the commit loses every result.
-        #[cfg(feature = "harness")]
         if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
             return results.iter().map(|_| Err(crash.clone())).collect();
         }
@@ -189,8 +182,7 @@ impl SqliteNaturalKey {
 /// How the writer connects: with the options of `db`'s pool (WAL, busy timeout, synchronous
 /// FULL), its statements logged at TRACE since they are the hot path (sea-orm's pool logs
 /// them at DEBUG already).
-#[cfg_attr(feature = "harness", visibility::make(pub))]
-pub(crate) fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
+pub fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
     db.get_sqlite_connection_pool()
         .connect_options()
         .as_ref()
@@ -199,8 +191,7 @@ pub(crate) fn writer_options(db: &DatabaseConnection) -> SqliteConnectOptions {
 }
 
 /// `work` between `BEGIN IMMEDIATE` and `COMMIT`; rolled back if it fails.
-#[cfg_attr(feature = "harness", visibility::make(pub))]
-pub(crate) async fn in_transaction<T>(
+pub async fn in_transaction<T>(
     connection: &mut SqliteConnection,
     work: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T, HandleError>,
 ) -> Result<T, HandleError> {
@@ -216,8 +207,7 @@ pub(crate) async fn in_transaction<T>(
 
 /// One placement's statements, inside the caller's `BEGIN IMMEDIATE` transaction; they write
 /// only what the placement decides (a copy, a resend or an unknown book writes nothing).
-#[cfg_attr(feature = "harness", visibility::make(pub))]
-pub(crate) async fn reserve(
+pub async fn reserve(
     connection: &mut SqliteConnection,
     key: &str,
     placed: &OrderPlaced,
@@ -306,8 +296,7 @@ pub(crate) async fn reserve(
 /// Placements one after another in the caller's transaction, so a copy of a key later in the
 /// batch reads what an earlier one wrote and is a second request. The first error ends it:
 /// the caller rolls back, and nothing of the batch is written.
-#[cfg_attr(feature = "harness", visibility::make(pub))]
-pub(crate) async fn reserve_each(
+pub async fn reserve_each(
     connection: &mut SqliteConnection,
     placements: &[(Cow<'_, str>, &OrderPlaced)],
 ) -> Result<Vec<Outcome>, HandleError> {
@@ -322,13 +311,11 @@ impl MessageHandler for SqliteNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match &message.event {
             Event::Placed(placed) => {
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::BeforeStatement).await?;
                 let key = message.key.storage_key();
                 let outcome = self
                     .write(async |connection| reserve(connection, &key, placed).await)
                     .await?;
-                #[cfg(feature = "harness")]
                 self.faults.pass(CrashPoint::AfterCommit).await?;
                 Ok(outcome)
             }

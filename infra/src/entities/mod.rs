@@ -4,8 +4,6 @@ pub(crate) mod inbox;
 pub(crate) mod order_lines;
 pub(crate) mod order_states;
 pub(crate) mod orders;
-#[cfg(feature = "harness")]
-pub(crate) mod outbox;
 pub(crate) mod reservation_log;
 pub(crate) mod stock_items;
 pub(crate) mod stock_reservations;

@@ -107,35 +107,3 @@ pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> R
     )
     .await
 }
-
-#[cfg(feature = "harness")]
-pub use read::{OutboxReadError, pending};
-
-/// The tests' view of the outbox.
-#[cfg(feature = "harness")]
-mod read {
-    use inventory_domain::{DecodeError, StockEvent};
-    use sea_orm::{ConnectionTrait, DbErr, EntityTrait, QueryOrder};
-
-    use crate::entities::outbox;
-
-    /// The events waiting in the outbox, in write order, decoded as a consumer of `INVENTORY`
-    /// would decode them (the tests' view of the outbox).
-    pub async fn pending(conn: &impl ConnectionTrait) -> Result<Vec<StockEvent>, OutboxReadError> {
-        outbox::Entity::find()
-            .order_by_asc(outbox::Column::Seq)
-            .all(conn)
-            .await?
-            .into_iter()
-            .map(|row| Ok(StockEvent::decode(&row.subject, row.payload.as_bytes())?))
-            .collect()
-    }
-
-    #[derive(Debug, thiserror::Error)]
-    pub enum OutboxReadError {
-        #[error(transparent)]
-        Database(#[from] DbErr),
-        #[error("an outbox row does not decode: {0}")]
-        Decode(#[from] DecodeError),
-    }
-}

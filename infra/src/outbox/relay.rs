@@ -663,10 +663,9 @@ impl Relay {
     }
 
     /// One pass: the lease round if due, publish what waits, delete what was acknowledged.
-    /// The step [`Self::run`] repeats; with the `harness` feature public, so a test or a
-    /// benchmark drives the relay pass by pass.
-    #[cfg_attr(feature = "harness", visibility::make(pub))]
-    async fn pass(&mut self) -> Result<PassReport, RelayError> {
+    /// The step [`Self::run`] repeats; public, so a test or a benchmark drives the relay pass by
+    /// pass.
+    pub async fn pass(&mut self) -> Result<PassReport, RelayError> {
         let published = match self.publish_pending().await {
             Ok(published) => published,
             Err(error) => {
@@ -693,10 +692,9 @@ impl Relay {
 
     /// Steps 1 to 3 of a pass: the rows acknowledged by the stream are returned, not yet
     /// deleted. A process that dies here has published rows still in the outbox; the next
-    /// relay republishes them and the stream drops them as duplicates. With the `harness`
-    /// feature public, so a test can stop a relay between the two.
-    #[cfg_attr(feature = "harness", visibility::make(pub))]
-    async fn publish_pending(&mut self) -> Result<Published, RelayError> {
+    /// relay republishes them and the stream drops them as duplicates. Public, so a test can stop
+    /// a relay between the two.
+    pub async fn publish_pending(&mut self) -> Result<Published, RelayError> {
         if let Some(keeper) = &mut self.keeper
             && keeper.leases.due(Instant::now())
         {
