@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use inventory_benches::fresh::FreshDatabase;
+use inventory_benches::mistakes::StudyHandler;
 use inventory_benches::workload::{self, CopyKind, Delivery, DuplicateStream};
-use inventory_infra::{Handler, HandlerKind};
+use inventory_infra::{HandlerKind, MessageHandler};
 use tokio::runtime::Runtime;
 
 const RATIOS: [u32; 4] = [0, 10, 50, 90];
@@ -30,7 +31,7 @@ const RATIOS: [u32; 4] = [0, 10, 50, 90];
 /// so a copy may repeat a message of an earlier sample).
 struct Fixture {
     fresh: FreshDatabase,
-    handler: Handler,
+    handler: StudyHandler,
     stream: Mutex<DuplicateStream>,
 }
 

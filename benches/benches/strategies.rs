@@ -21,19 +21,20 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use inventory_benches::fresh::FreshDatabase;
+use inventory_benches::mistakes::{Strategy, StudyHandler};
 use inventory_benches::workload;
 use inventory_domain::{BookId, Message, OrderId, Quantity};
-use inventory_infra::{Handler, HandlerKind};
+use inventory_infra::MessageHandler;
 use tokio::runtime::Runtime;
 
 struct Fixture {
     fresh: FreshDatabase,
     /// One per task, made once: a one-statement clone holds its connection across samples.
-    lanes: Vec<(Arc<Handler>, BookId)>,
+    lanes: Vec<(Arc<StudyHandler>, BookId)>,
 }
 
 impl Fixture {
-    async fn new(server: Option<&str>, mode: HandlerKind, connections: usize) -> Fixture {
+    async fn new(server: Option<&str>, mode: Strategy, connections: usize) -> Fixture {
         let pool = u32::try_from(connections).unwrap();
         let fresh = FreshDatabase::create(server, "inventory_bench_strategies", pool)
             .await

@@ -40,8 +40,8 @@ use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
 use crate::{bench_e2e, bench_pg_bound, bench_prefilter, bench_relay, bench_sqlite, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
-use inventory_infra::HandlerKind;
 use inventory_infra::db::{self, DatabaseConnection};
+use inventory_infra::{HandlerKind, MessageHandler};
 use sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
 use serde::Serialize;
 

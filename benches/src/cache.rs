@@ -11,8 +11,8 @@
 
 use std::time::Duration;
 
+use crate::mistakes::CacheClaim;
 use inventory_domain::{Message, Outcome};
-use inventory_infra::consumers::study::CacheClaim;
 use inventory_infra::{HandleError, MessageHandler};
 use redis::aio::MultiplexedConnection;
 

@@ -10,6 +10,7 @@
 //! against what the workload predicts for it.
 
 use crate::faults;
+use crate::mistakes::{Strategy, StudyHandler};
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -18,12 +19,14 @@ use std::time::{Duration, Instant};
 use crate::fresh::FreshDatabase;
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
-use inventory_domain::{BookId, Message, MessageId, OrderId, Outcome, Quantity, StockItem};
+use inventory_domain::{
+    BookId, ConsumerName, Message, MessageId, OrderId, Outcome, Quantity, StockItem,
+};
 use inventory_infra::CrashPoint;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
 use inventory_infra::{
-    DetectMode, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository,
+    DetectMode, HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository,
 };
 use serde::Serialize;
 
@@ -36,11 +39,11 @@ use inventory_service::runtime::{ConsumerRuntime, Ending, Running, RuntimeSettin
 pub const LOCAL_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// The strategies in the order they run and are printed.
-pub const STRATEGIES: [HandlerKind; 4] = [
-    HandlerKind::Naive,
-    HandlerKind::CheckThenProcess,
-    HandlerKind::Inbox(DetectMode::OnConflict),
-    HandlerKind::NaturalKey(NaturalKeyPath::Orm),
+pub const STRATEGIES: [Strategy; 4] = [
+    Strategy::Naive,
+    Strategy::CheckThenProcess,
+    Strategy::Served(HandlerKind::Inbox(DetectMode::OnConflict)),
+    Strategy::Served(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
 ];
 
 /// Copies per order: 1 to 3.
@@ -472,7 +475,7 @@ impl Script {
 /// since by then the record is written. `Faults` itself needs no per-message plan for this.
 #[derive(Clone)]
 struct Scripted {
-    inner: Handler,
+    inner: StudyHandler,
     instance: usize,
     script: Arc<Script>,
 }
@@ -587,7 +590,7 @@ struct Seen {
     unplanned: i64,
 }
 
-fn predict(strategy: HandlerKind, seen: &[Seen]) -> Prediction {
+fn predict(strategy: Strategy, seen: &[Seen]) -> Prediction {
     let mut prediction = Prediction::default();
     for order in seen {
         let Seen {
@@ -601,7 +604,7 @@ fn predict(strategy: HandlerKind, seen: &[Seen]) -> Prediction {
         prediction.ack_withheld.add(Range::exact(r));
         let (processed, duplicates, extra_reservations) = match strategy {
             // Every delivery reserves; the withheld one reserved too, and its redelivery again.
-            HandlerKind::Naive => (
+            Strategy::Naive => (
                 Range::exact(k + p + u),
                 Range::exact(0),
                 Range::exact(k - 1 + r + p + u),
@@ -609,19 +612,19 @@ fn predict(strategy: HandlerKind, seen: &[Seen]) -> Prediction {
             // Its check and its late record race: a copy handled while the other is between
             // the two reserves again, and a withheld ack has no record, so the redelivery
             // reserves again.
-            HandlerKind::CheckThenProcess => (
+            Strategy::CheckThenProcess => (
                 Range::between(1 + p, k + p + u),
                 Range::between(0, k - 1 + u),
                 Range::between(r + p, k - 1 + r + p + u),
             ),
             // The claim commits with the work: only the new id gets through. (The email's
             // record is keyed by message id too; the comparison runs the stock handlers.)
-            HandlerKind::Inbox(_) | HandlerKind::Email => (
+            Strategy::Served(HandlerKind::Inbox(_) | HandlerKind::Email) => (
                 Range::exact(1 - r + p),
                 Range::exact(k - 1 + r + u),
                 Range::exact(p),
             ),
-            HandlerKind::NaturalKey(_) => (
+            Strategy::Served(HandlerKind::NaturalKey(_)) => (
                 Range::exact(1 - r),
                 Range::exact(k - 1 + r + p + u),
                 Range::exact(0),
@@ -732,7 +735,8 @@ pub struct CompareReport {
 }
 
 impl CompareReport {
-    pub fn row(&self, strategy: HandlerKind) -> Option<&StrategyRow> {
+    pub fn row(&self, strategy: impl Into<Strategy>) -> Option<&StrategyRow> {
+        let strategy = strategy.into();
         self.strategies
             .iter()
             .find(|row| row.strategy == strategy.strategy_name())
@@ -908,11 +912,11 @@ struct Instance {
 }
 
 impl Run {
-    fn durable_name(strategy: HandlerKind) -> String {
+    fn durable_name(strategy: Strategy) -> String {
         format!("compare-{}", strategy.strategy_name().replace(' ', "-"))
     }
 
-    async fn consume(&self, strategy: HandlerKind) -> Result<StrategyRow> {
+    async fn consume(&self, strategy: Strategy) -> Result<StrategyRow> {
         let fresh = FreshDatabase::create(
             Some(&self.settings.database_url),
             "inventory_compare",
@@ -927,11 +931,7 @@ impl Run {
         Ok(row)
     }
 
-    async fn consume_into(
-        &self,
-        strategy: HandlerKind,
-        fresh: &FreshDatabase,
-    ) -> Result<StrategyRow> {
+    async fn consume_into(&self, strategy: Strategy, fresh: &FreshDatabase) -> Result<StrategyRow> {
         let stock = StockRepository::new(fresh.conn.clone());
         for item in self.workload.stock()? {
             stock.put(&item).await?;
@@ -939,10 +939,10 @@ impl Run {
         let durable = Self::durable_name(strategy);
         let mut settings = RuntimeSettings::new(
             self.topology.clone(),
-            strategy,
+            strategy.runs_as(),
             usize::try_from(self.settings.concurrency).unwrap_or(1),
         );
-        settings.consumer.durable_name = durable;
+        settings.consumer.durable_name = durable.clone();
         settings.consumer.ack_wait = self.settings.ack_wait;
         settings.max_deliver = MAX_DELIVER;
         settings.consumer.max_ack_pending = 10_000;
@@ -967,11 +967,11 @@ impl Run {
                     (conn.clone(), Some(conn))
                 }
             };
-            let runtime = ConsumerRuntime::prepare(&self.js, pool, settings.clone())
+            let runtime = ConsumerRuntime::prepare(&self.js, pool.clone(), settings.clone())
                 .await
                 .context("setting up the strategy's consumer")?;
             let handler = Scripted {
-                inner: runtime.handler(None)?,
+                inner: strategy.build(&pool, ConsumerName::parse(durable.clone())?)?,
                 instance,
                 script: script.clone(),
             };
@@ -1332,17 +1332,17 @@ mod tests {
             order(1, 1, 0),
             order(2, 0, 0),
         ];
-        let naive = predict(HandlerKind::Naive, &seen);
+        let naive = predict(Strategy::Naive, &seen);
         assert_eq!(naive.delivered, Range::exact(7));
         assert_eq!(naive.difference, Range::exact(6));
         assert_eq!(naive.orders_reserved_more_than_once, Range::exact(3));
-        let ctp = predict(HandlerKind::CheckThenProcess, &seen);
+        let ctp = predict(Strategy::CheckThenProcess, &seen);
         assert_eq!(ctp.difference, Range::between(4, 6));
-        let inbox = predict(HandlerKind::Inbox(DetectMode::OnConflict), &seen);
+        let inbox = predict(HandlerKind::Inbox(DetectMode::OnConflict).into(), &seen);
         assert_eq!(inbox.difference, Range::exact(2));
         assert_eq!(inbox.processed, Range::exact(4));
         assert_eq!(inbox.duplicates, Range::exact(2));
-        let natural = predict(HandlerKind::NaturalKey(NaturalKeyPath::Orm), &seen);
+        let natural = predict(HandlerKind::NaturalKey(NaturalKeyPath::Orm).into(), &seen);
         assert_eq!(natural.difference, Range::exact(0));
         assert_eq!(natural.processed, Range::exact(3));
         assert_eq!(natural.duplicates, Range::exact(3));
@@ -1375,7 +1375,7 @@ mod tests {
             copies_on_two_instances: 0,
             seconds: 1.0,
             messages_per_second: 2.0,
-            prediction: predict(HandlerKind::Inbox(DetectMode::OnConflict), &seen),
+            prediction: predict(HandlerKind::Inbox(DetectMode::OnConflict).into(), &seen),
             deviations: Vec::new(),
         };
         row.check();

@@ -9,18 +9,18 @@ use crate::mail::InMemoryEmailProvider;
 use std::time::Duration;
 
 use crate::fresh::FreshDatabase;
+use crate::mistakes::{MistakenConsumer, Strategy, StudyHandler};
 use anyhow::{Context, Result};
 use inventory_domain::{
     BookId, ConsumerName, DeadLetterReason, DedupKey, Effect, Event, Message, MessageId, OrderId,
     Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind, StockItem,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::consumers::study::MistakenConsumer;
 use inventory_infra::db::{DatabaseConnection, DbBackend};
 use inventory_infra::redact::redact_url;
 use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, Handler, HandlerKind,
-    MessageHandler, NaturalKeyPath, StockRepository,
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind, MessageHandler,
+    NaturalKeyPath, StockRepository,
 };
 use sea_orm::{ConnectionTrait, Statement};
 
@@ -52,7 +52,7 @@ pub struct StudyReport {
 }
 
 pub struct TableRow {
-    pub strategy: HandlerKind,
+    pub strategy: Strategy,
     /// Dune copies reserved under redelivery, a crash in the window, two copies at once, and a
     /// producer duplicate with a new id; 2 is right.
     pub cells: [i64; 4],
@@ -150,7 +150,7 @@ fn crashed_at(result: &Result<Outcome, HandleError>, point: CrashPoint) -> bool 
 /// lock, on SQLite, which shows no lock waits, still running after [`CONCURRENT_WATCH`].
 async fn two_copies_at_once(
     stock: &StockRepository,
-    consumer: &Handler,
+    consumer: &StudyHandler,
     message: &Message,
 ) -> Result<(Outcome, Outcome, bool)> {
     let (faults, mut hold) = faults::hold_once_at(CrashPoint::AfterDedupCheck);
@@ -263,12 +263,17 @@ impl Lab {
             .reserved)
     }
 
-    fn consumer(&self, strategy: HandlerKind) -> Result<Handler> {
+    fn consumer(&self, strategy: impl Into<Strategy>) -> Result<StudyHandler> {
+        let strategy = strategy.into();
         self.consumer_named(strategy, strategy.default_consumer())
     }
 
-    fn consumer_named(&self, strategy: HandlerKind, consumer_name: &str) -> Result<Handler> {
-        Ok(strategy.build(&self.db, name(consumer_name)?, None)?)
+    fn consumer_named(
+        &self,
+        strategy: impl Into<Strategy>,
+        consumer_name: &str,
+    ) -> Result<StudyHandler> {
+        Ok(strategy.into().build(&self.db, name(consumer_name)?)?)
     }
 
     async fn run_all(&self) -> Result<StudyReport> {
@@ -299,10 +304,16 @@ impl Lab {
         ];
         let mut table = Vec::new();
         for (strategy, expected) in [
-            (HandlerKind::Naive, [4, 4, 4, 4]),
-            (HandlerKind::CheckThenProcess, [2, 4, 4, 4]),
-            (HandlerKind::Inbox(DetectMode::OnConflict), [2, 2, 2, 4]),
-            (HandlerKind::NaturalKey(NaturalKeyPath::Orm), [2, 2, 2, 2]),
+            (Strategy::Naive, [4, 4, 4, 4]),
+            (Strategy::CheckThenProcess, [2, 4, 4, 4]),
+            (
+                HandlerKind::Inbox(DetectMode::OnConflict).into(),
+                [2, 2, 2, 4],
+            ),
+            (
+                HandlerKind::NaturalKey(NaturalKeyPath::Orm).into(),
+                [2, 2, 2, 2],
+            ),
         ] {
             table.push(TableRow {
                 strategy,
@@ -313,7 +324,7 @@ impl Lab {
         Ok(StudyReport { lines, table })
     }
 
-    async fn table_row(&self, strategy: HandlerKind) -> Result<[i64; 4]> {
+    async fn table_row(&self, strategy: Strategy) -> Result<[i64; 4]> {
         let consumer = self.consumer(strategy)?;
 
         let book = self.dune(DUNE_ON_HAND).await?;
@@ -345,7 +356,7 @@ impl Lab {
         Ok([redelivery, crash_in_window, concurrent, producer_duplicate])
     }
 
-    async fn delivered_twice(&self, strategy: HandlerKind) -> Result<(bool, bool, i64)> {
+    async fn delivered_twice(&self, strategy: impl Into<Strategy>) -> Result<(bool, bool, i64)> {
         let book = self.dune(DUNE_ON_HAND).await?;
         let consumer = self.consumer(strategy)?;
         let message = order_placed(book, ORDER_QUANTITY)?;
@@ -359,7 +370,7 @@ impl Lab {
     }
 
     async fn naive_twice(&self) -> Result<ScenarioLine> {
-        let (_, _, reserved) = self.delivered_twice(HandlerKind::Naive).await?;
+        let (_, _, reserved) = self.delivered_twice(Strategy::Naive).await?;
         Ok(ScenarioLine {
             label: "naive",
             text: format!("delivered twice -> Dune reserved: {reserved}"),
@@ -369,7 +380,7 @@ impl Lab {
 
     async fn check_then_process_crash(&self) -> Result<ScenarioLine> {
         let book = self.dune(DUNE_ON_HAND).await?;
-        let consumer = self.consumer(HandlerKind::CheckThenProcess)?;
+        let consumer = self.consumer(Strategy::CheckThenProcess)?;
         let message = order_placed(book, ORDER_QUANTITY)?;
         let crashed = consumer
             .with_faults(faults::crash_once_at(CrashPoint::AfterCommit))

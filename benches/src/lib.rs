@@ -23,6 +23,8 @@
 //! - [`fresh`]: a database of its own per run, created and dropped.
 //! - [`mail`]: the email provider of the demo and the tests, in memory, with or without a
 //!   lookup by idempotency key.
+//! - [`mistakes`]: naive, check-then-process and the other designs the study shows failing,
+//!   built from the inbox's own steps; [`mistakes::Strategy`], a service handler or one of these.
 //! - [`latency`]: when each message was published and how long it took to be handled, for the
 //!   runs at a steady rate of `bench_e2e` and `bench_hand`.
 //! - [`system_cpu`]: the machine's CPU during a run by process (this one, nats-server,
@@ -54,5 +56,6 @@ pub mod fresh;
 pub mod guard_cost;
 pub mod latency;
 pub mod mail;
+pub mod mistakes;
 pub mod system_cpu;
 pub mod workload;

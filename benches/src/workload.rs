@@ -6,13 +6,12 @@
 //! Which earlier message a copy repeats is drawn from a seeded generator, so the sequence of
 //! fresh messages and copies is the same on every run.
 
+use crate::mistakes::{Strategy, StudyHandler};
 use inventory_domain::{
     BookId, ConsumerName, Effect, FieldError, Message, OrderId, Outcome, Quantity, StockItem,
 };
 use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::{
-    BuildError, DetectMode, Handler, HandlerKind, NaturalKeyPath, StockRepository,
-};
+use inventory_infra::{BuildError, DetectMode, HandlerKind, NaturalKeyPath, StockRepository};
 use sea_orm::DbErr;
 
 /// The server when `DATABASE_URL` names none: the local one the tests use too.
@@ -56,11 +55,11 @@ pub const DEDUP: [HandlerKind; 5] = [
 ];
 
 /// The handlers compared on fresh messages.
-pub const STRATEGIES: [HandlerKind; 4] = [
-    HandlerKind::Naive,
-    HandlerKind::Inbox(DetectMode::OnConflict),
-    HandlerKind::NaturalKey(NaturalKeyPath::Orm),
-    HandlerKind::NaturalKey(NaturalKeyPath::OneStatement),
+pub const STRATEGIES: [Strategy; 4] = [
+    Strategy::Naive,
+    Strategy::Served(HandlerKind::Inbox(DetectMode::OnConflict)),
+    Strategy::Served(HandlerKind::NaturalKey(NaturalKeyPath::Orm)),
+    Strategy::Served(HandlerKind::NaturalKey(NaturalKeyPath::OneStatement)),
 ];
 
 /// How a copy of an earlier message is made.
@@ -93,8 +92,11 @@ impl CopyKind {
 
 /// A benchmark's `handler` on `db`, its dedup rows under [`CONSUMER`]. Clones of a one-statement
 /// handler each open a connection of their own on first use; the others share `db`'s pool.
-pub fn handler(kind: HandlerKind, db: &DatabaseConnection) -> Result<Handler, WorkloadError> {
-    Ok(kind.build(db, ConsumerName::parse(CONSUMER)?, None)?)
+pub fn handler(
+    kind: impl Into<Strategy>,
+    db: &DatabaseConnection,
+) -> Result<StudyHandler, WorkloadError> {
+    Ok(kind.into().build(db, ConsumerName::parse(CONSUMER)?)?)
 }
 
 /// Puts `count` new books with [`ON_HAND`] copies each.

@@ -60,7 +60,7 @@ impl Faults {
     }
 
     /// Called by handlers at each crash point.
-    pub(crate) async fn pass(&self, point: CrashPoint) -> Result<(), HandleError> {
+    pub async fn pass(&self, point: CrashPoint) -> Result<(), HandleError> {
         match &self.0 {
             Some(plan) if plan.dies_at(point).await => Err(HandleError::Crashed(point)),
             _ => Ok(()),

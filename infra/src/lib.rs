@@ -23,13 +23,6 @@
 //! - `entities`: the sea-orm models (private).
 //! - [`faults`]: the handlers' crash points, and `FaultPlan`, what happens there, which only
 //!   the study and the tests provide.
-//!
-//! # The `harness` feature
-//! The study and the tests turn it on; the serving binary is built without it. It adds the
-//! study's strategies: naive, check-then-process, and the mistaken designs of
-//! `consumers::study`. Cargo unifies features across one build: `cargo build -p
-//! inventory-service` builds the service without it, a build that includes the study or the
-//! tests builds it with.
 
 pub mod consumers;
 pub mod db;

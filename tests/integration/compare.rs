@@ -1,6 +1,7 @@
 //! `inventory compare` end to end: a small workload with every kind of duplicate, through a real
 //! NATS server into every strategy, each row held against what the workload predicts.
 
+use inventory_benches::mistakes::Strategy;
 use std::time::Duration;
 
 use inventory_benches::compare::{
@@ -87,12 +88,12 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
     );
     assert!(report.as_predicted, "{table}");
 
-    let row = |strategy| report.row(strategy).unwrap();
-    let natural = row(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
+    let row = |strategy: Strategy| report.row(strategy).unwrap();
+    let natural = row(HandlerKind::NaturalKey(NaturalKeyPath::Orm).into());
     assert_eq!(natural.difference, 0, "{table}");
     assert_eq!(natural.orders_reserved_more_than_once, 0, "{table}");
 
-    let inbox = row(HandlerKind::Inbox(DetectMode::OnConflict));
+    let inbox = row(HandlerKind::Inbox(DetectMode::OnConflict).into());
     let resent = copies(&workload, &[Fault::NewIdResend]);
     assert!(resent > 0);
     assert_eq!(inbox.difference, resent, "{table}");
@@ -103,7 +104,7 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
     );
 
     let every = [Fault::NewIdResend, Fault::Redelivered, Fault::TwoCopies];
-    let naive = row(HandlerKind::Naive);
+    let naive = row(Strategy::Naive);
     if naive.unplanned_deliveries == 0 {
         assert_eq!(naive.difference, copies(&workload, &every), "{table}");
         assert_eq!(
@@ -115,7 +116,7 @@ async fn compare_and_check(settings: Settings, backend: Backend) -> CompareRepor
         assert!(naive.difference > copies(&workload, &every), "{table}");
     }
 
-    let check_then_process = row(HandlerKind::CheckThenProcess);
+    let check_then_process = row(Strategy::CheckThenProcess);
     let window = copies(&workload, &[Fault::NewIdResend, Fault::Redelivered]);
     assert!(check_then_process.difference >= window, "{table}");
     if check_then_process.unplanned_deliveries == 0 {

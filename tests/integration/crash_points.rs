@@ -10,6 +10,7 @@
 
 use inventory_benches::faults;
 use inventory_benches::mail::InMemoryEmailProvider;
+use inventory_benches::mistakes::Strategy;
 use std::sync::{Arc, Mutex};
 
 use inventory_domain::{
@@ -113,9 +114,13 @@ async fn crash_in_loop<H: MessageHandler>(
 
 /// Runs every point of `strategy` at once and checks each against `expected(point)`: the
 /// copies reserved and whether the redelivery was a duplicate.
-async fn stock_strategy(strategy: HandlerKind, expected: impl Fn(CrashPoint) -> (i64, bool)) {
+async fn stock_strategy(
+    strategy: impl Into<Strategy>,
+    expected: impl Fn(CrashPoint) -> (i64, bool),
+) {
+    let strategy = strategy.into();
     let db = TestDb::new(Backend::Postgres).await;
-    let consumer = db.consumer(strategy);
+    let consumer = db.study_consumer(strategy);
     let runs = futures::future::join_all(STOCK_POINTS.map(|point| {
         let consumer = consumer.clone();
         let db = &db;
@@ -140,7 +145,7 @@ async fn stock_strategy(strategy: HandlerKind, expected: impl Fn(CrashPoint) -> 
             "{context}: the redelivery's outcome"
         );
         assert!(run.dead_letter_reasons.is_empty(), "{context}");
-        if strategy == HandlerKind::NaturalKey(NaturalKeyPath::Orm) {
+        if strategy == HandlerKind::NaturalKey(NaturalKeyPath::Orm).into() {
             let row = db.stock.reservation(run.order, run.book).await.unwrap();
             assert_eq!(row.map(|row| row.quantity.get()), Some(2), "{context}");
         } else {
@@ -172,7 +177,7 @@ async fn inbox_crash_at_every_point_in_every_mode_is_redelivered_and_reserves_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn naive_crash_after_commit_is_redelivered_and_reserves_twice() {
     // The documented over-reservation: the redelivery reserves again.
-    stock_strategy(HandlerKind::Naive, |point| {
+    stock_strategy(Strategy::Naive, |point| {
         (
             if point == CrashPoint::AfterCommit {
                 4
@@ -188,7 +193,7 @@ async fn naive_crash_after_commit_is_redelivered_and_reserves_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_then_process_crash_after_commit_is_redelivered_and_reserves_twice() {
     // The window between the work's commit and the inbox record.
-    stock_strategy(HandlerKind::CheckThenProcess, |point| {
+    stock_strategy(Strategy::CheckThenProcess, |point| {
         (
             if point == CrashPoint::AfterCommit {
                 4

@@ -64,7 +64,7 @@ async fn inbox_crash_at_any_point_then_redelivery_reserves_once(db: TestDb) {
 async fn inbox_second_copy_waits_for_the_first_and_is_a_duplicate(db: TestDb) {
     for (mode, consumer) in consumers(&db) {
         let book = db.dune(10).await;
-        let (first, second) = two_copies(&db, &consumer, &placed(book, 2), None, true).await;
+        let (first, second) = two_copies(&db, consumer.clone(), &placed(book, 2), None, true).await;
         assert!(first.unwrap().processed(), "{mode:?}");
         assert_eq!(second, Outcome::Duplicate, "{mode:?}");
         assert_eq!(db.reserved(book).await, 2, "{mode:?}");
@@ -77,7 +77,7 @@ async fn inbox_second_copy_processes_when_the_first_rolls_back(db: TestDb) {
         let message = placed(book, 2);
         let (first, second) = two_copies(
             &db,
-            &consumer,
+            consumer.clone(),
             &message,
             Some(CrashPoint::BeforeCommit),
             true,

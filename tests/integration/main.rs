@@ -38,9 +38,10 @@ mod serve;
 mod silent_network;
 
 use inventory_benches::faults;
+use inventory_benches::mistakes::StudyHandler;
 use inventory_domain::{Message, Outcome};
 use inventory_infra::CrashPoint;
-use inventory_infra::{HandleError, Handler};
+use inventory_infra::{HandleError, MessageHandler};
 use inventory_tests::{Backend, TestDb};
 
 /// Two copies of `message` at once. The first is held right after its dedup claim (and, with
@@ -50,11 +51,12 @@ use inventory_tests::{Backend, TestDb};
 /// the second runs to its end while the first is parked.
 pub(crate) async fn two_copies(
     db: &TestDb,
-    consumer: &Handler,
+    consumer: impl Into<StudyHandler>,
     message: &Message,
     first_crashes_at: Option<CrashPoint>,
     second_must_wait: bool,
 ) -> (Result<Outcome, HandleError>, Outcome) {
+    let consumer = consumer.into();
     let (faults, mut hold) = match first_crashes_at {
         Some(point) => faults::hold_then_crash(CrashPoint::AfterDedupCheck, point),
         None => faults::hold_once_at(CrashPoint::AfterDedupCheck),

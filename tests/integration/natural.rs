@@ -155,7 +155,7 @@ async fn natural_key_second_copy_waits_and_is_a_duplicate(db: TestDb) {
     let consumer = db.consumer(HandlerKind::NaturalKey(NaturalKeyPath::Orm));
     let book = db.dune(10).await;
     let message = placed(book, 2).resent_with_new_id();
-    let (first, second) = two_copies(&db, &consumer, &message, None, true).await;
+    let (first, second) = two_copies(&db, consumer.clone(), &message, None, true).await;
     assert!(first.unwrap().processed());
     assert_eq!(second, Outcome::Duplicate);
     assert_eq!(db.reserved(book).await, 2);
@@ -167,7 +167,7 @@ async fn natural_key_second_copy_processes_when_the_first_rolls_back(db: TestDb)
     let message = placed(book, 2);
     let (first, second) = two_copies(
         &db,
-        &consumer,
+        consumer.clone(),
         &message,
         Some(CrashPoint::BeforeCommit),
         true,

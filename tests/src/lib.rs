@@ -44,6 +44,7 @@ use inventory_benches::faults;
 use std::time::Duration;
 
 use inventory_benches::fresh::FreshDatabase;
+use inventory_benches::mistakes::{Strategy, StudyHandler};
 use inventory_domain::{
     BookId, ConsumerName, Message, OrderId, Quantity, StockEvent, StockEventKind, StockItem,
 };
@@ -71,6 +72,13 @@ pub struct TestDb {
     pub url: String,
     pub stock: StockRepository,
     fresh: Option<FreshDatabase>,
+}
+
+/// The consumer name test handlers keep their dedup rows under.
+pub const TEST_CONSUMER: &str = "inventory-reserve-stock-test";
+
+fn test_consumer() -> ConsumerName {
+    ConsumerName::parse(TEST_CONSUMER).unwrap()
 }
 
 impl TestDb {
@@ -131,14 +139,15 @@ impl TestDb {
         self.stock.get(book_id).await.unwrap().unwrap().reserved
     }
 
-    /// `kind` on this database, its dedup rows under a test consumer name.
+    /// `kind` on this database, its dedup rows under [`TEST_CONSUMER`].
     pub fn consumer(&self, kind: HandlerKind) -> Handler {
-        kind.build(
-            &self.conn,
-            ConsumerName::parse("inventory-reserve-stock-test").unwrap(),
-            None,
-        )
-        .unwrap()
+        kind.build(&self.conn, test_consumer(), None).unwrap()
+    }
+
+    /// A strategy of the study's (naive, check-then-process) or of the service's on this
+    /// database, its dedup rows under [`TEST_CONSUMER`].
+    pub fn study_consumer(&self, strategy: impl Into<Strategy>) -> StudyHandler {
+        strategy.into().build(&self.conn, test_consumer()).unwrap()
     }
 
     /// Waits until some session of this database waits for a lock held by another: proof on

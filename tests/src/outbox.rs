@@ -8,7 +8,7 @@ use async_nats::jetstream::context::Context;
 use chrono::Utc;
 use inventory_domain::outbox::partition;
 use inventory_domain::{BookId, Message, OrderId};
-use inventory_infra::Handler;
+use inventory_infra::MessageHandler;
 use inventory_infra::outbox::RelaySettings;
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use uuid::Uuid;
@@ -195,7 +195,7 @@ pub struct Decided {
 /// every third also asks for 5 copies of `scarce` (which must have fewer: rejected); every
 /// fourth is then cancelled, releasing its copy. So an order has one to three events.
 pub async fn decide(
-    handler: &Handler,
+    handler: &impl MessageHandler,
     plenty: BookId,
     scarce: BookId,
     orders: usize,

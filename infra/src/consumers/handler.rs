@@ -15,13 +15,6 @@ use crate::mailbox::FileMailbox;
 /// Every handler a user can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HandlerKind {
-    /// No dedup: every delivery reserves again (the study's).
-    #[cfg(feature = "harness")]
-    Naive,
-    /// Looks in the inbox, does the work in a transaction of its own, then records the message:
-    /// a crash in between reserves twice (the study's).
-    #[cfg(feature = "harness")]
-    CheckThenProcess,
     /// Claims `(message_id, consumer)` first, in the work's transaction.
     Inbox(DetectMode),
     /// The reservation's own key `(order_id, book_id)` refuses a second reservation.
@@ -68,10 +61,6 @@ impl HandlerKind {
     /// The study's name of the strategy, as the demo's and the comparison's tables print it.
     pub fn strategy_name(self) -> &'static str {
         match self {
-            #[cfg(feature = "harness")]
-            Self::Naive => "naive",
-            #[cfg(feature = "harness")]
-            Self::CheckThenProcess => "check-then-process",
             Self::Inbox(_) => "inbox",
             Self::NaturalKey(_) => "natural key",
             Self::Email => "email",
@@ -84,20 +73,12 @@ impl HandlerKind {
             Self::NaturalKey(_) => "inventory-reserve-stock",
             Self::Inbox(_) => "inventory-reserve-stock-inbox",
             Self::Email => super::email::EMAIL_CONSUMER,
-            #[cfg(feature = "harness")]
-            Self::Naive => "inventory-reserve-stock-naive",
-            #[cfg(feature = "harness")]
-            Self::CheckThenProcess => "inventory-reserve-stock-check-then-process",
         }
     }
 
     /// A name for this handler alone, fit for a benchmark id, a directory or a flag.
     pub fn label(self) -> &'static str {
         match self {
-            #[cfg(feature = "harness")]
-            Self::Naive => "naive",
-            #[cfg(feature = "harness")]
-            Self::CheckThenProcess => "check-then-process",
             Self::Inbox(DetectMode::CatchViolation) => "inbox-catch-violation",
             Self::Inbox(DetectMode::PreCheck) => "inbox-pre-check",
             Self::Inbox(DetectMode::OnConflict) => "inbox-on-conflict",
@@ -119,10 +100,6 @@ impl HandlerKind {
     pub fn writes_inbox_rows(self) -> bool {
         match self {
             Self::Inbox(_) | Self::Email => true,
-            #[cfg(feature = "harness")]
-            Self::CheckThenProcess => true,
-            #[cfg(feature = "harness")]
-            Self::Naive => false,
             Self::NaturalKey(_) => false,
         }
     }
@@ -142,10 +119,6 @@ impl HandlerKind {
     ) -> Result<Handler, BuildError> {
         let stock = |strategy| StockConsumer::new(db.clone(), self, strategy, consumer.clone());
         Ok(match self {
-            #[cfg(feature = "harness")]
-            Self::Naive => Handler::Stock(stock(Strategy::Naive)),
-            #[cfg(feature = "harness")]
-            Self::CheckThenProcess => Handler::Stock(stock(Strategy::CheckThenProcess)),
             Self::Inbox(detect) => Handler::Stock(stock(Strategy::Inbox(detect))),
             Self::NaturalKey(NaturalKeyPath::Orm) => Handler::Stock(stock(Strategy::NaturalKey)),
             Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch) => {

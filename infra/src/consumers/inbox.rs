@@ -4,7 +4,7 @@ use chrono::Utc;
 use inventory_domain::{ConsumerName, Message, Outcome, PayloadHash};
 use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult};
 
-use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, work};
+use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, finish, work};
 use crate::entities::inbox;
 use crate::faults::CrashPoint;
 use crate::stock::find_inbox_entry;
@@ -26,7 +26,7 @@ fn inbox_row(
 }
 
 /// Claims the key with `INSERT … ON CONFLICT DO NOTHING`; true if this copy won.
-pub(crate) async fn claim_on_conflict(
+pub async fn claim_on_conflict(
     conn: &impl ConnectionTrait,
     key: &str,
     consumer: &ConsumerName,
@@ -61,32 +61,34 @@ async fn claim_catching_violation(
     }
 }
 
-/// Writes a completed record outside any transaction (check-then-process's late record).
-#[cfg(feature = "harness")]
-pub(crate) async fn record_completed(
+/// What the inbox already says of the key, if it holds it: the same content is a duplicate,
+/// other content a refusal.
+pub async fn recorded_outcome(
     conn: &impl ConnectionTrait,
     key: &str,
     consumer: &ConsumerName,
     hash: &PayloadHash,
-) -> Result<(), DbErr> {
-    claim_on_conflict(conn, key, consumer, hash, true).await?;
-    Ok(())
+) -> Result<Option<Outcome>, DbErr> {
+    Ok(find_inbox_entry(conn, key, consumer.as_str())
+        .await?
+        .map(|existing| compare_payload(&existing.payload_hash, hash)))
 }
 
 /// What a lost claim means: compare with the row that won.
-pub(crate) async fn judge_lost_claim(
+pub async fn judge_lost_claim(
     conn: &impl ConnectionTrait,
     key: &str,
     consumer: &ConsumerName,
     hash: &PayloadHash,
 ) -> Result<Outcome, DbErr> {
-    match find_inbox_entry(conn, key, consumer.as_str()).await? {
-        Some(existing) => Ok(compare_payload(&existing.payload_hash, hash)),
+    recorded_outcome(conn, key, consumer, hash)
+        .await?
         // Purged between the conflict and this read: let the redelivery decide afresh.
-        None => Err(DbErr::RecordNotFound(format!(
-            "inbox row {key} for {consumer} vanished after a conflict"
-        ))),
-    }
+        .ok_or_else(|| {
+            DbErr::RecordNotFound(format!(
+                "inbox row {key} for {consumer} vanished after a conflict"
+            ))
+        })
 }
 
 impl StockConsumer {
@@ -98,9 +100,9 @@ impl StockConsumer {
         let key = message.key.storage_key();
         let hash = message.payload_hash();
         if mode == DetectMode::PreCheck
-            && let Some(existing) = find_inbox_entry(&self.db, &key, self.consumer.as_str()).await?
+            && let Some(outcome) = recorded_outcome(&self.db, &key, &self.consumer, &hash).await?
         {
-            return Ok(compare_payload(&existing.payload_hash, &hash));
+            return Ok(outcome);
         }
         let txn = begin_write(&self.db).await?;
         let claimed = match mode {
@@ -113,16 +115,16 @@ impl StockConsumer {
         };
         let claimed = match claimed {
             Ok(claimed) => claimed,
-            Err(error) => return self.finish(txn, Err(error.into())).await,
+            Err(error) => return finish(txn, Err(error.into()), &self.faults).await,
         };
         if !claimed {
             txn.rollback().await?;
             return Ok(judge_lost_claim(&self.db, &key, &self.consumer, &hash).await?);
         }
         if let Err(crash) = self.faults.pass(CrashPoint::AfterDedupCheck).await {
-            return self.finish(txn, Err(crash)).await;
+            return finish(txn, Err(crash), &self.faults).await;
         }
         let result = work::apply_logged(&txn, &key, &message.event).await;
-        self.finish(txn, result).await
+        finish(txn, result, &self.faults).await
     }
 }

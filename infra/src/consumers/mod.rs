@@ -11,10 +11,9 @@
 //! Both run in [`StockConsumer`]; the two-phase email consumer is in [`email`]. Why a handler
 //! failed, and whether that is worth a retry, is in [`HandleError`].
 //!
-//! With the `harness` feature (the study and the tests), [`StockConsumer`] also runs naive (no
-//! dedup: every delivery reserves again) and check-then-process (look in the inbox, do the
-//! work in its own transaction, then write the inbox row: a crash between the two reopens the
-//! window), and `study` holds the deliberately wrong designs the demo contrasts with these.
+//! The study (`inventory_benches`) builds its naive, check-then-process and mistaken designs
+//! from the sea-orm steps the inbox is made of: [`begin_write`], [`apply_logged`],
+//! [`claim_on_conflict`], [`recorded_outcome`] and [`judge_lost_claim`], and [`finish`].
 
 pub mod email;
 mod error;
@@ -23,8 +22,6 @@ mod inbox;
 mod natural;
 pub mod natural_pg;
 pub mod natural_sqlite;
-#[cfg(feature = "harness")]
-pub mod study;
 mod work;
 
 use std::future::Future;
@@ -41,6 +38,8 @@ use crate::faults::{CrashPoint, Faults};
 pub use handler::{BuildError, Handler, HandlerKind, NaturalKeyPath};
 
 pub use error::HandleError;
+pub use inbox::{claim_on_conflict, judge_lost_claim, recorded_outcome};
+pub use work::apply_logged;
 
 /// What the consumer loop needs of a handler: one message in, one outcome out.
 pub trait MessageHandler: Clone + Send + Sync + 'static {
@@ -119,10 +118,6 @@ impl DetectMode {
 /// How a [`StockConsumer`] dedups; which one [`HandlerKind::build`] picks for the kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Strategy {
-    #[cfg(feature = "harness")]
-    Naive,
-    #[cfg(feature = "harness")]
-    CheckThenProcess,
     Inbox(DetectMode),
     NaturalKey,
 }
@@ -171,53 +166,10 @@ impl StockConsumer {
     #[tracing::instrument(skip_all, fields(handler = self.kind.label(), key = %message.key, outcome))]
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let outcome = match self.strategy {
-            #[cfg(feature = "harness")]
-            Strategy::Naive => self.handle_naive(message).await,
-            #[cfg(feature = "harness")]
-            Strategy::CheckThenProcess => self.handle_check_then_process(message).await,
             Strategy::Inbox(mode) => self.handle_inbox(message, mode).await,
             Strategy::NaturalKey => self.handle_natural(message).await,
         }?;
         tracing::Span::current().record("outcome", outcome.label());
-        Ok(outcome)
-    }
-}
-
-/// The study's strategies, which no service runs.
-#[cfg(feature = "harness")]
-impl StockConsumer {
-    async fn handle_naive(&self, message: &Message) -> Result<Outcome, HandleError> {
-        // Naive checks nothing: its "dedup check" point is simply its start.
-        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        self.work_in_own_transaction(&message.key.storage_key(), message)
-            .await
-    }
-
-    /// The logged work in a transaction of its own, with no dedup record inside it.
-    async fn work_in_own_transaction(
-        &self,
-        key: &str,
-        message: &Message,
-    ) -> Result<Outcome, HandleError> {
-        let txn = begin_write(&self.db).await?;
-        let result = work::apply_logged(&txn, key, &message.event).await;
-        self.finish(txn, result).await
-    }
-
-    async fn handle_check_then_process(&self, message: &Message) -> Result<Outcome, HandleError> {
-        let key = message.key.storage_key();
-        let hash = message.payload_hash();
-        if let Some(existing) =
-            crate::stock::find_inbox_entry(&self.db, &key, self.consumer.as_str()).await?
-        {
-            return Ok(compare_payload(&existing.payload_hash, &hash));
-        }
-        self.faults.pass(CrashPoint::AfterDedupCheck).await?;
-        let outcome = self.work_in_own_transaction(&key, message).await?;
-        if outcome.processed() {
-            // The window: the work is committed, the record is not written yet.
-            inbox::record_completed(&self.db, &key, &self.consumer, &hash).await?;
-        }
         Ok(outcome)
     }
 }
@@ -240,7 +192,7 @@ pub(crate) fn compare_payload(stored: &str, incoming: &PayloadHash) -> Outcome {
 /// Begins a transaction that will write. On SQLite it takes the write lock at `BEGIN`
 /// (`IMMEDIATE`): a deferred transaction that reads first cannot upgrade once another writer
 /// committed, and fails with "database is locked" instead of waiting its turn.
-pub(crate) async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTransaction, DbErr> {
+pub async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTransaction, DbErr> {
     db.begin_with_options(TransactionOptions {
         sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
         ..TransactionOptions::default()
@@ -248,34 +200,32 @@ pub(crate) async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTrans
     .await
 }
 
-impl StockConsumer {
-    /// Ends a transaction: commits processed work, rolls back anything else, so a refusal or an
-    /// error leaves no partial write.
-    pub(crate) async fn finish(
-        &self,
-        txn: DatabaseTransaction,
-        result: Result<Outcome, HandleError>,
-    ) -> Result<Outcome, HandleError> {
-        match result {
-            Ok(outcome) if outcome.processed() => {
-                if let Err(crash) = self.faults.pass(CrashPoint::BeforeCommit).await {
-                    txn.rollback().await?;
-                    return Err(crash);
-                }
-                txn.commit().await?;
-                self.faults.pass(CrashPoint::AfterCommit).await?;
-                Ok(outcome)
-            }
-            Ok(outcome) => {
+/// Ends a transaction: commits processed work (past the crash points before and after the
+/// commit), rolls back anything else, so a refusal or an error leaves no partial write.
+pub async fn finish(
+    txn: DatabaseTransaction,
+    result: Result<Outcome, HandleError>,
+    faults: &Faults,
+) -> Result<Outcome, HandleError> {
+    match result {
+        Ok(outcome) if outcome.processed() => {
+            if let Err(crash) = faults.pass(CrashPoint::BeforeCommit).await {
                 txn.rollback().await?;
-                Ok(outcome)
+                return Err(crash);
             }
-            Err(error) => {
-                // The error is what matters; a failed rollback is undone by the connection's
-                // release.
-                let _ = txn.rollback().await;
-                Err(error)
-            }
+            txn.commit().await?;
+            faults.pass(CrashPoint::AfterCommit).await?;
+            Ok(outcome)
+        }
+        Ok(outcome) => {
+            txn.rollback().await?;
+            Ok(outcome)
+        }
+        Err(error) => {
+            // The error is what matters; a failed rollback is undone by the connection's
+            // release.
+            let _ = txn.rollback().await;
+            Err(error)
         }
     }
 }

@@ -45,7 +45,7 @@ use sea_orm::{
 use uuid::Uuid;
 
 use super::work::{lock_stock, not_an_order_event, release_stock, set_reserved, unknown_book};
-use super::{HandleError, StockConsumer, begin_write};
+use super::{HandleError, StockConsumer, begin_write, finish};
 use crate::entities::{order_states, stock_items, stock_reservations};
 use crate::faults::CrashPoint;
 use crate::outbox;
@@ -62,7 +62,7 @@ impl StockConsumer {
                 Event::StockReserved(_) => Ok(Some(not_an_order_event())),
             };
             match result.transpose() {
-                Some(result) => return self.finish(txn, result).await,
+                Some(result) => return finish(txn, result, &self.faults).await,
                 None => txn.rollback().await?,
             }
         }

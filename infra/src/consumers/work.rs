@@ -16,7 +16,7 @@ use crate::stock::{int_column, quantity_column, quantity_from, stock_item_from};
 
 /// Applies `event` through `conn`: inside the caller's transaction, or (in the study of a
 /// mistake) through another connection.
-pub(crate) async fn apply_logged(
+pub async fn apply_logged(
     conn: &impl ConnectionTrait,
     message_key: &str,
     event: &Event,
