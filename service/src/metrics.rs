@@ -46,15 +46,11 @@ pub struct Metrics {
     relay: Arc<Mutex<Option<WatchedRelay>>>,
 }
 
-/// The outbox relay's series, labelled by outbox table.
+/// The outbox relay's series that depend on the time of the scrape, labelled by outbox table;
+/// its counts are the relay's own series ([`RelayStatus::collectors`]).
 #[derive(Clone)]
 struct OutboxMetrics {
-    pending: IntGaugeVec,
     oldest_pending: GaugeVec,
-    parked: IntGaugeVec,
-    published: IntCounterVec,
-    duplicates: IntCounterVec,
-    partitions: IntGaugeVec,
     failing: IntGaugeVec,
 }
 
@@ -76,98 +72,39 @@ impl WatchedRelay {
 impl OutboxMetrics {
     fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
         let label = &["outbox"];
-        let metrics = Self {
-            pending: IntGaugeVec::new(
-                Opts::new(
-                    "inventory_outbox_pending_rows",
-                    "Outbox rows waiting to be published (parked rows not included), at the \
-                     relay's last look.",
-                ),
+        Ok(Self {
+            oldest_pending: registered(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "inventory_outbox_oldest_pending_age_seconds",
+                        "Age of the oldest outbox row waiting to be published; 0 when none waits.",
+                    ),
+                    label,
+                )?,
+            )?,
+            failing: gauges(
+                registry,
+                "inventory_outbox_relay_failing",
+                "1 while this relay has failed for longer than --relay-unhealthy-after to \
+                 publish rows that wait (as /healthz's \"relay\": \"failing\"), else 0.",
                 label,
             )?,
-            oldest_pending: GaugeVec::new(
-                Opts::new(
-                    "inventory_outbox_oldest_pending_age_seconds",
-                    "Age of the oldest outbox row waiting to be published; 0 when none waits.",
-                ),
-                label,
-            )?,
-            parked: IntGaugeVec::new(
-                Opts::new(
-                    "inventory_outbox_parked_rows",
-                    "Outbox rows the relay set aside (too large, no stream for the subject).",
-                ),
-                label,
-            )?,
-            published: IntCounterVec::new(
-                Opts::new(
-                    "inventory_outbox_published_total",
-                    "Outbox rows this relay published and the stream stored as new.",
-                ),
-                label,
-            )?,
-            duplicates: IntCounterVec::new(
-                Opts::new(
-                    "inventory_outbox_duplicate_pubacks_total",
-                    "Outbox rows this relay published that the stream had already \
-                     (a republish after a crash or a takeover): done all the same.",
-                ),
-                label,
-            )?,
-            partitions: IntGaugeVec::new(
-                Opts::new(
-                    "inventory_outbox_relay_partitions",
-                    "Outbox partitions this relay leases now.",
-                ),
-                label,
-            )?,
-            failing: IntGaugeVec::new(
-                Opts::new(
-                    "inventory_outbox_relay_failing",
-                    "1 while this relay has failed for longer than --relay-unhealthy-after to \
-                     publish rows that wait (as /healthz's \"relay\": \"failing\"), else 0.",
-                ),
-                label,
-            )?,
-        };
-        registry.register(Box::new(metrics.pending.clone()))?;
-        registry.register(Box::new(metrics.oldest_pending.clone()))?;
-        registry.register(Box::new(metrics.parked.clone()))?;
-        registry.register(Box::new(metrics.published.clone()))?;
-        registry.register(Box::new(metrics.duplicates.clone()))?;
-        registry.register(Box::new(metrics.partitions.clone()))?;
-        registry.register(Box::new(metrics.failing.clone()))?;
-        Ok(metrics)
+        })
     }
 
-    /// Brings the series up to the relay's counts.
+    /// Sets the series that depend on the time of the scrape.
     fn sync(&self, relay: &WatchedRelay) {
         let outbox = [relay.outbox.as_str()];
-        let status = &relay.status;
-        let published = self.published.with_label_values(&outbox);
-        published.inc_by(status.published().saturating_sub(published.get()));
-        let duplicates = self.duplicates.with_label_values(&outbox);
-        duplicates.inc_by(status.duplicates().saturating_sub(duplicates.get()));
-        self.partitions
-            .with_label_values(&outbox)
-            .set(i64::try_from(status.held_partitions()).unwrap_or(i64::MAX));
         self.failing
             .with_label_values(&outbox)
             .set(i64::from(relay.failing()));
-        if let Some(backlog) = status.backlog() {
-            self.pending
-                .with_label_values(&outbox)
-                .set(i64::try_from(backlog.pending).unwrap_or(i64::MAX));
-            self.parked
-                .with_label_values(&outbox)
-                .set(i64::try_from(backlog.parked).unwrap_or(i64::MAX));
-            let age = backlog.oldest_pending.map_or(0.0, |oldest| {
-                (chrono::Utc::now() - oldest)
-                    .to_std()
-                    .map_or(0.0, |age| age.as_secs_f64())
-            });
-            self.oldest_pending.with_label_values(&outbox).set(age);
-        }
+        let age = relay.status.oldest_pending().map_or(0.0, |oldest| {
+            (chrono::Utc::now() - oldest)
+                .to_std()
+                .map_or(0.0, |age| age.as_secs_f64())
+        });
+        self.oldest_pending.with_label_values(&outbox).set(age);
     }
 }
 
@@ -471,7 +408,15 @@ impl Metrics {
 
     /// Reports `status`, the relay of outbox table `outbox`, in the scrapes and the health
     /// check; it counts as failing once it has failed longer than `unhealthy_after`.
-    pub fn watch_relay(&self, outbox: &str, status: RelayStatus, unhealthy_after: Duration) {
+    pub fn watch_relay(
+        &self,
+        outbox: &str,
+        status: RelayStatus,
+        unhealthy_after: Duration,
+    ) -> Result<(), prometheus::Error> {
+        for collector in status.collectors() {
+            self.registry.register(collector)?;
+        }
         let watched = WatchedRelay {
             outbox: outbox.to_owned(),
             status,
@@ -479,6 +424,7 @@ impl Metrics {
         };
         self.outbox.sync(&watched);
         *lock(&self.relay) = Some(watched);
+        Ok(())
     }
 
     pub(crate) fn watched_relay(&self) -> Option<WatchedRelay> {

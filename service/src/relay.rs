@@ -275,7 +275,7 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
         relay.source().table(),
         relay.status(),
         args.relay.relay_unhealthy_after,
-    );
+    )?;
     readiness.ready(client.clone(), &db);
     let mut running = RunningRelay::start(relay);
     tokio::select! {
@@ -439,7 +439,7 @@ mod tests {
                 }
             }
         });
-        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::default());
+        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::new("outbox"));
         let why = tokio::time::timeout(Duration::from_secs(5), relay.ended())
             .await
             .expect("the end is seen");
@@ -455,7 +455,7 @@ mod tests {
             let stop = stop.clone();
             async move { stop.cancelled().await }
         });
-        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::default());
+        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::new("outbox"));
         let early = tokio::time::timeout(Duration::from_millis(200), relay.ended()).await;
         assert!(early.is_err(), "a running relay has not ended");
         assert_eq!(

@@ -342,7 +342,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
                 relay.source().table(),
                 relay.status(),
                 args.relay.relay_unhealthy_after,
-            );
+            )?;
             Some(relay)
         }
         StrategyArg::Inbox | StrategyArg::Email => None,

@@ -646,7 +646,9 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
     let relay = relay(&db, &broker, fast_settings()).await;
     let status = relay.status();
     let metrics = Metrics::new().unwrap();
-    metrics.watch_relay(TABLE, status.clone(), Duration::from_millis(300));
+    metrics
+        .watch_relay(TABLE, status.clone(), Duration::from_millis(300))
+        .unwrap();
     let stop = CancellationToken::new();
     let readiness = Readiness::default();
     readiness.ready(broker.client.clone(), &db.conn);

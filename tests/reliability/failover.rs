@@ -267,9 +267,7 @@ impl Counters {
             processed: outcome("processed"),
             duplicates: outcome("duplicate"),
             retried: outcome("retried"),
-            duplicate_pubacks: sum(
-                "inventory_outbox_duplicate_pubacks_total{outbox=\"inventory\"}",
-            ),
+            duplicate_pubacks: sum("inventory_outbox_duplicate_pubacks_total{outbox=\"outbox\"}"),
         }
     }
 

@@ -60,7 +60,7 @@
 //! its partitions back and stands aside until JetStream answers it, so that a relay cut off
 //! from NATS while others are not holds none of the outbox back.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -70,8 +70,11 @@ use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::{self as js, ErrorCode};
 use backon::{BackoffBuilder as _, ExponentialBackoff, ExponentialBuilder};
 use bytes::Bytes;
+use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use prometheus::core::Collector;
+use prometheus::{IntCounter, IntGauge, Opts};
 use sea_orm::{DatabaseConnection, DbErr};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -172,17 +175,21 @@ impl RelayWake {
     }
 }
 
-/// What a relay has done, for metrics, the health check and tests.
-#[derive(Debug, Clone, Default)]
+/// What a relay has done, for the metrics, the health check and the tests. Its counters and
+/// gauges are Prometheus's, labelled with the outbox table and set where each event happens;
+/// `serve` and `relay` register them ([`RelayStatus::collectors`]).
+#[derive(Debug, Clone)]
 pub struct RelayStatus(Arc<StatusInner>);
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct StatusInner {
-    published: AtomicU64,
-    duplicates: AtomicU64,
-    parked: AtomicU64,
-    held: AtomicUsize,
-    backlog: Mutex<Option<Backlog>>,
+    published: IntCounter,
+    duplicates: IntCounter,
+    held_partitions: IntGauge,
+    pending: IntGauge,
+    parked: IntGauge,
+    /// When the oldest waiting row was written, at the last look at the backlog.
+    oldest_pending: Mutex<Option<DateTime<Utc>>>,
     /// Since when every pass that had rows to publish failed; `None` while it publishes.
     failing_since: Mutex<Option<Instant>>,
     last_failure: Mutex<Option<String>>,
@@ -194,30 +201,89 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// A series of the relay of `outbox`.
+fn series<M: prometheus::core::Metric>(
+    make: fn(Opts) -> prometheus::Result<M>,
+    name: &str,
+    help: &str,
+    outbox: &str,
+) -> M {
+    make(Opts::new(name, help).const_label("outbox", outbox))
+        .expect("a valid metric name and label")
+}
+
 impl RelayStatus {
+    /// The status of a relay of the outbox table `outbox`, its series unregistered.
+    pub fn new(outbox: &str) -> Self {
+        Self(Arc::new(StatusInner {
+            published: series(
+                IntCounter::with_opts,
+                "inventory_outbox_published_total",
+                "Outbox rows this relay published and the stream stored as new.",
+                outbox,
+            ),
+            duplicates: series(
+                IntCounter::with_opts,
+                "inventory_outbox_duplicate_pubacks_total",
+                "Outbox rows this relay published that the stream had already (a republish \
+                 after a crash or a takeover): done all the same.",
+                outbox,
+            ),
+            held_partitions: series(
+                IntGauge::with_opts,
+                "inventory_outbox_relay_partitions",
+                "Outbox partitions this relay leases now.",
+                outbox,
+            ),
+            pending: series(
+                IntGauge::with_opts,
+                "inventory_outbox_pending_rows",
+                "Outbox rows waiting to be published (parked rows not included), at the \
+                 relay's last look.",
+                outbox,
+            ),
+            parked: series(
+                IntGauge::with_opts,
+                "inventory_outbox_parked_rows",
+                "Outbox rows the relay set aside (too large, no stream for the subject).",
+                outbox,
+            ),
+            oldest_pending: Mutex::default(),
+            failing_since: Mutex::default(),
+            last_failure: Mutex::default(),
+        }))
+    }
+
+    /// Its series, for a registry.
+    pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        let inner = &self.0;
+        vec![
+            Box::new(inner.published.clone()),
+            Box::new(inner.duplicates.clone()),
+            Box::new(inner.held_partitions.clone()),
+            Box::new(inner.pending.clone()),
+            Box::new(inner.parked.clone()),
+        ]
+    }
+
     /// Rows published and acknowledged as new by the stream, since start.
     pub fn published(&self) -> u64 {
-        self.0.published.load(Ordering::Relaxed)
+        self.0.published.get()
     }
 
     /// Rows the stream acknowledged as duplicates (it had the event id already).
     pub fn duplicates(&self) -> u64 {
-        self.0.duplicates.load(Ordering::Relaxed)
-    }
-
-    /// Rows this relay parked since start.
-    pub fn parked(&self) -> u64 {
-        self.0.parked.load(Ordering::Relaxed)
+        self.0.duplicates.get()
     }
 
     /// Partitions this relay holds now.
     pub fn held_partitions(&self) -> usize {
-        self.0.held.load(Ordering::Relaxed)
+        usize::try_from(self.0.held_partitions.get()).unwrap_or(0)
     }
 
-    /// The outbox's backlog at the last look (every fifth of the lease, apart from the leases).
-    pub fn backlog(&self) -> Option<Backlog> {
-        *lock(&self.0.backlog)
+    /// When the oldest waiting row was written, at the last look at the backlog.
+    pub fn oldest_pending(&self) -> Option<DateTime<Utc>> {
+        *lock(&self.0.oldest_pending)
     }
 
     /// How long it has failed to publish rows that wait; `None` while it publishes.
@@ -227,6 +293,22 @@ impl RelayStatus {
 
     pub fn last_failure(&self) -> Option<String> {
         lock(&self.0.last_failure).clone()
+    }
+
+    fn holds(&self, partitions: usize) {
+        self.0
+            .held_partitions
+            .set(i64::try_from(partitions).unwrap_or(i64::MAX));
+    }
+
+    fn saw(&self, backlog: Backlog) {
+        self.0
+            .pending
+            .set(i64::try_from(backlog.pending).unwrap_or(i64::MAX));
+        self.0
+            .parked
+            .set(i64::try_from(backlog.parked).unwrap_or(i64::MAX));
+        *lock(&self.0.oldest_pending) = backlog.oldest_pending;
     }
 
     fn failed(&self, error: String) {
@@ -334,7 +416,7 @@ async fn watch_backlog(
             _ = ticks.tick() => {}
         }
         match bounded(db_timeout, source.backlog(&db)).await {
-            Ok(backlog) => *lock(&status.0.backlog) = Some(backlog),
+            Ok(backlog) => status.saw(backlog),
             Err(error) => tracing::debug!(%error, "reading the outbox's backlog"),
         }
     }
@@ -362,7 +444,7 @@ impl LeaseKeeper {
         }
         let round = bounded(self.settings.db_timeout, self.leases.round(&self.db)).await?;
         let held = self.leases.held().count();
-        self.status.0.held.store(held, Ordering::Relaxed);
+        self.status.holds(held);
         if !round.taken.is_empty() || !round.released.is_empty() || !round.lost.is_empty() {
             tracing::info!(
                 outbox = self.source.table(),
@@ -393,7 +475,7 @@ impl LeaseKeeper {
             .is_some_and(|failing| failing > self.settings.lease);
         if cut_off && !self.aside.load(Ordering::Relaxed) {
             bounded(self.settings.db_timeout, self.leases.release_all(&self.db)).await?;
-            self.status.0.held.store(0, Ordering::Relaxed);
+            self.status.holds(0);
             self.aside.store(true, Ordering::Relaxed);
             tracing::warn!(
                 outbox = self.source.table(),
@@ -429,7 +511,7 @@ impl LeaseKeeper {
         if let Err(error) = released {
             tracing::warn!(%error, "outbox relay: partitions not released; they expire");
         }
-        self.status.0.held.store(0, Ordering::Relaxed);
+        self.status.holds(0);
     }
 }
 
@@ -495,7 +577,8 @@ impl Relay {
         );
         let leases = Leases::new(source.table(), &holder, settings.lease);
         leases.register(&db).await?;
-        let (wake, status, aside) = (RelayWake::default(), RelayStatus::default(), Arc::default());
+        let (wake, aside) = (RelayWake::default(), Arc::default());
+        let status = RelayStatus::new(source.table());
         let keeper = LeaseKeeper {
             db: db.clone(),
             js: js.clone(),
@@ -732,18 +815,8 @@ impl Relay {
         }
         let published = pass.finish();
         let report = &published.report;
-        self.status
-            .0
-            .published
-            .fetch_add(report.published as u64, Ordering::Relaxed);
-        self.status
-            .0
-            .duplicates
-            .fetch_add(report.duplicates as u64, Ordering::Relaxed);
-        self.status
-            .0
-            .parked
-            .fetch_add(report.parked as u64, Ordering::Relaxed);
+        self.status.0.published.inc_by(report.published as u64);
+        self.status.0.duplicates.inc_by(report.duplicates as u64);
         Ok(published)
     }
 
