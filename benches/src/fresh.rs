@@ -1,6 +1,6 @@
 //! A database of its own for each run of the study, a benchmark or a test.
 
-use inventory_infra::db::{self, DatabaseConnection, DbErr};
+use inventory_infra::db::{self, DatabaseConnection, DbErr, SchemaError};
 use sea_orm::ConnectionTrait as _;
 
 /// A database of its own for one run (the demo, a comparison, a test): a new SQLite file in the
@@ -23,7 +23,7 @@ impl FreshDatabase {
         base_url: Option<&str>,
         label: &str,
         max_connections: u32,
-    ) -> Result<Self, DbErr> {
+    ) -> Result<Self, SchemaError> {
         let name = format!("{label}_{}", uuid::Uuid::new_v4().simple());
         let (url, place) = match base_url {
             Some(base) if db::is_postgres(base) => {

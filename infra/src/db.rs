@@ -1,5 +1,5 @@
 //! Connecting to PostgreSQL or SQLite with settings fit for a consumer (bounded waits on a
-//! database that goes silent: [`DbTimeouts`], [`bounded`]), applying migrations,
+//! database that goes silent: [`DbTimeouts`], [`within`]), applying migrations,
 //! what a database error means for a retry ([`DbFailure`]), whether the database answers,
 //! asked outside the pool ([`Probe`]), and the schema checked instead of migrated by a role
 //! that may not change it ([`SchemaPolicy`]).
@@ -77,35 +77,28 @@ impl DbTimeouts {
 }
 
 /// `work` on the database, abandoned (dropped, with whatever connection it held) if `bound`
-/// passes first, which is then the error; `None`: unbounded.
+/// passes first; `None`: unbounded.
 ///
 /// Not an `async fn`: that would keep `work` twice in its state, as its argument and inside
 /// the timeout, and a handler's future is kilobytes, copied on every move of every message's.
 pub fn within<F: Future>(
     bound: Option<Duration>,
     work: F,
-) -> impl Future<Output = Result<F::Output, Duration>> {
+) -> impl Future<Output = Result<F::Output, NoAnswer>> {
     match bound {
         Some(bound) => Either::Left(
-            tokio::time::timeout(bound, work).map(move |result| result.map_err(|_| bound)),
+            tokio::time::timeout(bound, work)
+                .map(move |result| result.map_err(|_| NoAnswer(bound))),
         ),
         None => Either::Right(work.map(Ok)),
     }
 }
 
-/// [`within`], the bound passing as a database error.
-pub fn bounded<T>(
-    bound: Option<Duration>,
-    work: impl Future<Output = Result<T, DbErr>>,
-) -> impl Future<Output = Result<T, DbErr>> {
-    within(bound, work).map(|result| {
-        result.unwrap_or_else(|bound| {
-            Err(DbErr::Custom(format!(
-                "no answer from the database within {bound:?}; abandoned"
-            )))
-        })
-    })
-}
+/// The database did not answer within the client's bound: the work was abandoned, its
+/// connection closed. Whether it committed is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("no answer from the database within {0:?}; abandoned")]
+pub struct NoAnswer(pub Duration);
 
 /// Opens a pool of at most `max_connections` whose statements are not bounded: for the tools,
 /// benchmarks and tests. The commands take their [`DbTimeouts`] from their flags.
@@ -183,9 +176,9 @@ pub async fn connect_with(
 /// refuses writes (`transaction_read_only` on: a standby that a proxy leads to during a
 /// failover, or a read-only default) is as good as down for a consumer, so it is an error
 /// here rather than a ping that passes and a write that fails.
-pub async fn check_writable(db: &DatabaseConnection) -> Result<(), DbErr> {
+pub async fn check_writable(db: &DatabaseConnection) -> Result<(), NotWritable> {
     if db.get_database_backend() != DbBackend::Postgres {
-        return db.ping().await;
+        return Ok(db.ping().await?);
     }
     let row = db
         .query_one_raw(Statement::from_string(
@@ -193,13 +186,22 @@ pub async fn check_writable(db: &DatabaseConnection) -> Result<(), DbErr> {
             "SELECT current_setting('transaction_read_only') = 'on' AS read_only",
         ))
         .await?
-        .ok_or_else(|| DbErr::Custom("no answer to the read-only check".into()))?;
+        .ok_or_else(|| DbErr::RecordNotFound("the read-only check's row".into()))?;
     if row.try_get::<bool>("", "read_only")? {
-        return Err(DbErr::Custom(
-            "the server is read-only (a standby?): writes would be refused".into(),
-        ));
+        return Err(NotWritable::ReadOnly);
     }
     Ok(())
+}
+
+/// Why [`check_writable`] found the database unfit to write to.
+#[derive(Debug, thiserror::Error)]
+pub enum NotWritable {
+    #[error(transparent)]
+    Database(#[from] DbErr),
+    #[error(transparent)]
+    NoAnswer(#[from] NoAnswer),
+    #[error("the server is read-only (a standby?): writes would be refused")]
+    ReadOnly,
 }
 
 /// The advisory lock the migrations run under on PostgreSQL: ("migr", 1), apart from the
@@ -211,10 +213,10 @@ const MIGRATION_LOCK: (i32, i32) = (0x6d69_6772, 1);
 /// apply them once while the others wait, then find nothing to do; a migrator that dies
 /// releases the lock with its session. A schema a newer release migrated is refused, naming
 /// what this binary can do on it.
-pub async fn migrate(db: &DatabaseConnection) -> Result<(), DbErr> {
+pub async fn migrate(db: &DatabaseConnection) -> Result<(), SchemaError> {
     if db.get_database_backend() != DbBackend::Postgres {
         refuse_newer_schema(db).await?;
-        return Migrator::up(db, None).await;
+        return Ok(Migrator::up(db, None).await?);
     }
     let txn = db.begin().await?;
     txn.execute_raw(Statement::from_sql_and_values(
@@ -226,23 +228,17 @@ pub async fn migrate(db: &DatabaseConnection) -> Result<(), DbErr> {
     refuse_newer_schema(&txn).await?;
     // Each migration runs in a savepoint of this transaction; the lock is held to the commit.
     Migrator::up(&txn, None).await?;
-    txn.commit().await
+    Ok(txn.commit().await?)
 }
 
 /// Refuses a schema with migrations this binary does not know: a newer release applied them,
 /// and sea-orm's own refusal ("Migration file … is missing") says nothing of what to do.
-async fn refuse_newer_schema(conn: &impl ConnectionTrait) -> Result<(), DbErr> {
+async fn refuse_newer_schema(conn: &impl ConnectionTrait) -> Result<(), SchemaError> {
     let unknown = schema::unknown_migrations(conn).await?;
     if unknown.is_empty() {
         return Ok(());
     }
-    Err(DbErr::Custom(format!(
-        "the schema is newer than this binary: migration {} was applied by a newer release. \
-         This binary runs on it with --skip-migrations (env INVENTORY_SKIP_MIGRATIONS), which \
-         changes no schema and checks that every migration it knows is applied; it cannot \
-         apply or undo the newer ones (docs/deploying.md, upgrading and rolling back)",
-        unknown.join(", ")
-    )))
+    Err(SchemaError::Newer { unknown })
 }
 
 /// [`connect_with`] then [`migrate`], statements unbounded: for `inventory migrate` and the
@@ -250,7 +246,7 @@ async fn refuse_newer_schema(conn: &impl ConnectionTrait) -> Result<(), DbErr> {
 pub async fn connect_and_migrate(
     url: &str,
     max_connections: u32,
-) -> Result<DatabaseConnection, DbErr> {
+) -> Result<DatabaseConnection, SchemaError> {
     let db = connect_with(url, max_connections, DbTimeouts::unbounded_statements()).await?;
     migrate(&db).await?;
     Ok(db)
@@ -287,7 +283,7 @@ pub fn is_postgres(url: &str) -> bool {
 mod tests {
     use std::time::Duration;
 
-    use super::{bounded, within};
+    use super::{NoAnswer, within};
 
     /// Work whose future holds 4 KiB across its await, as a handler's does.
     async fn heavy_work() -> Result<usize, sea_orm::DbErr> {
@@ -303,13 +299,19 @@ mod tests {
         use std::mem::size_of_val;
         let work = size_of_val(&heavy_work());
         let bound = Some(Duration::from_secs(1));
-        for (name, size) in [
-            ("within", size_of_val(&within(bound, heavy_work()))),
-            ("bounded", size_of_val(&bounded(bound, heavy_work()))),
-        ] {
-            assert!(size < work + 512, "{name}: {size} bytes around {work}");
-        }
+        let size = size_of_val(&within(bound, heavy_work()));
+        assert!(size < work + 512, "{size} bytes around {work}");
         assert!(matches!(within(bound, heavy_work()).await, Ok(Ok(4096))));
-        assert!(matches!(bounded(None, heavy_work()).await, Ok(4096)));
+        assert!(matches!(within(None, heavy_work()).await, Ok(Ok(4096))));
+    }
+
+    #[tokio::test]
+    async fn work_past_its_bound_is_no_answer() {
+        let bound = Duration::from_millis(10);
+        let silent = async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok::<(), sea_orm::DbErr>(())
+        };
+        assert_eq!(within(Some(bound), silent).await, Err(NoAnswer(bound)));
     }
 }

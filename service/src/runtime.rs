@@ -18,7 +18,7 @@ use backon::{ExponentialBuilder, Retryable as _};
 use inventory_domain::{
     ConsumerName, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome,
 };
-use inventory_infra::db::{self, DatabaseConnection};
+use inventory_infra::db::{self, DatabaseConnection, NoAnswer};
 use inventory_infra::delivery::{self, ConsumerConfig, Delivery, PullConsumer};
 use inventory_infra::jetstream::{
     self, Backstop, Client, ConsumerSettings, ConsumerState, Context, DeadLetters, NatsError,
@@ -770,7 +770,7 @@ async fn wait_for_database(
     shutdown: &CancellationToken,
 ) -> bool {
     let mut was_down = false;
-    let reachable = (|| db::bounded(bound, db::check_writable(db)))
+    let reachable = (|| async { db::within(bound, db::check_writable(db)).await? })
         .retry(DATABASE_LOOKS)
         .notify(|error, _| {
             was_down = true;
@@ -842,7 +842,7 @@ impl<H: MessageHandler> Worker<H> {
             Admitted::Decoded(origin, decoded) => {
                 let result = db::within(self.lanes.work_timeout, self.handler.handle(&decoded))
                     .await
-                    .unwrap_or_else(|bound| Err(HandleError::TimedOut(bound)));
+                    .unwrap_or_else(|NoAnswer(bound)| Err(HandleError::TimedOut(bound)));
                 self.settle(message, &origin, result).await
             }
         };
@@ -879,7 +879,9 @@ impl<H: MessageHandler> Worker<H> {
         }
         let mut results = db::within(self.lanes.work_timeout, self.handler.handle_batch(&decoded))
             .await
-            .unwrap_or_else(|bound| vec![Err(HandleError::TimedOut(bound)); decoded.len()])
+            .unwrap_or_else(|NoAnswer(bound)| {
+                vec![Err(HandleError::TimedOut(bound)); decoded.len()]
+            })
             .into_iter();
         let mut origins = origins.into_iter();
         let mut settled = Vec::with_capacity(messages.len());

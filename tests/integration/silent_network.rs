@@ -51,7 +51,10 @@ async fn work_abandoned_on_a_silent_connection_gives_its_pool_slot_back() {
         .await
         .unwrap();
     let select = || pool.execute_unprepared("SELECT 1");
-    db::bounded(TIMEOUTS.work(), select()).await.unwrap();
+    db::within(TIMEOUTS.work(), select())
+        .await
+        .unwrap()
+        .unwrap();
 
     // Silent while the statement runs: its answer never comes back, and the connection goes
     // back to the pool in the middle of it.
@@ -59,17 +62,18 @@ async fn work_abandoned_on_a_silent_connection_gives_its_pool_slot_back() {
         let pool = pool.clone();
         async move {
             let statement = pool.execute_unprepared("SELECT pg_sleep(0.5)");
-            db::bounded(TIMEOUTS.work(), statement).await
+            db::within(TIMEOUTS.work(), statement).await
         }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.blackhole();
     let abandoned = abandoned.await.unwrap();
-    assert!(abandoned.is_err(), "{abandoned:?}");
+    assert!(matches!(abandoned, Err(db::NoAnswer(_))), "{abandoned:?}");
 
     proxy.pass();
     // Within a connect for the returned connection's check and one for a new connection.
-    db::bounded(Some(Duration::from_secs(10)), select())
+    db::within(Some(Duration::from_secs(10)), select())
         .await
-        .expect("the pool's one slot back once the silent connection was closed");
+        .expect("the pool's one slot back once the silent connection was closed")
+        .unwrap();
 }

@@ -31,6 +31,14 @@ pub enum SchemaError {
     )]
     NotCurrent { missing: Vec<String> },
     #[error(
+        "the schema is newer than this binary: migration {} was applied by a newer release. \
+         This binary runs on it with --skip-migrations (env INVENTORY_SKIP_MIGRATIONS), which \
+         changes no schema and checks that every migration it knows is applied; it cannot \
+         apply or undo the newer ones (docs/deploying.md, upgrading and rolling back)",
+        .unknown.join(", ")
+    )]
+    Newer { unknown: Vec<String> },
+    #[error(
         "role {role} lacks {}: grant what deploy/grants.sql grants (docs/deploying.md)",
         .missing.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     )]

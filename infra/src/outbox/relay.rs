@@ -84,7 +84,7 @@ use super::lease::{Held, Leases};
 use super::pass::{Pass, Settled};
 pub use super::pass::{PassReport, Published};
 use super::source::{Backlog, OutboxSource, PendingRow};
-use crate::db::bounded;
+use crate::db::{NoAnswer, within};
 use crate::jetstream::{self, ConfigDrift, Context, NatsError, PrefixStream};
 
 /// How a relay runs. The defaults suit a service; tests shorten the times.
@@ -325,6 +325,8 @@ impl RelayStatus {
 pub enum RelayError {
     #[error("outbox relay database: {0}")]
     Database(#[from] DbErr),
+    #[error("outbox relay database: {0}")]
+    NoAnswer(#[from] NoAnswer),
     #[error(transparent)]
     Nats(#[from] NatsError),
     #[error(transparent)]
@@ -337,6 +339,15 @@ pub enum RelayError {
     },
     #[error("NATS is not connected")]
     Disconnected,
+}
+
+/// `work` within the relay's bound on its database calls: a failure and no answer are alike
+/// a [`RelayError`].
+async fn bounded<T>(
+    bound: Option<Duration>,
+    work: impl Future<Output = Result<T, DbErr>>,
+) -> Result<T, RelayError> {
+    Ok(within(bound, work).await??)
 }
 
 /// What a failed publish means for its row.
