@@ -20,7 +20,7 @@ use crate::args::{
 use crate::health::{Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::runtime::Shutdown;
-use crate::tasks::Background;
+use crate::tasks::{self, Background, report_task_failure};
 
 /// Which outbox a command works on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -193,7 +193,7 @@ impl RunningRelay {
     pub async fn ended(&mut self) -> String {
         if self.failure.is_none() {
             let ended = (&mut self.task).await;
-            self.failure = Some(crate::runtime::early_end(ended));
+            self.failure = Some(tasks::early_end(ended));
         }
         self.failure.clone().unwrap_or_default()
     }
@@ -219,13 +219,6 @@ impl RunningRelay {
             }
         }
     }
-}
-
-/// The ERROR line, the metric and `/livez` for a task that ended while the service ran.
-pub(crate) fn report_task_failure(task: &str, why: &str, metrics: &Metrics, liveness: &Liveness) {
-    tracing::error!(task, %why, "a task of the service ended; stopping");
-    metrics.task_failed(task);
-    liveness.task_failed(task, why);
 }
 
 /// `inventory relay`: publishes the outbox until SIGINT or SIGTERM. Ok(true) when it stopped

@@ -35,6 +35,7 @@ use tracing::{Instrument, field};
 use crate::health::Liveness;
 use crate::metrics::ConsumerMetrics;
 use crate::policy::{self, Acked, Action, Disposition, RetryPolicy};
+use crate::tasks;
 
 /// Everything that says how one consumer runs.
 #[derive(Debug, Clone)]
@@ -545,7 +546,7 @@ async fn run<H: MessageHandler>(
                 format!("found consumer {} gone", consumer.cached_info().name)
             }
             Ok(Err(LaneError::Halted(why))) => format!("stopped on a broken invariant: {why}"),
-            Err(error) => early_end(Err(error)),
+            Err(error) => tasks::early_end(Err(error)),
         };
         if failures.is_empty() {
             tracing::error!(%why, "a lane ended; stopping the other lanes");
@@ -575,27 +576,6 @@ async fn run<H: MessageHandler>(
     } else {
         Ending::Drained
     })
-}
-
-/// Why a task of the service (a lane, the relay) ended while it should have run, from what its
-/// join handle gave.
-pub(crate) fn early_end(ended: Result<(), tokio::task::JoinError>) -> String {
-    match ended {
-        Ok(()) => "returned while the service ran".to_owned(),
-        Err(error) => match error.try_into_panic() {
-            Ok(panic) => format!("panicked: {}", panic_text(panic.as_ref())),
-            Err(error) => format!("was cancelled: {error}"),
-        },
-    }
-}
-
-/// What a panic said, if it said it as text.
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(no message)")
 }
 
 /// What the lanes run on: the consumer, the database, the backstop beside them, and the

@@ -12,7 +12,7 @@ use inventory_infra::redact::redact_url;
 use inventory_infra::{DetectMode, FileMailbox, HandlerKind, NaturalKeyPath};
 use tokio_util::sync::CancellationToken;
 
-use crate::tasks::Background;
+use crate::tasks::{Background, report_task_failure};
 
 use crate::args::{
     DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, detect_mode, drain,
@@ -415,12 +415,12 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     let lanes_ended = tokio::select! {
         ended = &mut lanes => ended,
         why = relay_ended => {
-            crate::relay::report_task_failure("relay", &why, &metrics, &liveness);
+            report_task_failure("relay", &why, &metrics, &liveness);
             graceful.cancel();
             lanes.await
         }
         why = background.ended_early() => {
-            crate::relay::report_task_failure("background", &why, &metrics, &liveness);
+            report_task_failure("background", &why, &metrics, &liveness);
             graceful.cancel();
             lanes.await
         }

@@ -1,12 +1,17 @@
 //! The tasks `serve` and `relay` run beside their main work: the health server, the purge, the
 //! watchers that feed the metrics. Each runs until the command stops, and every one's end is
-//! looked at: one that ends before the stop, or panics at any time, fails the process.
+//! looked at: one that ends before the stop, or panics at any time, fails the process. Why a
+//! task ended ([`early_end`]) and how that is reported ([`report_task_failure`]) are said here
+//! for the lanes and the relay too.
 
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use tokio::task::{AbortHandle, JoinError, JoinHandle};
 use tokio_util::sync::CancellationToken;
+
+use crate::health::Liveness;
+use crate::metrics::Metrics;
 
 /// A task's name and how it ended.
 type Ended = (&'static str, Result<(), JoinError>);
@@ -56,7 +61,7 @@ impl Background {
             match self.running.next().await {
                 Some((_, Ok(()))) if self.stopping.is_cancelled() => {}
                 Some((name, ended)) => {
-                    return format!("{name} {}", crate::runtime::early_end(ended));
+                    return format!("{name} {}", early_end(ended));
                 }
                 None => std::future::pending::<()>().await,
             }
@@ -74,7 +79,7 @@ impl Background {
                 ended = self.running.next() => match ended {
                     Some((_, Ok(()))) => {}
                     Some((name, Err(error))) => {
-                        failures.push(format!("{name} {}", crate::runtime::early_end(Err(error))));
+                        failures.push(format!("{name} {}", early_end(Err(error))));
                     }
                     None => return failures,
                 },
@@ -87,6 +92,34 @@ impl Background {
             }
         }
     }
+}
+
+/// Why a task of the service (a lane, the relay) ended while it should have run, from what its
+/// join handle gave.
+pub(crate) fn early_end(ended: Result<(), tokio::task::JoinError>) -> String {
+    match ended {
+        Ok(()) => "returned while the service ran".to_owned(),
+        Err(error) => match error.try_into_panic() {
+            Ok(panic) => format!("panicked: {}", panic_text(panic.as_ref())),
+            Err(error) => format!("was cancelled: {error}"),
+        },
+    }
+}
+
+/// What a panic said, if it said it as text.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+/// The ERROR line, the metric and `/livez` for a task that ended while the service ran.
+pub(crate) fn report_task_failure(task: &str, why: &str, metrics: &Metrics, liveness: &Liveness) {
+    tracing::error!(task, %why, "a task of the service ended; stopping");
+    metrics.task_failed(task);
+    liveness.task_failed(task, why);
 }
 
 #[cfg(test)]
