@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, Context, PrefixStream, Topology};
-use inventory_infra::outbox::{OutboxSource, ParkedRow, Relay, RelaySettings, RelayStatus, Retry};
+use inventory_infra::outbox::{OutboxSource, ParkedRow, Relay, RelaySettings, Retry};
 use inventory_infra::redact::redact_url;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -20,7 +20,7 @@ use crate::args::{
 use crate::health::{Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::runtime::Shutdown;
-use crate::tasks::{self, Background, report_task_failure};
+use crate::tasks::{Background, report_task_failure};
 
 /// Which outbox a command works on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -143,82 +143,21 @@ pub async fn prepare(
     Ok(relay)
 }
 
-/// A relay running in a task of its own.
-pub struct RunningRelay {
-    stop: CancellationToken,
-    task: JoinHandle<()>,
-    /// Why the relay ended while it should have run, once [`Self::ended`] saw it.
-    failure: Option<String>,
-    pub status: RelayStatus,
-}
+/// What the logs and `inventory_task_failures_total` call the relay's task.
+pub(crate) const RELAY: &str = "relay";
 
-/// How a relay came to its end.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RelayEnd {
-    /// Asked to stop, it finished its last pass and gave its partitions back.
-    Stopped,
-    /// Cut short by an immediate stop: rows published and not yet removed stay in the outbox.
-    Abandoned,
-    /// It ended while it should have run: why.
-    Failed(String),
-}
-
-impl RunningRelay {
-    pub fn start(relay: Relay) -> Self {
-        let stop = CancellationToken::new();
-        let status = relay.status();
-        tracing::info!(
-            outbox = relay.source().table(),
-            stream = relay.source().stream(),
-            holder = relay.holder(),
-            "relaying the outbox"
-        );
-        let task = tokio::spawn(relay.run(stop.clone()));
-        Self::supervise(task, stop, status)
-    }
-
-    /// `task`, which runs until `stop`, watched as the relay.
-    fn supervise(task: JoinHandle<()>, stop: CancellationToken, status: RelayStatus) -> Self {
-        Self {
-            stop,
-            task,
-            failure: None,
-            status,
-        }
-    }
-
-    /// Resolves only if the relay ends before it is asked to stop (it panicked), with why; its
-    /// rows then wait for another relay. The caller reports it (`report_task_failure`) and
-    /// stops the process.
-    pub async fn ended(&mut self) -> String {
-        if self.failure.is_none() {
-            let ended = (&mut self.task).await;
-            self.failure = Some(tasks::early_end(ended));
-        }
-        self.failure.clone().unwrap_or_default()
-    }
-
-    /// Stops the relay: the pass in flight finishes, one last pass publishes what was just
-    /// committed, and its partitions are given back. `immediate` cuts that short, leaving
-    /// published rows that were not yet removed for the next relay to republish (the stream
-    /// drops them as duplicates).
-    pub async fn stop(self, immediate: &CancellationToken) -> RelayEnd {
-        if let Some(failure) = self.failure {
-            return RelayEnd::Failed(failure);
-        }
-        self.stop.cancel();
-        let mut task = self.task;
-        tokio::select! {
-            ended = &mut task => match ended {
-                Ok(()) => RelayEnd::Stopped,
-                Err(error) => RelayEnd::Failed(error.to_string()),
-            },
-            () = immediate.cancelled() => {
-                task.abort();
-                RelayEnd::Abandoned
-            }
-        }
-    }
+/// Runs `relay` in a task of its own until `stop`: the pass in flight finishes, one last pass
+/// publishes what was just committed, and its partitions are given back. Aborted instead (an
+/// immediate stop), it leaves published rows that were not yet removed for the next relay to
+/// republish (the stream drops them as duplicates).
+pub(crate) fn spawn(relay: Relay, stop: CancellationToken) -> JoinHandle<()> {
+    tracing::info!(
+        outbox = relay.source().table(),
+        stream = relay.source().stream(),
+        holder = relay.holder(),
+        "relaying the outbox"
+    );
+    tokio::spawn(relay.run(stop))
 }
 
 /// `inventory relay`: publishes the outbox until SIGINT or SIGTERM. Ok(true) when it stopped
@@ -242,7 +181,7 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
             background.stop_token(),
         )
         .await?;
-        background.adopt("the health server", server);
+        background.adopt("health", server);
     }
     if args.source == SourceArg::Inventory || args.databases.orders_database_url.is_none() {
         args.databases.database.url.warn_if_implicit();
@@ -270,34 +209,30 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
         args.relay.relay_unhealthy_after,
     )?;
     readiness.ready(client.clone(), &db);
-    let mut running = RunningRelay::start(relay);
+    background.adopt(RELAY, spawn(relay, background.stop_token()));
+    let mut failures = Vec::new();
     tokio::select! {
         () = shutdown.graceful.cancelled() => {}
-        why = running.ended() => report_task_failure("relay", &why, &metrics, &liveness),
-        why = background.ended_early() => {
-            report_task_failure("background", &why, &metrics, &liveness);
+        (task, why) = background.ended_early() => {
+            report_task_failure(task, &why, &metrics, &liveness);
+            failures.push(format!("{task} {why}"));
         }
     }
-    let end = running.stop(&shutdown.immediate).await;
-    let background_failures = background.stop(&shutdown.immediate).await;
+    let stopped = background.stop(&shutdown.immediate).await;
+    failures.extend(stopped.failures);
     let drained = drain(&client, &shutdown.immediate).await;
-    match end {
-        RelayEnd::Failed(why) => anyhow::bail!("the relay {why}; its rows wait for another relay"),
-        _ if !background_failures.is_empty() => {
-            anyhow::bail!("{}", background_failures.join("; "))
-        }
-        RelayEnd::Stopped if drained => {
-            tracing::info!("relay stopped; bye");
-            Ok(true)
-        }
-        RelayEnd::Stopped | RelayEnd::Abandoned => {
-            eprintln!(
-                "error: stopped at once; rows published and not yet removed will be \
-                 republished by the next relay (the stream drops them as duplicates)"
-            );
-            Ok(false)
-        }
+    if !failures.is_empty() {
+        anyhow::bail!("{}", failures.join("; "));
     }
+    if stopped.abandoned.contains(&RELAY) || !drained {
+        eprintln!(
+            "error: stopped at once; rows published and not yet removed will be republished by \
+             the next relay (the stream drops them as duplicates)"
+        );
+        return Ok(false);
+    }
+    tracing::info!("relay stopped; bye");
+    Ok(true)
 }
 
 /// `inventory outbox …`
@@ -414,46 +349,4 @@ fn print_parked(out: &mut impl std::io::Write, rows: &[ParkedRow]) -> std::io::R
         )?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_relay_that_panics_is_seen_to_end_and_stops_as_failed() {
-        let stop = CancellationToken::new();
-        let task = tokio::spawn({
-            let stop = stop.clone();
-            async move {
-                tokio::task::yield_now().await;
-                if !stop.is_cancelled() {
-                    panic!("injected relay panic");
-                }
-            }
-        });
-        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::new("outbox"));
-        let why = tokio::time::timeout(Duration::from_secs(5), relay.ended())
-            .await
-            .expect("the end is seen");
-        assert_eq!(why, "panicked: injected relay panic");
-        let end = relay.stop(&CancellationToken::new()).await;
-        assert_eq!(end, RelayEnd::Failed(why));
-    }
-
-    #[tokio::test]
-    async fn a_relay_asked_to_stop_stops_cleanly_and_is_never_seen_to_end_early() {
-        let stop = CancellationToken::new();
-        let task = tokio::spawn({
-            let stop = stop.clone();
-            async move { stop.cancelled().await }
-        });
-        let mut relay = RunningRelay::supervise(task, stop, RelayStatus::new("outbox"));
-        let early = tokio::time::timeout(Duration::from_millis(200), relay.ended()).await;
-        assert!(early.is_err(), "a running relay has not ended");
-        assert_eq!(
-            relay.stop(&CancellationToken::new()).await,
-            RelayEnd::Stopped
-        );
-    }
 }

@@ -20,7 +20,7 @@ use crate::args::{
 };
 use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
-use crate::relay::{RelayArgs, RelayEnd, RunningRelay};
+use crate::relay::{RELAY, RelayArgs};
 use crate::retention::{self, HorizonArgs, PURGE_BATCH_SIZE, PurgeSettings};
 use crate::runtime::{ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
 
@@ -278,7 +278,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             background.stop_token(),
         )
         .await?;
-        background.adopt("the health server", server);
+        background.adopt("health", server);
     }
 
     args.database.url.warn_if_implicit();
@@ -360,7 +360,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             Some(metrics.clone()),
             graceful.child_token(),
         )?;
-        background.adopt("the inbox purge", purge);
+        background.adopt("purge", purge);
     }
 
     let mailbox = match runtime.settings().handler {
@@ -385,14 +385,16 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         runtime.settings().concurrency,
         runtime.server_consumer().max_ack_pending,
     );
-    let mut relay = relay.map(RunningRelay::start);
+    if let Some(relay) = relay {
+        background.adopt(RELAY, crate::relay::spawn(relay, background.stop_token()));
+    }
     let running = runtime.start(handler, consumer_metrics.clone(), shutdown);
     background.adopt(
-        "the lag watcher",
+        "lag-watcher",
         running.report_lag(consumer_metrics, LAG_INTERVAL),
     );
     background.adopt(
-        "the dead letters' watcher",
+        "dead-letters-watcher",
         tokio::spawn(watch_dead_letters(
             jetstream::DeadLetterStream::new(js.clone(), args.topology.topology()),
             consumer_name.clone(),
@@ -406,64 +408,40 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     tokio::pin!(lanes);
     // The relay and the background tasks must run as long as the lanes: one that ends stops
     // them, and the process.
-    let relay_ended = async {
-        match relay.as_mut() {
-            Some(relay) => relay.ended().await,
-            None => std::future::pending().await,
-        }
-    };
+    let mut failures = Vec::new();
     let lanes_ended = tokio::select! {
         ended = &mut lanes => ended,
-        why = relay_ended => {
-            report_task_failure("relay", &why, &metrics, &liveness);
-            graceful.cancel();
-            lanes.await
-        }
-        why = background.ended_early() => {
-            report_task_failure("background", &why, &metrics, &liveness);
+        (task, why) = background.ended_early() => {
+            report_task_failure(task, &why, &metrics, &liveness);
+            failures.push(format!("{task} {why}"));
             graceful.cancel();
             lanes.await
         }
     };
     // After the lanes: the relay's last pass publishes what their last messages committed.
-    let relay_end = match relay {
-        Some(relay) => relay.stop(&immediate).await,
-        None => RelayEnd::Stopped,
-    };
-    let background_failures = background.stop(&immediate).await;
-    match (lanes_ended, relay_end) {
-        (Err(error), _) => {
-            // What finished was acked: flush those acks before failing.
-            drain(&client, &immediate).await;
-            return Err(error);
-        }
-        (Ok(_), RelayEnd::Failed(why)) => {
-            drain(&client, &immediate).await;
-            anyhow::bail!("the outbox relay {why}; its rows wait for another relay")
-        }
-        (Ok(_), _) if !background_failures.is_empty() => {
-            drain(&client, &immediate).await;
-            anyhow::bail!("{}", background_failures.join("; "))
-        }
-        (Ok(Ending::Abandoned), _) => {
-            eprintln!(
-                "error: stopped before in-flight messages finished; they were not acked and \
-                 will be redelivered"
-            );
-            return Ok(false);
-        }
-        (Ok(Ending::Drained), RelayEnd::Abandoned) => {
-            eprintln!(
-                "error: the outbox relay was stopped at once; its rows published and not yet \
-                 removed will be republished by the next relay (the stream drops them as \
-                 duplicates)"
-            );
-            return Ok(false);
-        }
-        (Ok(Ending::Drained), RelayEnd::Stopped) => {}
-    };
-    // Flushes the acks of the last messages before the process ends.
-    if !drain(&client, &immediate).await {
+    let stopped = background.stop(&immediate).await;
+    failures.extend(stopped.failures);
+    // Flushes the acks of the last messages before the process ends, or fails.
+    let drained = drain(&client, &immediate).await;
+    let lanes_ended = lanes_ended?;
+    if !failures.is_empty() {
+        anyhow::bail!("{}", failures.join("; "));
+    }
+    if lanes_ended == Ending::Abandoned {
+        eprintln!(
+            "error: stopped before in-flight messages finished; they were not acked and will be \
+             redelivered"
+        );
+        return Ok(false);
+    }
+    if stopped.abandoned.contains(&RELAY) {
+        eprintln!(
+            "error: the outbox relay was stopped at once; its rows published and not yet removed \
+             will be republished by the next relay (the stream drops them as duplicates)"
+        );
+        return Ok(false);
+    }
+    if !drained {
         eprintln!(
             "error: the NATS connection did not drain before the shutdown timeout; messages whose \
              acks were not sent will be redelivered"

@@ -22,7 +22,16 @@ pub(crate) struct Background {
     /// After this, a task may end by itself: those that stop with the first signal.
     stopping: CancellationToken,
     running: FuturesUnordered<BoxFuture<'static, Ended>>,
-    aborts: Vec<AbortHandle>,
+    aborts: Vec<(&'static str, AbortHandle)>,
+}
+
+/// How the background tasks ended once stopped.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Stopped {
+    /// Why each task that failed failed (a panic).
+    pub(crate) failures: Vec<String>,
+    /// The tasks the immediate stop cut short.
+    pub(crate) abandoned: Vec<&'static str>,
 }
 
 impl Drop for Background {
@@ -47,47 +56,49 @@ impl Background {
         self.stop.clone()
     }
 
-    /// Watches `task`, which runs until [`Self::stop_token`].
+    /// Watches `task`, which runs until [`Self::stop_token`]; `name` is what the logs and
+    /// `inventory_task_failures_total` call it.
     pub(crate) fn adopt(&mut self, name: &'static str, task: JoinHandle<()>) {
-        self.aborts.push(task.abort_handle());
+        self.aborts.push((name, task.abort_handle()));
         self.running
             .push(Box::pin(async move { (name, task.await) }));
     }
 
-    /// Resolves when a task ends before the command stops, or panics, with why; never while
-    /// all run.
-    pub(crate) async fn ended_early(&mut self) -> String {
+    /// Resolves when a task ends before the command stops, or panics: its name, and why; never
+    /// while all run.
+    pub(crate) async fn ended_early(&mut self) -> (&'static str, String) {
         loop {
             match self.running.next().await {
                 Some((_, Ok(()))) if self.stopping.is_cancelled() => {}
-                Some((name, ended)) => {
-                    return format!("{name} {}", early_end(ended));
-                }
+                Some((name, ended)) => return (name, early_end(ended)),
                 None => std::future::pending::<()>().await,
             }
         }
     }
 
     /// Stops the tasks and waits for each, until `immediate` at most, when those still running
-    /// are aborted; why any failed (a panic).
-    pub(crate) async fn stop(mut self, immediate: &CancellationToken) -> Vec<String> {
+    /// are aborted.
+    pub(crate) async fn stop(mut self, immediate: &CancellationToken) -> Stopped {
         self.stop.cancel();
         self.stopping.cancel();
-        let mut failures = Vec::new();
+        let mut stopped = Stopped::default();
         loop {
             tokio::select! {
                 ended = self.running.next() => match ended {
                     Some((_, Ok(()))) => {}
                     Some((name, Err(error))) => {
-                        failures.push(format!("{name} {}", early_end(Err(error))));
+                        stopped.failures.push(format!("{name} {}", early_end(Err(error))));
                     }
-                    None => return failures,
+                    None => return stopped,
                 },
                 () = immediate.cancelled() => {
-                    for abort in &self.aborts {
-                        abort.abort();
+                    for (name, abort) in &self.aborts {
+                        if !abort.is_finished() {
+                            abort.abort();
+                            stopped.abandoned.push(name);
+                        }
                     }
-                    return failures;
+                    return stopped;
                 }
             }
         }
@@ -143,11 +154,37 @@ mod tests {
         background.adopt("the quiet one", until(background.stop_token(), false));
         background.adopt("the panicking one", until(background.stop_token(), true));
         signal.cancel();
-        let failures = background.stop(&CancellationToken::new()).await;
-        assert_eq!(failures.len(), 1, "{failures:?}");
+        let stopped = background.stop(&CancellationToken::new()).await;
+        assert_eq!(stopped.failures.len(), 1, "{stopped:?}");
         assert!(
-            failures[0].starts_with("the panicking one panicked: a bug met while stopping"),
-            "{failures:?}"
+            stopped.failures[0].starts_with("the panicking one panicked: a bug met while stopping"),
+            "{stopped:?}"
+        );
+        assert!(stopped.abandoned.is_empty(), "{stopped:?}");
+    }
+
+    #[tokio::test]
+    async fn the_immediate_stop_abandons_what_still_runs_and_names_it() {
+        let mut background = Background::new(CancellationToken::new());
+        background.adopt("the quick one", until(background.stop_token(), false));
+        background.adopt("the slow one", tokio::spawn(std::future::pending()));
+        let immediate = CancellationToken::new();
+        let stopping = tokio::spawn({
+            let immediate = immediate.clone();
+            async move { background.stop(&immediate).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        immediate.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(5), stopping)
+            .await
+            .expect("stopped at once")
+            .expect("the stop does not panic");
+        assert_eq!(
+            stopped,
+            Stopped {
+                failures: Vec::new(),
+                abandoned: vec!["the slow one"],
+            }
         );
     }
 
@@ -159,7 +196,10 @@ mod tests {
         let why = tokio::time::timeout(Duration::from_secs(5), background.ended_early())
             .await
             .expect("reported at once");
-        assert_eq!(why, "the purge returned while the service ran");
+        assert_eq!(
+            why,
+            ("the purge", "returned while the service ran".to_owned())
+        );
 
         background.adopt("the watcher", until(signal.clone(), false));
         signal.cancel();
