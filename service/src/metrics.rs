@@ -135,7 +135,8 @@ fn counters(
     registered(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
 }
 
-/// The tasks `inventory_task_failures_total` counts.
+/// The tasks `inventory_task_failures_total` shows from the start, at 0; a background task
+/// appears at its first failure.
 const TASKS: [&str; 2] = ["lane", "relay"];
 
 /// A delivery's time, from 1 ms to the ack wait's 30 s and past it: a message's database work
@@ -286,8 +287,8 @@ impl Metrics {
             &registry,
             "inventory_task_failures_total",
             "Tasks of the process that ended while the service ran (a lane whose handler \
-             panicked, the relay): the process then stops, with an error, for its supervisor \
-             to restart it.",
+             panicked, the relay, a background task by its name): the process then stops, with \
+             an error, for its supervisor to restart it.",
             &["task"],
         )?;
         for task in TASKS {
