@@ -8,8 +8,6 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 
-use crate::consumers::HandleError;
-
 /// The places where a handler can be made to die as a process would.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CrashPoint {
@@ -59,10 +57,11 @@ impl Faults {
         Self(Some(plan))
     }
 
-    /// Called by handlers at each crash point.
-    pub async fn pass(&self, point: CrashPoint) -> Result<(), HandleError> {
+    /// Called by handlers at each crash point: `Err` is the point where the handler dies
+    /// (a `HandleError::Crashed`).
+    pub async fn pass(&self, point: CrashPoint) -> Result<(), CrashPoint> {
         match &self.0 {
-            Some(plan) if plan.dies_at(point).await => Err(HandleError::Crashed(point)),
+            Some(plan) if plan.dies_at(point).await => Err(point),
             _ => Ok(()),
         }
     }

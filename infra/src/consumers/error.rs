@@ -4,6 +4,7 @@ use inventory_domain::{DeadLetterReason, ErrorKind, ProviderError, Refusal};
 use sea_orm::DbErr;
 
 use crate::db::{DbErrorCode, DbFailure};
+use crate::faults::CrashPoint;
 use crate::stock::DataError;
 
 /// Why handling failed without an outcome. Nothing of the message was acknowledged;
@@ -25,7 +26,7 @@ pub enum HandleError {
     /// A crash injected at this point (the study's and the tests' `FaultPlan`): the handler
     /// "died" there, as a killed process would.
     #[error("crashed at {}", .0.as_str())]
-    Crashed(crate::faults::CrashPoint),
+    Crashed(CrashPoint),
     /// The database work did not finish within the client's bound (a server gone silent, a
     /// link dropped without a word) and was abandoned, its connection closed. Whether it
     /// committed is unknown: the retry finds out.
@@ -35,6 +36,12 @@ pub enum HandleError {
     /// was given): a bug, which no retry fixes and no dead letter explains.
     #[error("internal error: {0}")]
     Internal(&'static str),
+}
+
+impl From<CrashPoint> for HandleError {
+    fn from(point: CrashPoint) -> Self {
+        Self::Crashed(point)
+    }
 }
 
 /// The database's code in the message, so a log line says which failure it was.

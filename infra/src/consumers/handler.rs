@@ -146,8 +146,7 @@ pub enum BuildError {
 /// A built handler of any kind.
 #[derive(Clone)]
 pub enum Handler {
-    /// Through sea-orm: the inbox, the natural key's reference (and the study's naive and
-    /// check-then-process).
+    /// Through sea-orm: the inbox and the natural key's reference.
     Stock(StockConsumer),
     /// The natural key's one statement (and its batch statement) on PostgreSQL.
     OneStatement(PgNaturalKey),

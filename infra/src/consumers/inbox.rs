@@ -122,7 +122,7 @@ impl StockConsumer {
             return Ok(judge_lost_claim(&self.db, &key, &self.consumer, &hash).await?);
         }
         if let Err(crash) = self.faults.pass(CrashPoint::AfterDedupCheck).await {
-            return finish(txn, Err(crash), &self.faults).await;
+            return finish(txn, Err(crash.into()), &self.faults).await;
         }
         let result = work::apply_logged(&txn, &key, &message.event).await;
         finish(txn, result, &self.faults).await

@@ -211,7 +211,7 @@ pub async fn finish(
         Ok(outcome) if outcome.processed() => {
             if let Err(crash) = faults.pass(CrashPoint::BeforeCommit).await {
                 txn.rollback().await?;
-                return Err(crash);
+                return Err(crash.into());
             }
             txn.commit().await?;
             faults.pass(CrashPoint::AfterCommit).await?;

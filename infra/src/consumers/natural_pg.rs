@@ -364,7 +364,7 @@ impl PgNaturalKey {
         results: Vec<Result<Outcome, HandleError>>,
     ) -> Vec<Result<Outcome, HandleError>> {
         if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
-            return results.iter().map(|_| Err(crash.clone())).collect();
+            return results.iter().map(|_| Err(crash.into())).collect();
         }
         results
     }
@@ -507,7 +507,7 @@ impl PgNaturalKey {
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements = keyed_placements(messages);
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
-            return placements.iter().map(|_| Err(crash.clone())).collect();
+            return placements.iter().map(|_| Err(crash.into())).collect();
         }
         let placed_results = match self.reserve_batch(&placements).await {
             Ok(results) => self.after_commit(results).await,

@@ -148,7 +148,7 @@ impl SqliteNaturalKey {
     async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         let placements = keyed_placements(messages);
         if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
-            return placements.iter().map(|_| Err(crash.clone())).collect();
+            return placements.iter().map(|_| Err(crash.into())).collect();
         }
         let results = match self
             .write(async |connection| reserve_each(connection, &placements).await)
@@ -173,7 +173,7 @@ impl SqliteNaturalKey {
         };
         // A crash after the commit loses every result.
         if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
-            return results.iter().map(|_| Err(crash.clone())).collect();
+            return results.iter().map(|_| Err(crash.into())).collect();
         }
         results
     }
