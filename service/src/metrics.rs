@@ -56,7 +56,6 @@ struct OutboxMetrics {
 
 #[derive(Clone)]
 pub(crate) struct WatchedRelay {
-    outbox: String,
     status: RelayStatus,
     unhealthy_after: Duration,
 }
@@ -95,7 +94,7 @@ impl OutboxMetrics {
 
     /// Sets the series that depend on the time of the scrape.
     fn sync(&self, relay: &WatchedRelay) {
-        let outbox = [relay.outbox.as_str()];
+        let outbox = [relay.status.outbox()];
         self.failing
             .with_label_values(&outbox)
             .set(i64::from(relay.failing()));
@@ -407,11 +406,10 @@ impl Metrics {
         }
     }
 
-    /// Reports `status`, the relay of outbox table `outbox`, in the scrapes and the health
-    /// check; it counts as failing once it has failed longer than `unhealthy_after`.
+    /// Reports `status`, the relay of its outbox table, in the scrapes and the health check; it
+    /// counts as failing once it has failed longer than `unhealthy_after`.
     pub fn watch_relay(
         &self,
-        outbox: &str,
         status: RelayStatus,
         unhealthy_after: Duration,
     ) -> Result<(), prometheus::Error> {
@@ -419,7 +417,6 @@ impl Metrics {
             self.registry.register(collector)?;
         }
         let watched = WatchedRelay {
-            outbox: outbox.to_owned(),
             status,
             unhealthy_after,
         };

@@ -203,11 +203,7 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
         ..args.relay.settings()
     };
     let relay = prepare(&js, db.clone(), source, &stream, settings).await?;
-    metrics.watch_relay(
-        relay.source().table(),
-        relay.status(),
-        args.relay.relay_unhealthy_after,
-    )?;
+    metrics.watch_relay(relay.status(), args.relay.relay_unhealthy_after)?;
     readiness.ready(client.clone(), &db);
     background.adopt(RELAY, spawn(relay, background.stop_token()));
     let mut failures = Vec::new();

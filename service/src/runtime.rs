@@ -944,7 +944,8 @@ impl<H: MessageHandler> Worker<H> {
         result: Result<Outcome, HandleError>,
     ) -> Disposition {
         // A crash injected at a crash point (the study's and the tests' `FaultPlan`): the process
-        // "died" here, so it sends nothing and JetStream delivers the message again after its ack wait.
+        // "died" here, so it sends nothing and JetStream delivers the message again after its
+        // ack wait.
         if let Err(HandleError::Crashed(point)) = &result {
             tracing::warn!(point = point.as_str(), "handler crashed (injected)");
             return Disposition::LeftForRedelivery;

@@ -338,11 +338,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
             )
             .await?;
             runtime.wake_relay_on_events(relay.wake());
-            metrics.watch_relay(
-                relay.source().table(),
-                relay.status(),
-                args.relay.relay_unhealthy_after,
-            )?;
+            metrics.watch_relay(relay.status(), args.relay.relay_unhealthy_after)?;
             Some(relay)
         }
         StrategyArg::Inbox | StrategyArg::Email => None,

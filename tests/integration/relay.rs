@@ -647,7 +647,7 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
     let status = relay.status();
     let metrics = Metrics::new().unwrap();
     metrics
-        .watch_relay(TABLE, status.clone(), Duration::from_millis(300))
+        .watch_relay(status.clone(), Duration::from_millis(300))
         .unwrap();
     let stop = CancellationToken::new();
     let readiness = Readiness::default();

@@ -18,9 +18,9 @@
 //! reference handler's cancellation begins `IMMEDIATE` too) orders it with every cancellation
 //! of its order, and with the events of that order in the outbox.
 //!
-//! `writer_options`, `in_transaction`, `reserve` and `reserve_each` are public so that `inventory bench sqlite-bound` runs these very statements, on a
-//! connection made the same way, in a loop without NATS: the bound the service is measured
-//! against. [`READ_SQL`] and [`WRITE_SQL`] are public for `inventory bench hand-written`, which
+//! `writer_options`, `in_transaction`, `reserve` and `reserve_each` are public so that
+//! `inventory bench sqlite-bound` runs these very statements, on a connection made the same
+//! way, in a loop without NATS: the bound the service is measured against. [`READ_SQL`] and [`WRITE_SQL`] are public for `inventory bench hand-written`, which
 //! runs them in a consumer written by hand.
 
 use std::borrow::Cow;

@@ -183,6 +183,8 @@ pub struct RelayStatus(Arc<StatusInner>);
 
 #[derive(Debug)]
 struct StatusInner {
+    /// The outbox table its series are labelled with.
+    outbox: String,
     published: IntCounter,
     duplicates: IntCounter,
     held_partitions: IntGauge,
@@ -216,6 +218,7 @@ impl RelayStatus {
     /// The status of a relay of the outbox table `outbox`, its series unregistered.
     pub fn new(outbox: &str) -> Self {
         Self(Arc::new(StatusInner {
+            outbox: outbox.to_owned(),
             published: series(
                 IntCounter::with_opts,
                 "inventory_outbox_published_total",
@@ -252,6 +255,11 @@ impl RelayStatus {
             failing_since: Mutex::default(),
             last_failure: Mutex::default(),
         }))
+    }
+
+    /// The outbox table it relays.
+    pub fn outbox(&self) -> &str {
+        &self.0.outbox
     }
 
     /// Its series, for a registry.
