@@ -290,7 +290,7 @@ async fn email_crash_at_every_point_is_redelivered_and_mails_once() {
 }
 
 /// The points the natural key's default path passes: a placement the statement's two, a
-/// cancellation (which goes through the reference handler) the other two and `AfterCommit`.
+/// cancellation the other two and `AfterCommit`.
 const STATEMENT_PATH_POINTS: [CrashPoint; 4] = [
     CrashPoint::BeforeStatement,
     CrashPoint::AfterDedupCheck,
@@ -299,7 +299,7 @@ const STATEMENT_PATH_POINTS: [CrashPoint; 4] = [
 ];
 
 /// A handler that keeps the kind of each message it crashed on. The placement's statement and
-/// the cancellation's reference handler both pass `AfterCommit`, so a crash counted there says
+/// the cancellation's both pass `AfterCommit`, so a crash counted there says
 /// nothing of which passed it: a statement path that skipped the point would go unseen.
 #[derive(Clone)]
 struct CrashedOn<H> {
@@ -334,7 +334,7 @@ impl<H: MessageHandler> MessageHandler for CrashedOn<H> {
 /// `kind` on `backend` (the fast path, or its batch path with lanes handing over up to 16
 /// messages) dies once at each point in turn, inside the loop, on a stream of two orders and
 /// the cancellation of one of them. One lane keeps the stream's order, so a placement reaches
-/// the statement's points first and only the cancellation reaches the reference's.
+/// the statement's points first and only the cancellation reaches the other two.
 async fn statement_path_crashes(backend: Backend, kind: HandlerKind) {
     let db = TestDb::new(backend).await;
     let handler = db.consumer(kind);

@@ -1,5 +1,6 @@
 //! The one-statement natural key on PostgreSQL keeps the reference handler's promises.
 
+use inventory_benches::faults;
 use inventory_domain::Message;
 use inventory_domain::{
     BookId, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
@@ -258,6 +259,71 @@ async fn cancellations_race_their_placements(db: &TestDb, handler: &Handler, rou
 async fn a_cancellation_racing_its_placement_always_wins() {
     let (db, handler) = fixture().await;
     cancellations_race_their_placements(&db, &handler, 30).await;
+}
+
+/// A placement of the order on a lower book commits after the cancellation read the books to
+/// lock and before it took the order's lock: the cancellation starts over, locking that book
+/// too, before the order's. Without the new start it would hold only the higher book while it
+/// releases the lower one, and deadlock with a transaction that locks both in book order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_starts_over_when_its_order_gained_a_book_meanwhile() {
+    let (db, handler) = fixture().await;
+    let (first, second) = (db.dune(10).await, db.dune(10).await);
+    let (low, high) = (first.min(second), first.max(second));
+    let order = OrderId::new_v7();
+    assert!(
+        handler
+            .handle(&placed_for(order, high, 2))
+            .await
+            .unwrap()
+            .processed()
+    );
+
+    let blocker = hold(&db, "SELECT lock_order($1)", order.as_uuid()).await;
+    let (faults, mut at_release) = faults::hold_once_at(CrashPoint::AfterDedupCheck);
+    let cancel = tokio::spawn({
+        let handler = handler.with_faults(faults);
+        async move { handler.handle(&Message::cancelled(order)).await }
+    });
+    db.wait_for_lock_waiter().await;
+    // What a placement of the order on the lower book commits, under the order's lock.
+    for sql in [
+        "UPDATE stock_items SET reserved = reserved + 1 WHERE book_id = $2",
+        "INSERT INTO stock_reservations \
+             (order_id, book_id, quantity, status, message_id, created_at) \
+         VALUES ($1, $2, 1, 'reserved', 'meanwhile', now())",
+    ] {
+        blocker
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                sql,
+                [order.as_uuid().into(), low.as_uuid().into()],
+            ))
+            .await
+            .unwrap();
+    }
+    blocker.commit().await.unwrap();
+    at_release.reached().await;
+
+    let both_books = db.conn.begin().await.unwrap();
+    let locking = tokio::spawn(async move {
+        both_books
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "SELECT 1 FROM stock_items WHERE book_id IN ($1, $2) ORDER BY book_id FOR UPDATE",
+                [low.as_uuid().into(), high.as_uuid().into()],
+            ))
+            .await?;
+        both_books.commit().await
+    });
+    db.wait_for_lock_waiter().await;
+    at_release.release();
+    assert_eq!(
+        cancel.await.unwrap().unwrap(),
+        Outcome::Processed(Effect::Released { copies: 3 })
+    );
+    locking.await.unwrap().unwrap();
+    assert_eq!((db.reserved(low).await, db.reserved(high).await), (0, 0));
 }
 
 /// The statement is written for READ COMMITTED: under REPEATABLE READ a placement reads the

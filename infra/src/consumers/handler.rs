@@ -122,10 +122,9 @@ impl HandlerKind {
             Self::Inbox(detect) => Handler::Stock(stock(Strategy::Inbox(detect))),
             Self::NaturalKey(NaturalKeyPath::Orm) => Handler::Stock(stock(Strategy::NaturalKey)),
             Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch) => {
-                let reference = stock(Strategy::NaturalKey);
                 match db.get_database_backend() {
-                    DbBackend::Sqlite => Handler::SqliteWriter(SqliteNaturalKey::new(reference)),
-                    _ => Handler::OneStatement(PgNaturalKey::new(reference)),
+                    DbBackend::Sqlite => Handler::SqliteWriter(SqliteNaturalKey::new(db, consumer)),
+                    _ => Handler::OneStatement(PgNaturalKey::new(db, consumer)),
                 }
             }
             Self::Email => Handler::Email(EmailConsumer::new(

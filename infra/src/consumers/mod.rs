@@ -41,6 +41,20 @@ pub use error::HandleError;
 pub use inbox::{claim_on_conflict, judge_lost_claim, recorded_outcome};
 pub use work::apply_logged;
 
+/// A cancellation's mark, on both backends' fast paths: the order's one `order_states` row,
+/// written once. A second cancellation, under any message id, changes no row: a duplicate.
+pub const MARK_CANCELLED_SQL: &str = "\
+INSERT INTO order_states (order_id, cancelled_at, cancel_message_id) VALUES ($1, $2, $3)
+ON CONFLICT (order_id) DO UPDATE
+SET cancelled_at = excluded.cancelled_at, cancel_message_id = excluded.cancel_message_id
+WHERE order_states.cancelled_at IS NULL";
+
+/// The reservations a cancellation releases, by book: those of its order that hold stock.
+pub const HELD_SQL: &str = "\
+SELECT book_id, quantity FROM stock_reservations
+WHERE order_id = $1 AND status = 'reserved'
+ORDER BY book_id";
+
 /// What the consumer loop needs of a handler: one message in, one outcome out.
 pub trait MessageHandler: Clone + Send + Sync + 'static {
     fn handle(

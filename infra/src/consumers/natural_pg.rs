@@ -5,7 +5,8 @@
 //! one round trip: the statement stops at a reservation already there; else it locks the stock
 //! row, then the order (`lock_order`), decides, inserts the reservation unless its key is taken
 //! meanwhile, and moves stock only if that insert won. Both statements take their locks in the
-//! order `natural.rs` sets down for every path.
+//! order `natural.rs` sets down for every path. A cancellation, rarer, is a few statements in
+//! one transaction on the same connection ([`LOCK_BOOKS_SQL`] to [`RELEASE_SQL`]).
 //!
 //! It commits on its own, so there is no open transaction between the steps. Each clone opens
 //! its own connection, so a consumer lane never borrows one from a pool (sqlx pings a pooled
@@ -14,20 +15,22 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
+use chrono::Utc;
 use inventory_domain::{
-    Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, Quantity,
-    ReservationStatus, keyed_placements,
+    ConsumerName, Effect, ErrorKind, Event, EventKind, Message, OrderCancelled, OrderPlaced,
+    Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind, keyed_placements,
 };
+use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
-use sea_orm::sqlx::{self, ConnectOptions, Row};
+use sea_orm::sqlx::{self, ConnectOptions, Connection, Row};
 use tokio::sync::Mutex;
 
 use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
-use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer};
+use super::work::{not_an_order_event, unknown_book};
+use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL, MessageHandler};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
@@ -206,13 +209,41 @@ ORDER BY input.idx";
 pub const EXISTING_SQL: &str =
     "SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2";
 
+/// A cancellation's first lock: the stock rows of the books its order holds, in book order, as
+/// every path locks them. Read without a lock first, so a placement of the order that commits
+/// after this read shows up in `HELD_SQL`, read again under the order's lock, and the
+/// cancellation starts over with that book among those it locks.
+pub const LOCK_BOOKS_SQL: &str = "\
+SELECT book_id FROM stock_items
+WHERE book_id IN (
+    SELECT book_id FROM stock_reservations WHERE order_id = $1 AND status = 'reserved'
+)
+ORDER BY book_id
+FOR UPDATE";
+
+/// The order's lock, taken after its books' (`lock_order`'s migration says what it reads).
+pub const LOCK_ORDER_SQL: &str = "SELECT lock_order($1)";
+
+/// One reservation released: its status, the copies given back to stock, and the release's
+/// event ($3 its id, $4 its partition, $5 its body), only if the reservation still held them.
+pub const RELEASE_SQL: &str = "\
+WITH released AS (
+    UPDATE stock_reservations SET status = 'released'
+    WHERE order_id = $1 AND book_id = $2 AND status = 'reserved'
+    RETURNING book_id, quantity
+), moved AS (
+    UPDATE stock_items SET reserved = stock_items.reserved - released.quantity
+    FROM released WHERE stock_items.book_id = released.book_id
+)
+INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
+SELECT $3, $4, $1, 'stock.released', $5, now() FROM released";
+
 pub struct PgNaturalKey {
     options: Arc<PgConnectOptions>,
     /// The pool's bound on getting a connection, which opening one here keeps too.
     connect_timeout: std::time::Duration,
     connection: Mutex<Option<PgConnection>>,
-    /// Cancellations are rare: they go through the reference handler.
-    reference: StockConsumer,
+    consumer: ConsumerName,
     faults: Faults,
 }
 
@@ -223,17 +254,16 @@ impl Clone for PgNaturalKey {
             options: self.options.clone(),
             connect_timeout: self.connect_timeout,
             connection: Mutex::new(None),
-            reference: self.reference.clone(),
+            consumer: self.consumer.clone(),
             faults: self.faults.clone(),
         }
     }
 }
 
 impl PgNaturalKey {
-    /// `reference`: a natural-key [`StockConsumer`] on PostgreSQL ([`HandlerKind::build`]
-    /// checks the backend).
-    pub(crate) fn new(reference: StockConsumer) -> Self {
-        let pool = reference.db.get_postgres_connection_pool();
+    /// The handler on `db`, a PostgreSQL pool whose options its lanes' connections take.
+    pub fn new(db: &DatabaseConnection, consumer: ConsumerName) -> Self {
+        let pool = db.get_postgres_connection_pool();
         let connect_timeout = pool.options().get_acquire_timeout();
         let options = pool
             .connect_options()
@@ -245,20 +275,19 @@ impl PgNaturalKey {
             options: Arc::new(options),
             connect_timeout,
             connection: Mutex::new(None),
-            faults: reference.faults.clone(),
-            reference,
+            consumer,
+            faults: Faults::none(),
         }
     }
 
-    pub fn consumer(&self) -> &inventory_domain::ConsumerName {
-        self.reference.consumer()
+    pub fn consumer(&self) -> &ConsumerName {
+        &self.consumer
     }
 
     /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
-    /// `AfterCommit`, a cancellation the reference handler's points.
+    /// `AfterCommit`; a cancellation `AfterDedupCheck`, `BeforeCommit` and `AfterCommit`.
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
-            reference: self.reference.with_faults(faults.clone()),
             faults,
             ..self.clone()
         }
@@ -468,20 +497,98 @@ async fn decide(
     Ok(second_request(quantity_from(existing)?, placed.quantity))
 }
 
+/// A cancellation in one transaction, its locks in the order of every path: the stock rows of
+/// the books its order holds, then the order's lock, then the mark; then, unless the mark was
+/// there already, each reservation the order holds released with its event. Starts over when
+/// a placement of the order committed after its books were read, so that book's row is locked
+/// before the order's too.
+async fn cancel(
+    connection: &mut PgConnection,
+    key: &str,
+    cancelled: &OrderCancelled,
+    faults: &Faults,
+) -> Result<Outcome, HandleError> {
+    let order = cancelled.order_id.as_uuid();
+    loop {
+        let mut txn = connection.begin().await.map_err(HandleError::from_sqlx)?;
+        let locked: Vec<Uuid> = sqlx::query_scalar(LOCK_BOOKS_SQL)
+            .bind(order)
+            .fetch_all(&mut *txn)
+            .await
+            .map_err(HandleError::from_sqlx)?;
+        sqlx::query(LOCK_ORDER_SQL)
+            .bind(order)
+            .execute(&mut *txn)
+            .await
+            .map_err(HandleError::from_sqlx)?;
+        let marked = sqlx::query(MARK_CANCELLED_SQL)
+            .bind(order)
+            .bind(Utc::now())
+            .bind(key)
+            .execute(&mut *txn)
+            .await
+            .map_err(HandleError::from_sqlx)?;
+        if marked.rows_affected() == 0 {
+            txn.rollback().await.map_err(HandleError::from_sqlx)?;
+            return Ok(Outcome::Duplicate);
+        }
+        // No placement of the order can commit from here on: the order's lock is taken.
+        let held: Vec<(Uuid, i32)> = sqlx::query_as(HELD_SQL)
+            .bind(order)
+            .fetch_all(&mut *txn)
+            .await
+            .map_err(HandleError::from_sqlx)?;
+        if held.iter().any(|(book, _)| !locked.contains(book)) {
+            txn.rollback().await.map_err(HandleError::from_sqlx)?;
+            continue;
+        }
+        faults.pass(CrashPoint::AfterDedupCheck).await?;
+        let mut copies = 0;
+        for (book, quantity) in held {
+            let quantity = quantity_from(quantity)?;
+            let event = StockEvent::new(
+                StockEventKind::Released,
+                cancelled.order_id,
+                book.into(),
+                quantity,
+                key,
+            );
+            sqlx::query(RELEASE_SQL)
+                .bind(order)
+                .bind(book)
+                .bind(event.event_id)
+                .bind(partition(cancelled.order_id))
+                .bind(event.body())
+                .execute(&mut *txn)
+                .await
+                .map_err(HandleError::from_sqlx)?;
+            copies += i64::from(quantity.get());
+        }
+        faults.pass(CrashPoint::BeforeCommit).await?;
+        txn.commit().await.map_err(HandleError::from_sqlx)?;
+        return Ok(Outcome::Processed(Effect::Released { copies }));
+    }
+}
+
 impl MessageHandler for PgNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        match &message.event {
+        let key = message.key.storage_key();
+        let outcome = match &message.event {
             Event::Placed(placed) => {
                 self.faults.pass(CrashPoint::BeforeStatement).await?;
-                let key = message.key.storage_key();
-                let outcome = self
-                    .with_connection(async |connection| decide(connection, &key, placed).await)
-                    .await?;
-                self.faults.pass(CrashPoint::AfterCommit).await?;
-                Ok(outcome)
+                self.with_connection(async |connection| decide(connection, &key, placed).await)
+                    .await?
             }
-            Event::Cancelled(_) | Event::StockReserved(_) => self.reference.handle(message).await,
-        }
+            Event::Cancelled(cancelled) => {
+                self.with_connection(async |connection| {
+                    cancel(connection, &key, cancelled, &self.faults).await
+                })
+                .await?
+            }
+            Event::StockReserved(_) => return Ok(not_an_order_event()),
+        };
+        self.faults.pass(CrashPoint::AfterCommit).await?;
+        Ok(outcome)
     }
 
     /// Each run of placements in one statement, each cancellation in its place between them:
@@ -494,7 +601,7 @@ impl MessageHandler for PgNaturalKey {
                 results.extend(self.handle_placements(run).await);
             } else {
                 for message in run {
-                    results.push(self.reference.handle(message).await);
+                    results.push(self.handle(message).await);
                 }
             }
         }

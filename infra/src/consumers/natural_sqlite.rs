@@ -5,18 +5,15 @@
 //! SQLite lets one transaction write at a time. Lanes that each began one on a pool queued in
 //! SQLite's busy handler, which sleeps between tries, and the writer stood idle while they
 //! slept. Here every clone shares one connection behind a mutex: the lanes queue on the mutex,
-//! and a commit hands the writer straight to the next lane. Cancellations are rare and go
-//! through the reference handler on the pool, holding the same mutex, so this connection holds
-//! no transaction then and the cancellation never waits in the busy handler for it.
+//! and a commit hands the writer straight to the next lane. A cancellation runs on it too.
 //!
 //! The rule is the reference handler's (`natural.rs`): the reservation key first (a copy or a
 //! new-id resend of a decided placement reads one row and writes nothing), an unknown book
 //! writes nothing, a cancellation that came first wins (the placement finds
 //! `order_states.cancelled_at` set and records a `released` reservation, moving no stock), the
 //! reservation is inserted unless its key is taken, and stock moves only if that insert won.
-//! A placement only reads `order_states`: the writer lock `BEGIN IMMEDIATE` takes (the
-//! reference handler's cancellation begins `IMMEDIATE` too) orders it with every cancellation
-//! of its order, and with the events of that order in the outbox.
+//! A placement only reads `order_states`: the writer lock `BEGIN IMMEDIATE` takes orders it
+//! with every cancellation of its order, and with the events of that order in the outbox.
 //!
 //! `writer_options`, `in_transaction`, `reserve` and `reserve_each` are public so that
 //! `inventory bench sqlite-bound` runs these very statements, on a connection made the same
@@ -30,16 +27,19 @@ use chrono::Utc;
 use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    Effect, ErrorKind, Event, EventKind, Message, OrderPlaced, Outcome, ReservationDecision,
-    ReservationStatus, StockEvent, StockEventKind, StockItem, keyed_placements,
+    ConsumerName, Effect, ErrorKind, Event, EventKind, Message, OrderCancelled, OrderPlaced,
+    Outcome, ReservationDecision, ReservationStatus, StockEvent, StockEventKind, StockItem,
+    keyed_placements,
 };
 use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 use sea_orm::sqlx::{self, ConnectOptions, Connection, Row};
 use tokio::sync::Mutex;
 
-use super::work::unknown_book;
-use super::{HandleError, MessageHandler, StockConsumer};
+use uuid::Uuid;
+
+use super::work::{not_an_order_event, unknown_book};
+use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL, MessageHandler};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
@@ -66,12 +66,21 @@ INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, creat
 SELECT $9, $10, $1, $8, $11, $6 WHERE $8 IS NOT NULL AND changes() = 1;
 UPDATE stock_items SET reserved = $7 WHERE book_id = $2 AND $7 IS NOT NULL AND changes() = 1";
 
+/// One reservation released, under the writer lock: its status; the copies ($3) given back to
+/// stock and the release's event ($4 its id, $5 its partition, $6 its subject, $7 its body),
+/// each only if the statement before wrote its row.
+pub const RELEASE_SQL: &str = "\
+UPDATE stock_reservations SET status = 'released'
+WHERE order_id = $1 AND book_id = $2 AND status = 'reserved';
+UPDATE stock_items SET reserved = reserved - $3 WHERE book_id = $2 AND changes() = 1;
+INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
+SELECT $4, $5, $1, $6, $7, $8 WHERE changes() = 1";
+
 /// The natural-key handler on SQLite. Clones share the writer.
 #[derive(Clone)]
 pub struct SqliteNaturalKey {
     writer: Arc<Writer>,
-    /// Cancellations are rare: they go through the reference handler.
-    reference: StockConsumer,
+    consumer: ConsumerName,
     faults: Faults,
 }
 
@@ -82,33 +91,29 @@ struct Writer {
 }
 
 impl SqliteNaturalKey {
-    /// `reference`: a natural-key [`StockConsumer`] on SQLite ([`HandlerKind::build`] picks
-    /// this handler by the backend). The writer opens the pool's file with the pool's options
-    /// (WAL, busy timeout, synchronous FULL).
-    ///
-    /// [`HandlerKind::build`]: super::HandlerKind::build
-    pub(crate) fn new(reference: StockConsumer) -> Self {
+    /// The handler on `db`, a SQLite pool: the writer opens the pool's file with the pool's
+    /// options (WAL, busy timeout, synchronous FULL).
+    pub fn new(db: &DatabaseConnection, consumer: ConsumerName) -> Self {
         Self {
             writer: Arc::new(Writer {
-                options: writer_options(&reference.db),
+                options: writer_options(db),
                 connection: Mutex::new(None),
             }),
-            faults: reference.faults.clone(),
-            reference,
+            consumer,
+            faults: Faults::none(),
         }
     }
 
-    pub fn consumer(&self) -> &inventory_domain::ConsumerName {
-        self.reference.consumer()
+    pub fn consumer(&self) -> &ConsumerName {
+        &self.consumer
     }
 
     /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
-    /// `AfterCommit`, a cancellation the reference handler's points.
+    /// `AfterCommit`; a cancellation `AfterDedupCheck`, `BeforeCommit` and `AfterCommit`.
     pub fn with_faults(&self, faults: Faults) -> Self {
         Self {
-            reference: self.reference.with_faults(faults.clone()),
             faults,
-            writer: self.writer.clone(),
+            ..self.clone()
         }
     }
 
@@ -135,13 +140,6 @@ impl SqliteNaturalKey {
             *slot = None;
         }
         result
-    }
-
-    /// A message for the reference handler, while it holds the writer: nothing of this
-    /// handler's is in flight then, so the reference's transaction finds the write lock free.
-    async fn through_reference(&self, message: &Message) -> Result<Outcome, HandleError> {
-        let _writer = self.writer.connection.lock().await;
-        self.reference.handle(message).await
     }
 
     /// Placements in one transaction, one result each, in order.
@@ -307,20 +305,80 @@ pub async fn reserve_each(
     Ok(outcomes)
 }
 
+/// A cancellation, inside the caller's `BEGIN IMMEDIATE` transaction: the mark, then, unless
+/// it was there already, each reservation the order holds released with its event. The writer
+/// lock keeps every placement of the order out meanwhile.
+async fn cancel(
+    connection: &mut SqliteConnection,
+    key: &str,
+    cancelled: &OrderCancelled,
+    faults: &Faults,
+) -> Result<Outcome, HandleError> {
+    let order = cancelled.order_id.as_uuid();
+    let now = Utc::now();
+    let marked = sqlx::query(MARK_CANCELLED_SQL)
+        .bind(order)
+        .bind(now)
+        .bind(key)
+        .execute(&mut *connection)
+        .await
+        .map_err(HandleError::from_sqlx)?;
+    if marked.rows_affected() == 0 {
+        return Ok(Outcome::Duplicate);
+    }
+    let held: Vec<(Uuid, i32)> = sqlx::query_as(HELD_SQL)
+        .bind(order)
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(HandleError::from_sqlx)?;
+    faults.pass(CrashPoint::AfterDedupCheck).await?;
+    let mut copies = 0;
+    for (book, quantity) in held {
+        let quantity = quantity_from(quantity)?;
+        let event = StockEvent::new(
+            StockEventKind::Released,
+            cancelled.order_id,
+            book.into(),
+            quantity,
+            key,
+        );
+        sqlx::query(RELEASE_SQL)
+            .bind(order)
+            .bind(book)
+            .bind(quantity_column(quantity.get())?)
+            .bind(event.event_id)
+            .bind(partition(cancelled.order_id))
+            .bind(event.subject_token())
+            .bind(event.body())
+            .bind(now)
+            .execute(&mut *connection)
+            .await
+            .map_err(HandleError::from_sqlx)?;
+        copies += i64::from(quantity.get());
+    }
+    faults.pass(CrashPoint::BeforeCommit).await?;
+    Ok(Outcome::Processed(Effect::Released { copies }))
+}
+
 impl MessageHandler for SqliteNaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        match &message.event {
+        let key = message.key.storage_key();
+        let outcome = match &message.event {
             Event::Placed(placed) => {
                 self.faults.pass(CrashPoint::BeforeStatement).await?;
-                let key = message.key.storage_key();
-                let outcome = self
-                    .write(async |connection| reserve(connection, &key, placed).await)
-                    .await?;
-                self.faults.pass(CrashPoint::AfterCommit).await?;
-                Ok(outcome)
+                self.write(async |connection| reserve(connection, &key, placed).await)
+                    .await?
             }
-            Event::Cancelled(_) | Event::StockReserved(_) => self.through_reference(message).await,
-        }
+            Event::Cancelled(cancelled) => {
+                self.write(async |connection| {
+                    cancel(connection, &key, cancelled, &self.faults).await
+                })
+                .await?
+            }
+            Event::StockReserved(_) => return Ok(not_an_order_event()),
+        };
+        self.faults.pass(CrashPoint::AfterCommit).await?;
+        Ok(outcome)
     }
 
     /// Each run of placements in one transaction, each cancellation in its place between them
@@ -333,7 +391,7 @@ impl MessageHandler for SqliteNaturalKey {
                 results.extend(self.handle_placements(run).await);
             } else {
                 for message in run {
-                    results.push(self.through_reference(message).await);
+                    results.push(self.handle(message).await);
                 }
             }
         }
