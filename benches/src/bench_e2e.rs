@@ -22,7 +22,7 @@ use crate::latency::{Latency, PublishClock};
 use inventory_infra::delivery::PullConsumer;
 use inventory_service::args::{NatsArgs, natural_key_path};
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Running, RuntimeSettings, Shutdown};
+use inventory_service::runtime::{ConsumerRuntime, Reads, Running, RuntimeSettings, Shutdown};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EndToEndArgs {
@@ -315,7 +315,7 @@ impl<H: MessageHandler> MessageHandler for Timed<H> {
 
 /// A consumer of either kind, set up on the server, not yet consuming.
 enum Prepared {
-    Service(Box<ConsumerRuntime>),
+    Service(Box<ConsumerRuntime>, HandlerKind),
     HandWritten(Box<PullConsumer>, Driver),
 }
 
@@ -333,14 +333,16 @@ impl Prepared {
             return Ok(Self::HandWritten(Box::new(consumer), driver));
         }
         let handler = HandlerKind::natural_key(args.handler, args.batch_size);
-        let mut settings = RuntimeSettings::new(topology.clone(), handler, lanes);
-        settings.consumer.durable_name = "inventory-bench".into();
+        let mut settings =
+            RuntimeSettings::new(topology.clone(), "inventory-bench", Reads::Orders, lanes);
         settings.consumer.max_ack_pending = 20_000;
-        settings.batch_size = args.batch_size.max(1);
+        if handler.takes_batches() {
+            settings.batch_size = args.batch_size.max(1);
+        }
         settings.retry_delay = Duration::from_millis(100);
         settings.max_retry_delay = Duration::from_secs(5);
         let runtime = ConsumerRuntime::prepare(js, fresh.conn.clone(), settings).await?;
-        Ok(Self::Service(Box::new(runtime)))
+        Ok(Self::Service(Box::new(runtime), handler))
     }
 
     /// Starts consuming; `clock` is told when each message's handling ends.
@@ -352,8 +354,8 @@ impl Prepared {
         clock: Option<Arc<PublishClock>>,
     ) -> Result<Consuming> {
         Ok(match self {
-            Self::Service(runtime) => {
-                let handler = runtime.handler(None)?;
+            Self::Service(runtime, kind) => {
+                let handler = kind.build(&fresh.conn, runtime.consumer_name()?, None)?;
                 let metrics =
                     ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
                 Consuming::Service(match clock {

@@ -32,7 +32,9 @@ use serde::Serialize;
 
 use inventory_service::args::NatsArgs;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown};
+use inventory_service::runtime::{
+    ConsumerRuntime, Ending, Reads, Running, RuntimeSettings, Shutdown,
+};
 
 /// The server `compare` creates its databases on when neither the flag nor `DATABASE_URL` names
 /// one: the local PostgreSQL.
@@ -939,10 +941,10 @@ impl Run {
         let durable = Self::durable_name(strategy);
         let mut settings = RuntimeSettings::new(
             self.topology.clone(),
-            strategy.runs_as(),
+            &durable,
+            Reads::Orders,
             usize::try_from(self.settings.concurrency).unwrap_or(1),
         );
-        settings.consumer.durable_name = durable.clone();
         settings.consumer.ack_wait = self.settings.ack_wait;
         settings.max_deliver = MAX_DELIVER;
         settings.consumer.max_ack_pending = 10_000;

@@ -25,7 +25,7 @@ use inventory_infra::jetstream::{
     Origin, Topology,
 };
 use inventory_infra::outbox::RelayWake;
-use inventory_infra::{BuildError, FileMailbox, HandleError, Handler, HandlerKind, MessageHandler};
+use inventory_infra::{HandleError, MessageHandler};
 use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -46,13 +46,15 @@ pub struct RuntimeSettings {
     pub consumer: ConsumerSettings,
     /// Sets an existing consumer's settings to `consumer`'s where they differ.
     pub update_consumer: bool,
-    pub handler: HandlerKind,
+    /// Which stream the consumer reads.
+    pub reads: Reads,
     /// The deliveries of one message this service handles (see [`RetryPolicy::max_deliver`]);
     /// the server's own cap, where an existing consumer has one, lowers it.
     pub max_deliver: i64,
     /// Messages handled at once, each lane to its end.
     pub concurrency: usize,
-    /// Messages a lane hands a handler that takes batches ([`HandlerKind::takes_batches`]).
+    /// Messages a lane hands its handler at once, of those already fetched; 1 for a handler
+    /// that has no batch path of its own.
     pub batch_size: usize,
     /// Bodies larger than this are dead letters, never parsed.
     pub max_body_bytes: usize,
@@ -81,22 +83,20 @@ impl RuntimeSettings {
     /// Well inside the 30 s an orchestrator waits by default before it kills the process.
     pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
-    /// The contract's consumer for `handler`, reading `topology`'s subjects, with the `serve`
-    /// defaults: what a caller changes is set on the value returned.
-    pub fn new(topology: Topology, handler: HandlerKind, concurrency: usize) -> Self {
-        // The email goes out for Inventory's reservations only; stock follows both order
-        // events.
-        let filter_subject = match handler {
-            HandlerKind::Email => format!(
+    /// The durable consumer `durable_name`, reading what `reads` names of `topology`'s
+    /// subjects, with the `serve` defaults: what a caller changes is set on the value returned.
+    pub fn new(topology: Topology, durable_name: &str, reads: Reads, concurrency: usize) -> Self {
+        let filter_subject = match reads {
+            Reads::Orders => format!("{}.>", topology.subject_prefix),
+            Reads::Reservations => format!(
                 "{}.{}",
                 topology.events_subject_prefix,
                 EventKind::StockReserved.subject_token()
             ),
-            _ => format!("{}.>", topology.subject_prefix),
         };
         Self {
             consumer: ConsumerSettings {
-                durable_name: handler.default_consumer().to_owned(),
+                durable_name: durable_name.to_owned(),
                 filter_subject,
                 ack_wait: Self::ACK_WAIT,
                 max_deliver: -1,
@@ -105,7 +105,7 @@ impl RuntimeSettings {
             },
             update_consumer: false,
             topology,
-            handler,
+            reads,
             max_deliver: Self::MAX_DELIVER,
             concurrency,
             batch_size: 1,
@@ -118,14 +118,19 @@ impl RuntimeSettings {
     }
 }
 
+/// Which stream a consumer reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reads {
+    /// Both order events: the stock consumers.
+    Orders,
+    /// Inventory's own reservations, from the events stream: the study's email notifier.
+    Reservations,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error(transparent)]
     Nats(#[from] NatsError),
-    #[error(transparent)]
-    Handler(#[from] BuildError),
-    #[error("consumer name: {0}")]
-    ConsumerName(#[from] inventory_domain::FieldError),
     #[error("the message stream of consumer {0} ended")]
     StreamEnded(String),
     #[error("a lane {0}: the other lanes were stopped")]
@@ -159,14 +164,14 @@ impl ConsumerRuntime {
         settings: RuntimeSettings,
     ) -> Result<Self, RuntimeError> {
         let (orders, mut drifts) = jetstream::ensure_streams(js, &settings.topology).await?;
-        // The email notifier reads Inventory's events; the stock consumers read the orders.
-        let stream = if settings.handler == HandlerKind::Email {
-            let (events, events_drifts) =
-                jetstream::ensure_prefix_stream(js, &settings.topology.events_stream()).await?;
-            drifts.extend(events_drifts);
-            events
-        } else {
-            orders
+        let stream = match settings.reads {
+            Reads::Orders => orders,
+            Reads::Reservations => {
+                let (events, events_drifts) =
+                    jetstream::ensure_prefix_stream(js, &settings.topology.events_stream()).await?;
+                drifts.extend(events_drifts);
+                events
+            }
         };
         let (consumer, consumer_drifts) =
             jetstream::ensure_consumer(js, &stream, &settings.consumer, settings.update_consumer)
@@ -244,27 +249,20 @@ impl ConsumerRuntime {
         self.max_age
     }
 
-    /// The settings' handler on this runtime's database, its dedup rows under the consumer's
-    /// name; the email handler sends to `mailbox`.
-    pub fn handler(&self, mailbox: Option<FileMailbox>) -> Result<Handler, RuntimeError> {
-        let consumer = ConsumerName::parse(self.settings.consumer.durable_name.clone())?;
-        Ok(self.settings.handler.build(&self.db, consumer, mailbox)?)
+    /// The durable consumer's name, under which a handler keeps its dedup rows.
+    pub fn consumer_name(&self) -> Result<ConsumerName, inventory_domain::FieldError> {
+        ConsumerName::parse(self.settings.consumer.durable_name.clone())
     }
 
-    /// Starts the lanes with `handler` (the settings' own, or one wrapped around it) in a task
-    /// of their own, until `shutdown`, counting into `metrics`. The lanes hand batches as
-    /// `settings.handler` says, whatever `handler` is: name the batch kind there to batch.
+    /// Starts the lanes with `handler` in a task of their own, until `shutdown`, counting into
+    /// `metrics`.
     pub fn start<H: MessageHandler>(
         self,
         handler: H,
         metrics: ConsumerMetrics,
         shutdown: Shutdown,
     ) -> Running {
-        let batch_size = if self.settings.handler.takes_batches() {
-            self.settings.batch_size.max(1)
-        } else {
-            1
-        };
+        let batch_size = self.settings.batch_size.max(1);
         let worker = Worker {
             handler,
             dead_letters: self.dead_letters,

@@ -22,7 +22,7 @@ use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::relay::{RELAY, RelayArgs};
 use crate::retention::{self, HorizonArgs, PURGE_BATCH_SIZE, PurgeSettings};
-use crate::runtime::{ConsumerRuntime, Ending, RuntimeSettings, Shutdown};
+use crate::runtime::{ConsumerRuntime, Ending, Reads, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
 const LAG_INTERVAL: Duration = Duration::from_secs(10);
@@ -178,13 +178,17 @@ impl ServeArgs {
     /// The consumer runtime's settings from these flags.
     pub fn runtime_settings(&self, backend: DbBackend) -> RuntimeSettings {
         let handler = self.handler();
-        let defaults = RuntimeSettings::new(self.topology.topology(), handler, 1);
+        let reads = match handler {
+            HandlerKind::Email => Reads::Reservations,
+            _ => Reads::Orders,
+        };
+        let durable_name = self
+            .consumer
+            .as_deref()
+            .unwrap_or(handler.default_consumer());
+        let defaults = RuntimeSettings::new(self.topology.topology(), durable_name, reads, 1);
         RuntimeSettings {
             consumer: ConsumerSettings {
-                durable_name: self
-                    .consumer
-                    .clone()
-                    .unwrap_or_else(|| handler.default_consumer().to_owned()),
                 ack_wait: self.ack_wait,
                 backoff: self.backoff.clone(),
                 max_ack_pending: self.max_ack_pending,
@@ -196,7 +200,11 @@ impl ServeArgs {
             }),
             update_consumer: self.update_consumer,
             max_deliver: self.horizon.max_deliver,
-            batch_size: self.batch_size(),
+            batch_size: if handler.takes_batches() {
+                self.batch_size()
+            } else {
+                1
+            },
             max_body_bytes: self.max_body_bytes,
             retry_delay: self.retry_delay,
             max_retry_delay: self.horizon.max_retry_delay,
@@ -304,7 +312,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
 
     // Only an inbox has rows to keep past the horizon and to purge: the natural key's are the
     // business record.
-    let purging = !args.purge_interval.is_zero() && runtime.settings().handler.writes_inbox_rows();
+    let purging = !args.purge_interval.is_zero() && args.handler().writes_inbox_rows();
     if purging {
         // The server's values rule, whatever this process would have set.
         let horizon = retention::horizon(
@@ -359,7 +367,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         background.adopt("purge", purge);
     }
 
-    let mailbox = match runtime.settings().handler {
+    let mailbox = match args.handler() {
         HandlerKind::Email => Some(
             FileMailbox::open(&args.mailbox)
                 .await
@@ -367,9 +375,11 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
         ),
         _ => None,
     };
-    let handler = runtime.handler(mailbox)?;
+    let handler = args
+        .handler()
+        .build(&db, runtime.consumer_name()?, mailbox)?;
     tracing::info!(
-        handler = runtime.settings().handler.label(),
+        handler = args.handler().label(),
         consumer = %consumer_name,
         stream = %runtime.settings().topology.stream,
         concurrency = runtime.settings().concurrency,
@@ -466,8 +476,9 @@ mod tests {
 
     /// `(handler, lanes, batch size)` the flags come to on `backend`.
     fn shape(flags: &[&str], backend: DbBackend) -> (HandlerKind, usize, usize) {
-        let settings = serve(flags).runtime_settings(backend);
-        (settings.handler, settings.concurrency, settings.batch_size)
+        let args = serve(flags);
+        let settings = args.runtime_settings(backend);
+        (args.handler(), settings.concurrency, settings.batch_size)
     }
 
     #[test]
@@ -485,9 +496,8 @@ mod tests {
             shape(
                 &["--natural-handler", "orm", "--concurrency", "10"],
                 DbBackend::Sqlite
-            )
-            .0,
-            natural(NaturalKeyPath::Orm)
+            ),
+            (natural(NaturalKeyPath::Orm), 10, 1)
         );
         // PostgreSQL: a lane per pooled connection, batches of 64 too.
         assert_eq!(

@@ -85,9 +85,10 @@ async fn corpus_through_the_service(server: &NatsServer, backend: Backend, strat
         .await
         .unwrap();
     let mut settings = broker.settings(4, 5);
-    settings.handler = strategy;
-    // What `serve --batch-size 16` runs; the lanes ignore it for the other handlers.
-    settings.batch_size = 16;
+    // What `serve --batch-size 16` runs; the other handlers take one message at a time.
+    if strategy.takes_batches() {
+        settings.batch_size = 16;
+    }
     let baseline = RunningService::start(
         &broker,
         db.consumer(strategy),

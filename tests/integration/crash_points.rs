@@ -352,8 +352,9 @@ async fn statement_path_crashes(backend: Backend, kind: HandlerKind) {
             let withdrawn = placed(book, 2);
             let cancellation = Message::cancelled(withdrawn.event.order_id());
             let mut settings = broker.settings(1, 5);
-            settings.handler = kind;
-            settings.batch_size = 16;
+            if kind.takes_batches() {
+                settings.batch_size = 16;
+            }
             let (stats, letters) = crash_in_loop(
                 &broker,
                 db,

@@ -476,9 +476,7 @@ async fn batching_lanes_with_every_kind_of_duplicate_reserve_exactly_once() {
                 .await;
         }
     }
-    // The batch handler named in the settings too: the lanes hand batches only to it.
     let mut settings = broker.settings(4, 10);
-    settings.handler = HandlerKind::NaturalKey(NaturalKeyPath::Batch);
     settings.batch_size = 16;
     let service = RunningService::start(&broker, handler.clone(), db.conn.clone(), settings).await;
     eventually("every order reserved once", || async {
@@ -606,7 +604,6 @@ fn batch_settings(
     batch_size: usize,
 ) -> inventory_service::runtime::RuntimeSettings {
     let mut settings = broker.settings(1, max_deliver);
-    settings.handler = HandlerKind::NaturalKey(NaturalKeyPath::Batch);
     settings.batch_size = batch_size;
     settings
 }

@@ -5,13 +5,15 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self as js, context::Context};
+use inventory_infra::MessageHandler;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
 use inventory_infra::outbox::RelayWake;
-use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
 use inventory_service::health::Liveness;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Ending, Running, RuntimeSettings, Shutdown};
+use inventory_service::runtime::{
+    ConsumerRuntime, Ending, Reads, Running, RuntimeSettings, Shutdown,
+};
 
 /// A test's own streams (removed on drop) on `url`.
 pub struct Broker {
@@ -79,11 +81,14 @@ impl Broker {
 
     /// Runtime settings for the test's own consumer of every order event: `concurrency` lanes,
     /// a short ack wait so a withheld ack is redelivered quickly, fast retries, and a cap of
-    /// `max_deliver` deliveries (the service's: the consumer has none). The handler kind only names the settings: the test passes its own handler.
+    /// `max_deliver` deliveries (the service's: the consumer has none), one message at a time.
     pub fn settings(&self, concurrency: usize, max_deliver: i64) -> RuntimeSettings {
-        let kind = HandlerKind::NaturalKey(NaturalKeyPath::Orm);
-        let mut settings = RuntimeSettings::new(self.topology.clone(), kind, concurrency);
-        settings.consumer.durable_name = self.consumer_name.clone();
+        let mut settings = RuntimeSettings::new(
+            self.topology.clone(),
+            &self.consumer_name,
+            Reads::Orders,
+            concurrency,
+        );
         settings.consumer.ack_wait = Duration::from_secs(1);
         settings.max_deliver = max_deliver;
         settings.retry_delay = Duration::from_millis(50);
@@ -94,8 +99,13 @@ impl Broker {
     /// [`Self::settings`] for the email notifier: its consumer reads the events stream.
     pub fn email_settings(&self, concurrency: usize, max_deliver: i64) -> RuntimeSettings {
         let mut settings = self.settings(concurrency, max_deliver);
-        let email = RuntimeSettings::new(self.topology.clone(), HandlerKind::Email, concurrency);
-        settings.handler = HandlerKind::Email;
+        let email = RuntimeSettings::new(
+            self.topology.clone(),
+            &self.consumer_name,
+            Reads::Reservations,
+            concurrency,
+        );
+        settings.reads = email.reads;
         settings.consumer.filter_subject = email.consumer.filter_subject;
         settings
     }
