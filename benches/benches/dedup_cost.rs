@@ -19,10 +19,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use inventory_benches::consumers::HandlerKind;
 use inventory_benches::fresh::FreshDatabase;
 use inventory_benches::mistakes::StudyHandler;
 use inventory_benches::workload::{self, CopyKind, Delivery, DuplicateStream};
-use inventory_infra::{HandlerKind, MessageHandler};
+use inventory_infra::MessageHandler;
 use tokio::runtime::Runtime;
 
 const RATIOS: [u32; 4] = [0, 10, 50, 90];

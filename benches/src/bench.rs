@@ -35,13 +35,14 @@ use std::time::{Duration, Instant};
 
 use crate::bench_hand::Driver;
 use crate::chart::{self, Labels};
+use crate::consumers::HandlerKind;
 use crate::fresh::FreshDatabase;
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
 use crate::{bench_e2e, bench_pg_bound, bench_prefilter, bench_relay, bench_sqlite, guard_cost};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
+use inventory_infra::MessageHandler;
 use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::{HandlerKind, MessageHandler};
 use sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
 use serde::Serialize;
 
@@ -242,8 +243,9 @@ async fn purge(args: &PurgeArgs) -> Result<()> {
 }
 
 async fn purge_under_flow(args: &PurgeArgs, conn: &DatabaseConnection) -> Result<()> {
+    use crate::consumers::DetectMode;
     use inventory_domain::{BookId, ConsumerName, Message, OrderId, Quantity, StockItem};
-    use inventory_infra::{DetectMode, StockRepository};
+    use inventory_infra::StockRepository;
 
     let seeding = Instant::now();
     // One statement: completed a month ago, one millisecond apart.

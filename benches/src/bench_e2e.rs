@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
+use crate::consumers::{HandlerKind, NaturalKeyPath};
 use crate::fresh::FreshDatabase;
 use crate::system_cpu::{CpuSnapshot, CpuSplit};
 use anyhow::{Context as _, Result, ensure};
@@ -13,14 +14,16 @@ use futures::StreamExt;
 use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
-use inventory_infra::{HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
+use inventory_infra::{HandleError, MessageHandler, StockRepository};
 use sea_orm::{ConnectionTrait as _, Statement};
 use serde::Serialize;
 
 use crate::bench_hand::{self, Driver, HandWritten};
 use crate::latency::{Latency, PublishClock};
 use inventory_infra::delivery::PullConsumer;
-use inventory_service::args::{NatsArgs, natural_key_path};
+use inventory_service::args::NatsArgs;
+
+use crate::serve::natural_key_path;
 use inventory_service::metrics::ConsumerMetrics;
 use inventory_service::runtime::{ConsumerRuntime, Reads, Running, RuntimeSettings, Shutdown};
 

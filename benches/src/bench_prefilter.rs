@@ -7,9 +7,10 @@
 
 use std::time::Instant;
 
+use crate::consumers::{HandlerKind, NaturalKeyPath};
 use anyhow::{Context as _, Result, ensure};
 use inventory_domain::{BookId, ConsumerName, Message, OrderId, Quantity, StockItem};
-use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath, StockRepository};
+use inventory_infra::{MessageHandler, StockRepository};
 
 use crate::cache::{DedupCache, PreFiltered};
 use crate::demo::DEFAULT_REDIS_URL;

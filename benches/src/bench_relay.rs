@@ -14,16 +14,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::consumers::{HandlerKind, NaturalKeyPath};
 use crate::fresh::FreshDatabase;
 use crate::system_cpu::CpuSnapshot;
 use anyhow::{Context as _, Result, bail};
 use futures::StreamExt;
 use inventory_domain::{BookId, ConsumerName, Message, OrderId, Quantity, StockEvent, StockItem};
+use inventory_infra::StockRepository;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Context, Topology};
 use inventory_infra::outbox::relay::{Relay, RelaySettings};
 use inventory_infra::outbox::source::OutboxSource;
-use inventory_infra::{HandlerKind, NaturalKeyPath, StockRepository};
 use inventory_service::args::NatsArgs;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use tokio_util::sync::CancellationToken;

@@ -1,10 +1,21 @@
 //! `inventory-study`: the commands `inventory demo`, `inventory compare` and `inventory bench …`
-//! hand their arguments to. Its name in messages and `--help` is `inventory`, as users call it.
+//! hand their arguments to, and `inventory serve` for the study's handlers. Its name in messages
+//! and `--help` is `inventory`, as users call it.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::{bench, compare, demo};
+use inventory_service::args::ProgramArgs;
+use inventory_service::config::Configured;
+
+use crate::{bench, compare, demo, serve};
+
+/// `serve` reads its settings from the same layers as the service's: each of its flags from the
+/// environment (`INVENTORY_<FLAG>`) and the configuration file too.
+pub const CONFIGURED: Configured = Configured {
+    commands: &[&["serve"]],
+    services: &[],
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -14,6 +25,8 @@ use crate::{bench, compare, demo};
     about = "The study and the measurements of the Inventory service's idempotent consumers"
 )]
 pub struct Cli {
+    #[command(flatten)]
+    pub program: ProgramArgs,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -41,6 +54,9 @@ pub enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
+    /// Runs one of the study's handlers as a JetStream subscriber until SIGINT or SIGTERM, then
+    /// drains: what `inventory serve --strategy inbox|email` runs.
+    Serve(Box<serve::StudyServeArgs>),
 }
 
 pub async fn run(cli: Cli) -> Result<bool> {
@@ -59,5 +75,18 @@ pub async fn run(cli: Cli) -> Result<bool> {
         }
         Command::Compare(args) => compare::start(*args).await,
         Command::Bench { command } => bench::run(command).await,
+        Command::Serve(args) => serve::start(*args).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// clap checks a command's definition only when it is built, in debug builds: a flag or a
+    /// group defined twice (a flattened `serve` is the service's) would panic at the first run.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
     }
 }

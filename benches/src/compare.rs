@@ -16,6 +16,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::consumers::{DetectMode, HandlerKind, NaturalKeyPath};
 use crate::fresh::FreshDatabase;
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
@@ -25,9 +26,7 @@ use inventory_domain::{
 use inventory_infra::CrashPoint;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
-use inventory_infra::{
-    DetectMode, HandleError, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository,
-};
+use inventory_infra::{HandleError, MessageHandler, StockRepository};
 use serde::Serialize;
 
 use inventory_service::args::NatsArgs;

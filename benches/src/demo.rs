@@ -8,6 +8,7 @@ use crate::faults;
 use crate::mail::InMemoryEmailProvider;
 use std::time::Duration;
 
+use crate::consumers::{DetectMode, EMAIL_CONSUMER, EmailConsumer, HandlerKind, NaturalKeyPath};
 use crate::fresh::FreshDatabase;
 use crate::mistakes::{MistakenConsumer, Strategy, StudyHandler};
 use anyhow::{Context, Result};
@@ -18,10 +19,7 @@ use inventory_domain::{
 use inventory_infra::CrashPoint;
 use inventory_infra::db::{DatabaseConnection, DbBackend};
 use inventory_infra::redact::redact_url;
-use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, Faults, HandleError, HandlerKind, MessageHandler,
-    NaturalKeyPath, StockRepository,
-};
+use inventory_infra::{Faults, HandleError, MessageHandler, StockRepository};
 use sea_orm::{ConnectionTrait, Statement};
 
 use crate::cache::{DedupCache, PreFiltered};

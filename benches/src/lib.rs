@@ -20,6 +20,10 @@
 //!   crash points.
 //! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
 //!   that is not.
+//! - [`consumers`]: the study's handlers: the inbox, the natural key through sea-orm, the
+//!   two-phase email consumer; [`consumers::HandlerKind`], the one list of the handlers it runs.
+//! - [`mailbox`]: `FileMailbox`, the email consumer's durable provider for `serve` (sent mail as
+//!   JSON lines in a local file, looked up by idempotency key).
 //! - [`fresh`]: a database of its own per run, created and dropped.
 //! - [`mail`]: the email provider of the demo and the tests, in memory, with or without a
 //!   lookup by idempotency key.
@@ -33,6 +37,8 @@
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
+//! - [`serve`]: `serve` for the study's handlers, which `inventory serve --strategy
+//!   inbox|email` runs: the service's `serve` with a study handler, and the inbox's purge.
 //! - [`cli`]: the `inventory-study` command line.
 //!
 //! The criterion benchmarks themselves are in `benches/`: `dedup_cost` (the inbox's three
@@ -50,12 +56,15 @@ pub mod cache;
 pub mod chart;
 pub mod cli;
 pub mod compare;
+pub mod consumers;
 pub mod demo;
 pub mod faults;
 pub mod fresh;
 pub mod guard_cost;
 pub mod latency;
 pub mod mail;
+pub mod mailbox;
 pub mod mistakes;
+pub mod serve;
 pub mod system_cpu;
 pub mod workload;

@@ -6,12 +6,13 @@
 //! Which earlier message a copy repeats is drawn from a seeded generator, so the sequence of
 //! fresh messages and copies is the same on every run.
 
+use crate::consumers::{BuildError, DetectMode, HandlerKind, NaturalKeyPath};
 use crate::mistakes::{Strategy, StudyHandler};
 use inventory_domain::{
     BookId, ConsumerName, Effect, FieldError, Message, OrderId, Outcome, Quantity, StockItem,
 };
+use inventory_infra::StockRepository;
 use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::{BuildError, DetectMode, HandlerKind, NaturalKeyPath, StockRepository};
 use sea_orm::DbErr;
 
 /// The server when `DATABASE_URL` names none: the local one the tests use too.

@@ -17,7 +17,10 @@ use inventory_migrations::{Migrator, MigratorTrait};
 pub use probe::{Probe, ProbeError};
 pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
-use sea_orm::{ConnectOptions, ConnectionTrait, Statement, TransactionTrait};
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, DatabaseTransaction, SqliteTransactionMode, Statement,
+    TransactionOptions, TransactionTrait,
+};
 pub use sea_orm::{DatabaseConnection, DbBackend, DbErr};
 
 /// The embedded default: a SQLite file in the working directory.
@@ -99,6 +102,17 @@ pub fn within<F: Future>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("no answer from the database within {0:?}; abandoned")]
 pub struct NoAnswer(pub Duration);
+
+/// Begins a transaction that will write. On SQLite it takes the write lock at `BEGIN`
+/// (`IMMEDIATE`): a deferred transaction that reads first cannot upgrade once another writer
+/// committed, and fails with "database is locked" instead of waiting its turn.
+pub async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTransaction, DbErr> {
+    db.begin_with_options(TransactionOptions {
+        sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+        ..TransactionOptions::default()
+    })
+    .await
+}
 
 /// Opens a pool of at most `max_connections` whose statements are not bounded: for the tools,
 /// benchmarks and tests. The commands take their [`DbTimeouts`] from their flags.

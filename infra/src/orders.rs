@@ -16,7 +16,7 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use crate::consumers::begin_write;
+use crate::db::begin_write;
 use crate::entities::{order_lines, orders};
 use crate::outbox::{self, OutboxTable};
 use crate::stock::{DataError, quantity_column, quantity_from};

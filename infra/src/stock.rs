@@ -44,7 +44,7 @@ pub struct InboxEntry {
     pub completed: bool,
 }
 
-pub(crate) fn stock_item_from(model: stock_items::Model) -> StockItem {
+pub fn stock_item_from(model: stock_items::Model) -> StockItem {
     StockItem {
         book_id: model.book_id.into(),
         title: model.title,
@@ -75,18 +75,18 @@ impl From<DataError> for DbErr {
 }
 
 /// A quantity as its `int` column holds it.
-pub(crate) fn quantity_column(quantity: u32) -> Result<i32, DataError> {
+pub fn quantity_column(quantity: u32) -> Result<i32, DataError> {
     int_column("quantity", quantity)
 }
 
-pub(crate) fn quantity_from(stored: i32) -> Result<Quantity, DataError> {
+pub fn quantity_from(stored: i32) -> Result<Quantity, DataError> {
     Quantity::new(stored.into()).map_err(|_| DataError::Unreadable {
         column: "reservation quantity",
         value: stored.to_string(),
     })
 }
 
-pub(crate) fn status_from(stored: &str) -> Result<ReservationStatus, DataError> {
+pub fn status_from(stored: &str) -> Result<ReservationStatus, DataError> {
     ReservationStatus::parse(stored).ok_or_else(|| DataError::Unreadable {
         column: "reservation status",
         value: format!("{stored:?}"),
@@ -94,7 +94,7 @@ pub(crate) fn status_from(stored: &str) -> Result<ReservationStatus, DataError> 
 }
 
 /// `value` for an `int4` column.
-pub(crate) fn int_column<T>(column: &'static str, value: T) -> Result<i32, DataError>
+pub fn int_column<T>(column: &'static str, value: T) -> Result<i32, DataError>
 where
     T: TryInto<i32> + Copy + std::fmt::Display,
 {
@@ -295,7 +295,7 @@ impl StockRepository {
     }
 }
 
-pub(crate) async fn find_inbox_entry(
+pub async fn find_inbox_entry(
     db: &impl ConnectionTrait,
     storage_key: &str,
     consumer: &str,

@@ -8,11 +8,11 @@ use std::time::Duration;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use inventory_infra::db::{DEFAULT_DATABASE_URL, DbTimeouts, SchemaPolicy};
 use inventory_infra::jetstream::{self, NatsSecurity, NatsTimeouts, Topology};
-use inventory_infra::{DetectMode, NaturalKeyPath};
 use secrecy::{ExposeSecret as _, SecretString};
 use tokio_util::sync::CancellationToken;
 
 use crate::runtime::RuntimeSettings;
+use crate::telemetry::LogFormat;
 
 /// A default `--help` can show: a duration as it is written (`30s`, `2m`).
 pub fn shown(duration: Duration) -> String {
@@ -27,6 +27,25 @@ pub const REPLAY_ALLOWANCE: &str = "7days";
 /// A secret's flag: the value held so that `Debug` never prints it.
 pub fn secret(value: &str) -> Result<SecretString, std::convert::Infallible> {
     Ok(SecretString::from(value))
+}
+
+/// The flags of every command of both binaries (`inventory` and `inventory-study`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProgramArgs {
+    /// A TOML file of settings, keyed by the flags' long names (`ack-wait = "30s"`): above the
+    /// defaults, below the environment and the command line.
+    #[arg(long, global = true, env = "INVENTORY_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// How logs are written to stderr: `text` for a person, `json` (one object a line) for a
+    /// collector.
+    #[arg(
+        long,
+        global = true,
+        env = "INVENTORY_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
 }
 
 /// Which database, and whether it must be named.
@@ -307,17 +326,6 @@ pub fn one_of<T: Copy + Send + Sync + 'static>(
             .find(|value| label(*value) == given)
             .ok_or("not one of the possible values")
     })
-}
-
-pub fn detect_mode() -> impl TypedValueParser<Value = DetectMode> {
-    one_of(&DetectMode::ALL, DetectMode::as_str)
-}
-
-/// `--natural-handler`: the batch statement is chosen by a batch size, not by name.
-pub fn natural_key_path() -> impl TypedValueParser<Value = NaturalKeyPath> {
-    const ON_THE_COMMAND_LINE: [NaturalKeyPath; 2] =
-        [NaturalKeyPath::OneStatement, NaturalKeyPath::Orm];
-    one_of(&ON_THE_COMMAND_LINE, NaturalKeyPath::as_str)
 }
 
 /// Where `/metrics` and the health endpoints listen: an address, or `off`.

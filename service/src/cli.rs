@@ -13,10 +13,10 @@ use inventory_infra::{db, jetstream, retention};
 use serde::Serialize;
 
 use crate::args::{
-    DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, REPLAY_ALLOWANCE, TopologyArgs,
+    DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, ProgramArgs, REPLAY_ALLOWANCE,
+    TopologyArgs,
 };
 use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refusal_message};
-use crate::telemetry::LogFormat;
 use crate::{dlq, publish, relay, serve, study};
 
 /// `inventory --version`: the release, the commit it was built from and the build's date.
@@ -36,20 +36,8 @@ fn version() -> String {
     about = "Idempotent consumers of OrderPlaced: the bookstore's Inventory service and its study"
 )]
 pub struct Cli {
-    /// A TOML file of settings, keyed by the flags' long names (`ack-wait = "30s"`): above the
-    /// defaults, below the environment and the command line.
-    #[arg(long, global = true, env = "INVENTORY_CONFIG", value_name = "FILE")]
-    pub config: Option<std::path::PathBuf>,
-    /// How logs are written to stderr: `text` for a person, `json` (one object a line) for a
-    /// collector.
-    #[arg(
-        long,
-        global = true,
-        env = "INVENTORY_LOG_FORMAT",
-        value_enum,
-        default_value = "text"
-    )]
-    pub log_format: LogFormat,
+    #[command(flatten)]
+    pub program: ProgramArgs,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -83,7 +71,7 @@ pub enum Command {
         command: DlqCommand,
     },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
-    Serve(Box<serve::ServeArgs>),
+    Serve(Box<serve::ServeCommand>),
     /// Publishes an outbox's pending rows to its stream until SIGINT or SIGTERM (`serve
     /// --strategy natural` runs the inventory relay itself).
     Relay(Box<relay::RelayCommandArgs>),

@@ -31,6 +31,21 @@ use inventory_infra::redact::redact_url;
 
 use crate::cli::Cli;
 
+/// Which commands of a program take their flags as settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Configured {
+    /// The commands each of whose flags is a setting.
+    pub commands: &'static [&'static [&'static str]],
+    /// The commands whose flags other commands share by name.
+    pub services: &'static [&'static [&'static str]],
+}
+
+/// The `inventory` binary's.
+pub const INVENTORY: Configured = Configured {
+    commands: &CONFIGURED,
+    services: &SERVICES,
+};
+
 /// The commands each of whose flags is a setting.
 const CONFIGURED: [&[&str]; 6] = [
     &["serve"],
@@ -99,24 +114,29 @@ fn secret(long: &str) -> Option<Secret> {
 
 /// What the command line asks for.
 #[derive(Debug)]
-pub enum Parsed {
+pub enum Parsed<P = Cli> {
     /// Run this command.
-    Run(Box<Cli>),
+    Run(Box<P>),
     /// Print the settings in effect (`--print-config`), as this text.
     Print(String),
 }
 
-/// The command line of this process with the environment and the file under it. A usage error
-/// (a flag, a value of any layer, an unreadable file) prints and exits with 2, as clap does.
-pub fn parse() -> Parsed {
-    parse_from(std::env::args_os().collect()).unwrap_or_else(|error| error.exit())
+/// The command line `args` (the program's name first) with this process's environment and the
+/// file under it. A usage error (a flag, a value of any layer, an unreadable file) is clap's,
+/// which prints and exits with 2.
+pub fn parse_from(args: Vec<OsString>) -> Result<Parsed, clap::Error> {
+    parse_program(args, INVENTORY)
 }
 
-/// [`parse`] of `args` (the program's name first), with this process's environment.
-pub fn parse_from(args: Vec<OsString>) -> Result<Parsed, clap::Error> {
+/// The command line `args` of program `P` with the environment and the file under it, the
+/// flags of `configured`'s commands taken as settings.
+pub fn parse_program<P: CommandFactory + FromArgMatches>(
+    args: Vec<OsString>,
+    configured: Configured,
+) -> Result<Parsed<P>, clap::Error> {
     let file = config_file(&args);
-    let command = Cli::command();
-    let settings = setting_names(&command);
+    let command = P::command();
+    let settings = setting_names(&command, configured);
     let defaults = Layers::read(file.as_deref(), &settings)?;
     let mut command = configure(command, &mut Vec::new(), &settings, &defaults)?;
     // Built, so that each command shows the program's own flags (`--log-format`) among its
@@ -133,7 +153,33 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Parsed, clap::Error> {
             file.as_deref(),
         )));
     }
-    Ok(Parsed::Run(Box::new(Cli::from_arg_matches(&matches)?)))
+    Ok(Parsed::Run(Box::new(P::from_arg_matches(&matches)?)))
+}
+
+/// The value of setting `long` as the layers give it, the command line first (`--long VALUE`
+/// or `--long=VALUE`), then the environment, then the configuration file; read before clap
+/// parses, to tell which program a command line is for.
+pub fn setting(args: &[OsString], long: &str) -> Option<String> {
+    let flag = format!("--{long}");
+    let mut given = args.iter().skip(1).map(|arg| arg.to_string_lossy());
+    while let Some(arg) = given.next() {
+        if arg == "--" {
+            break;
+        }
+        if arg == flag {
+            return given.next().map(|value| value.into_owned());
+        }
+        if let Some(value) = arg.strip_prefix(&format!("{flag}=")) {
+            return Some(value.to_owned());
+        }
+    }
+    if let Some(value) = std::env::var_os(env_name(long)).filter(|value| !value.is_empty()) {
+        return Some(value.to_string_lossy().into_owned());
+    }
+    let table: BTreeMap<String, Value> = Figment::from(Toml::file_exact(config_file(args)?))
+        .extract()
+        .ok()?;
+    table.get(long).and_then(scalar)
 }
 
 /// `--config FILE` (or `--config=FILE`) on the command line, else `INVENTORY_CONFIG`: looked up
@@ -158,11 +204,12 @@ fn config_file(args: &[OsString]) -> Option<PathBuf> {
 
 /// The long names of every setting, and of those the services share with other commands.
 struct SettingNames {
+    configured: &'static [&'static [&'static str]],
     all: BTreeSet<String>,
     shared: BTreeSet<String>,
 }
 
-fn setting_names(root: &Command) -> SettingNames {
+fn setting_names(root: &Command, configured: Configured) -> SettingNames {
     let longs = |paths: &[&[&str]]| -> BTreeSet<String> {
         paths
             .iter()
@@ -180,8 +227,9 @@ fn setting_names(root: &Command) -> SettingNames {
         .map(str::to_owned)
         .collect();
     SettingNames {
-        all: longs(&CONFIGURED).union(&global).cloned().collect(),
-        shared: longs(&SERVICES).union(&global).cloned().collect(),
+        configured: configured.commands,
+        all: longs(configured.commands).union(&global).cloned().collect(),
+        shared: longs(configured.services).union(&global).cloned().collect(),
     }
 }
 
@@ -305,7 +353,8 @@ fn configure(
     settings: &SettingNames,
     layers: &Layers,
 ) -> Result<Command, clap::Error> {
-    let configured = CONFIGURED
+    let configured = settings
+        .configured
         .iter()
         .any(|configured| configured.iter().eq(path.iter()));
     let mut failure = None;
@@ -587,7 +636,7 @@ mod tests {
     #[test]
     fn the_file_is_under_the_command_line_and_over_the_defaults() {
         let config = file(
-            "ack-wait = \"45s\"\nmax-deliver = 7\nbackoff = [\"1s\", \"5s\"]\nstrategy = \"inbox\"\n\
+            "ack-wait = \"45s\"\nmax-deliver = 7\nbackoff = [\"1s\", \"5s\"]\nconsumer = \"mine\"\n\
              log-format = \"json\"\n",
         );
         let text = printed(&[
@@ -609,7 +658,7 @@ mod tests {
             line(&text, "backoff").contains("[\"1s\", \"5s\"]"),
             "{text}"
         );
-        assert!(line(&text, "strategy").contains("\"inbox\""), "{text}");
+        assert!(line(&text, "consumer").contains("\"mine\""), "{text}");
         assert!(
             line(&text, "max-ack-pending").ends_with("# default"),
             "{text}"
@@ -686,8 +735,8 @@ mod tests {
         let crate::cli::Command::Serve(serve) = cli.command else {
             panic!("serve");
         };
-        assert!(serve.database.skip_migrations);
-        assert!(serve.nats.nats_require_tls);
+        assert!(serve.args.database.skip_migrations);
+        assert!(serve.args.nats.nats_require_tls);
     }
 
     #[test]
@@ -695,7 +744,7 @@ mod tests {
         let command = configure(
             Cli::command(),
             &mut Vec::new(),
-            &setting_names(&Cli::command()),
+            &setting_names(&Cli::command(), INVENTORY),
             &Layers(BTreeMap::new()),
         )
         .expect("no layer, no error");

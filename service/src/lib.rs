@@ -7,9 +7,9 @@
 //!   the durable consumer set up, the lanes, and the path of one message from fetch to ack;
 //!   [`policy`]: what becomes of a delivery (ack, nak after a delay, dead letter), as a pure
 //!   function, and what became of it ([`policy::Disposition`]).
-//! - [`serve`]: `inventory serve`: flags to runtime settings, signals, the purge and its
-//!   horizon guard ([`retention`]), Prometheus metrics ([`metrics`]) and the health endpoints
-//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); `tasks`: the tasks `serve`
+//! - [`serve`]: `inventory serve`: flags to runtime settings, signals, what the lanes run (a
+//!   [`serve::Served`]), Prometheus metrics ([`metrics`]) and the health endpoints
+//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); [`tasks`]: the tasks `serve`
 //!   and `relay` run beside their main work, each one's end looked at.
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands;
 //!   [`config`]: the settings' layers (defaults, a TOML file, the environment, the flags) and
@@ -17,7 +17,10 @@
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
 //! - [`dlq`]: listing, replaying and deleting dead letters; [`publish`]: the producer command.
-//! - [`study`]: `inventory demo|compare|bench`, run by the study binary.
+//! - [`retention`]: the redelivery horizon and the inbox's purge, which `inbox purge` and the
+//!   study's `serve` run.
+//! - [`study`]: `inventory demo|compare|bench`, and `serve` for the study's handlers, run by
+//!   the study binary.
 //! - [`telemetry`]: the tracing subscriber.
 //!
 //! No module imports one that imports it back: [`policy`] depends on no other module,
@@ -57,5 +60,5 @@ pub mod retention;
 pub mod runtime;
 pub mod serve;
 pub mod study;
-mod tasks;
+pub mod tasks;
 pub mod telemetry;

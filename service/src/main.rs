@@ -2,12 +2,16 @@ use std::process::ExitCode;
 
 use inventory_service::cli::{self, Command};
 use inventory_service::config::{self, Parsed};
-use inventory_service::telemetry;
+use inventory_service::{study, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let args: Vec<_> = std::env::args_os().collect();
+    if study::serves_the_study(&args) {
+        return cli::exit_code(study::forward_all(&args));
+    }
     // Usage errors, in a flag or in any layer of the settings, exit with 2 inside `parse`.
-    let cli = match config::parse() {
+    let cli = match config::parse_from(args).unwrap_or_else(|error| error.exit()) {
         Parsed::Run(cli) => *cli,
         Parsed::Print(settings) => {
             print!("{settings}");
@@ -19,6 +23,6 @@ async fn main() -> ExitCode {
         Command::Serve(_) | Command::Relay(_) => "info,sqlx=warn,sea_orm_migration=warn",
         _ => "warn",
     };
-    telemetry::init(default_filter, cli.log_format);
+    telemetry::init(default_filter, cli.program.log_format);
     cli::exit_code(cli::run(cli).await)
 }

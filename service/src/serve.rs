@@ -1,27 +1,29 @@
 //! `inventory serve`: the JetStream subscriber, wired from its flags. The consumer itself is
 //! [`crate::runtime`]; this module turns the command line into its settings, adds what only a
-//! long-running service needs (signals, the purge and its horizon guard, metrics) and waits.
+//! long-running service needs (signals, the relay, metrics, health) and waits. What the lanes
+//! run is a [`Served`]: the natural key here; the study's handlers in the study binary, whose
+//! `serve` is this one with its own.
 
 use std::time::Duration;
 
 use anyhow::Context as _;
-use inventory_infra::db::{self, DbBackend};
+use inventory_domain::ConsumerName;
+use inventory_infra::db::{self, DatabaseConnection, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings};
 use inventory_infra::outbox::{OutboxSource, RelaySettings};
 use inventory_infra::redact::redact_url;
-use inventory_infra::{DetectMode, FileMailbox, HandlerKind, NaturalKeyPath};
+use inventory_infra::{MessageHandler, NaturalKey};
 use tokio_util::sync::CancellationToken;
 
 use crate::tasks::{Background, report_task_failure};
 
 use crate::args::{
-    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, detect_mode, drain,
-    natural_key_path, shown,
+    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, drain, shown,
 };
 use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::relay::{RELAY, RelayArgs};
-use crate::retention::{self, HorizonArgs, PURGE_BATCH_SIZE, PurgeSettings};
+use crate::retention::HorizonArgs;
 use crate::runtime::{ConsumerRuntime, Ending, Reads, RuntimeSettings, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
@@ -35,23 +37,27 @@ const DEAD_LETTER_INTERVAL: Duration = Duration::from_secs(30);
 /// needs NATS, whose own requests are bounded well inside it.
 const STUCK_MARGIN: Duration = Duration::from_secs(30);
 
-/// The strategy `serve` runs.
+/// The strategy `serve` runs: the natural key. The study's (`inbox`, `email`) run in the
+/// study binary, which `inventory serve --strategy inbox|email` starts in this one's place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StrategyArg {
     /// The natural key `(order_id, book_id)`: consumer `inventory-reserve-stock`.
     Natural,
-    /// The inbox `(message_id, consumer)`: consumer `inventory-reserve-stock-inbox`.
-    Inbox,
-    /// The two-phase stock-reserved email: consumer `notifications-stock-reserved-email`, mail
-    /// kept in the `--mailbox` file.
-    Email,
 }
 
+/// `inventory serve`'s command line.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeCommand {
+    /// Which handler runs (`inbox` and `email` are the study's: see above).
+    #[arg(long, value_enum, default_value = "natural")]
+    pub strategy: StrategyArg,
+    #[command(flatten)]
+    pub args: ServeArgs,
+}
+
+/// The flags of `serve`, whichever handler it runs.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// Which handler runs.
-    #[arg(long, value_enum)]
-    pub strategy: StrategyArg,
     /// Prints the settings in effect, each with where it came from (default, file, environment,
     /// command line) and secrets masked, then exits.
     #[arg(long)]
@@ -59,26 +65,10 @@ pub struct ServeArgs {
     /// Durable consumer name; the contract's name for the strategy by default.
     #[arg(long, help_heading = "Consumer")]
     pub consumer: Option<String>,
-    /// The natural-key handler: the backend's fast path (on PostgreSQL one statement per
-    /// message on a connection each lane holds, on SQLite the one writer connection every lane
-    /// shares), or the sea-orm entity transaction on the pool, the reference.
-    #[arg(long, default_value = "one-statement", value_parser = natural_key_path(), help_heading = "Consumer")]
-    pub natural_handler: NaturalKeyPath,
-    /// Duplicate detection of the inbox strategy.
-    #[arg(long, default_value = "on-conflict", value_parser = detect_mode(), help_heading = "Consumer")]
-    pub inbox_detect: DetectMode,
-    /// The email strategy's provider: sent mail as JSON lines in this file, looked up by
-    /// idempotency key to reconcile an interrupted send.
-    #[arg(
-        long,
-        default_value = "inventory-mailbox.jsonl",
-        help_heading = "Consumer"
-    )]
-    pub mailbox: std::path::PathBuf,
     /// Messages a lane hands the handler at once, of those already fetched (a batch never
     /// waits for more). The natural key commits each run of placements in a batch together (a
     /// cancellation between them is handled in its place) and acks each message after the
-    /// commit; other handlers take them one by one.
+    /// commit; the study's other handlers take them one by one.
     #[arg(long, default_value_t = BATCH_SIZE, value_parser = clap::value_parser!(u16).range(1..=1000), help_heading = "Consumer")]
     pub batch_size: u16,
     /// Messages (or batches) handled at once; by default the pool size on PostgreSQL, 2 on
@@ -121,25 +111,9 @@ pub struct ServeArgs {
     pub nats: NatsArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
-    /// The outbox relay `--strategy natural` runs beside its lanes.
+    /// The outbox relay the natural key runs beside its lanes.
     #[command(flatten)]
     pub relay: RelayArgs,
-    /// Completed inbox rows older than this are purged in the background (the inbox and email
-    /// strategies; the natural key keeps no inbox rows). Must cover the
-    /// redelivery horizon (redeliveries + duplicate window + the stream's max_age or the lag
-    /// allowance + replay allowance).
-    #[arg(long, default_value = "14days", value_parser = humantime::parse_duration, help_heading = "Retention and the redelivery horizon")]
-    pub inbox_retention: Duration,
-    /// Time between background purges; 0s turns the purge (and its horizon check) off.
-    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration, help_heading = "Retention and the redelivery horizon")]
-    pub purge_interval: Duration,
-    /// Rows per purge batch; each batch is one short transaction.
-    #[arg(long, default_value_t = PURGE_BATCH_SIZE, help_heading = "Retention and the redelivery horizon")]
-    pub purge_batch_size: u64,
-    /// Starts even when --inbox-retention is shorter than the redelivery horizon (a warning
-    /// instead of a refusal).
-    #[arg(long, help_heading = "Retention and the redelivery horizon")]
-    pub accept_short_retention: bool,
     #[command(flatten)]
     pub horizon: HorizonArgs,
     #[command(flatten)]
@@ -158,35 +132,80 @@ const BATCH_SIZE: u16 = 64;
 /// for it.
 const SQLITE_LANES: usize = 2;
 
+/// What `serve`'s lanes run, and what it needs beside them.
+pub trait Served {
+    type Handler: MessageHandler;
+
+    /// Its name in the log.
+    fn label(&self) -> &'static str;
+
+    /// The contract's durable consumer of the handler.
+    fn default_consumer(&self) -> &'static str;
+
+    fn reads(&self) -> Reads {
+        Reads::Orders
+    }
+
+    /// Whether it commits several messages together: the lanes then hand it `--batch-size`
+    /// at once.
+    fn takes_batches(&self) -> bool;
+
+    /// Whether it writes Inventory's events into the outbox, for the relay `serve` runs.
+    fn writes_events(&self) -> bool;
+
+    /// The handler, once the consumer is set up; what must run beside the lanes is adopted
+    /// into `setup.background`. An error here stops the start.
+    fn prepare(self, setup: Setup<'_>) -> impl Future<Output = anyhow::Result<Self::Handler>>;
+}
+
+/// What a [`Served`] is prepared with.
+pub struct Setup<'a> {
+    pub args: &'a ServeArgs,
+    pub db: &'a DatabaseConnection,
+    pub runtime: &'a ConsumerRuntime,
+    pub consumer: ConsumerName,
+    pub metrics: &'a Metrics,
+    pub background: &'a mut Background,
+    /// Cancelled at the first signal.
+    pub graceful: CancellationToken,
+}
+
+/// The natural key on the database's own path: what `inventory serve` runs.
+pub struct NaturalKeyServed;
+
+impl Served for NaturalKeyServed {
+    type Handler = NaturalKey;
+
+    fn label(&self) -> &'static str {
+        "natural-key"
+    }
+
+    fn default_consumer(&self) -> &'static str {
+        "inventory-reserve-stock"
+    }
+
+    fn takes_batches(&self) -> bool {
+        true
+    }
+
+    fn writes_events(&self) -> bool {
+        true
+    }
+
+    async fn prepare(self, setup: Setup<'_>) -> anyhow::Result<NaturalKey> {
+        Ok(NaturalKey::new(setup.db, setup.consumer))
+    }
+}
+
 impl ServeArgs {
-    /// The handler these flags choose: `--batch-size` above 1 makes the natural
-    /// key's fast path its batch path.
-    pub fn handler(&self) -> HandlerKind {
-        match self.strategy {
-            StrategyArg::Natural => {
-                HandlerKind::natural_key(self.natural_handler, self.batch_size())
-            }
-            StrategyArg::Inbox => HandlerKind::Inbox(self.inbox_detect),
-            StrategyArg::Email => HandlerKind::Email,
-        }
-    }
-
-    fn batch_size(&self) -> usize {
-        usize::from(self.batch_size)
-    }
-
-    /// The consumer runtime's settings from these flags.
-    pub fn runtime_settings(&self, backend: DbBackend) -> RuntimeSettings {
-        let handler = self.handler();
-        let reads = match handler {
-            HandlerKind::Email => Reads::Reservations,
-            _ => Reads::Orders,
-        };
+    /// The consumer runtime's settings from these flags, for `served`.
+    pub fn runtime_settings(&self, backend: DbBackend, served: &impl Served) -> RuntimeSettings {
         let durable_name = self
             .consumer
             .as_deref()
-            .unwrap_or(handler.default_consumer());
-        let defaults = RuntimeSettings::new(self.topology.topology(), durable_name, reads, 1);
+            .unwrap_or(served.default_consumer());
+        let defaults =
+            RuntimeSettings::new(self.topology.topology(), durable_name, served.reads(), 1);
         RuntimeSettings {
             consumer: ConsumerSettings {
                 ack_wait: self.ack_wait,
@@ -200,8 +219,8 @@ impl ServeArgs {
             }),
             update_consumer: self.update_consumer,
             max_deliver: self.horizon.max_deliver,
-            batch_size: if handler.takes_batches() {
-                self.batch_size()
+            batch_size: if served.takes_batches() {
+                usize::from(self.batch_size)
             } else {
                 1
             },
@@ -261,8 +280,15 @@ async fn watch_dead_letters(
     }
 }
 
-/// `inventory serve`: wiring, then the runtime until a signal. Ok(true) when it drained cleanly.
-pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
+/// `inventory serve`: the natural key until a signal. Ok(true) when it drained cleanly.
+pub async fn start(command: ServeCommand) -> anyhow::Result<bool> {
+    let StrategyArg::Natural = command.strategy;
+    start_with(command.args, NaturalKeyServed).await
+}
+
+/// `serve` running `served`: wiring, then the runtime until a signal. Ok(true) when it drained
+/// cleanly.
+pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<bool> {
     let shutdown = Shutdown::default();
     shutdown.on_signals()?;
     let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
@@ -305,81 +331,48 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
     })?;
     let client = args.nats.connect("inventory serve").await?;
     let js = jetstream::context(client.clone());
-    let settings = args.runtime_settings(db.get_database_backend());
+    let settings = args.runtime_settings(db.get_database_backend(), &served);
     let consumer_name = settings.consumer.durable_name.clone();
     let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
     runtime.report_failures_to(liveness.clone());
 
-    // Only an inbox has rows to keep past the horizon and to purge: the natural key's are the
-    // business record.
-    let purging = !args.purge_interval.is_zero() && args.handler().writes_inbox_rows();
-    if purging {
-        // The server's values rule, whatever this process would have set.
-        let horizon = retention::horizon(
-            runtime.server_consumer(),
-            runtime.duplicate_window(),
-            runtime.stream_max_age(),
-            &args.horizon,
-        );
-        retention::guard(
-            &consumer_name,
-            &horizon,
-            args.inbox_retention,
-            args.accept_short_retention,
-        )?;
-    }
-    // The natural key writes an event per decision into the outbox: its relay runs here,
-    // woken by the lanes after each commit that wrote one. Set up after the guard, so a
-    // refused start leaves no heartbeat behind.
-    let relay = match args.strategy {
-        StrategyArg::Natural => {
-            let topology = args.topology.topology();
-            let relay = crate::relay::prepare(
-                &js,
-                db.clone(),
-                OutboxSource::inventory(&topology),
-                &topology.events_stream(),
-                RelaySettings {
-                    db_timeout: args.database.timeouts().work(),
-                    ..args.relay.settings()
-                },
-            )
-            .await?;
-            runtime.wake_relay_on_events(relay.wake());
-            metrics.watch_relay(relay.status(), args.relay.relay_unhealthy_after)?;
-            Some(relay)
-        }
-        StrategyArg::Inbox | StrategyArg::Email => None,
-    };
-    if purging {
-        let settings = PurgeSettings {
-            retention: args.inbox_retention,
-            interval: args.purge_interval,
-            batch_size: args.purge_batch_size,
-        };
-        let purge = retention::spawn_purge(
+    let label = served.label();
+    let writes_events = served.writes_events();
+    let handler = served
+        .prepare(Setup {
+            args: &args,
+            db: &db,
+            runtime: &runtime,
+            consumer: runtime.consumer_name()?,
+            metrics: &metrics,
+            background: &mut background,
+            graceful: graceful.clone(),
+        })
+        .await?;
+    // A handler that writes an event per decision into the outbox has its relay here, woken
+    // by the lanes after each commit that wrote one. Set up after the handler, so a refused
+    // start (the study's retention guard) leaves no heartbeat behind.
+    let relay = if writes_events {
+        let topology = args.topology.topology();
+        let relay = crate::relay::prepare(
+            &js,
             db.clone(),
-            consumer_name.clone(),
-            settings,
-            Some(metrics.clone()),
-            graceful.child_token(),
-        )?;
-        background.adopt("purge", purge);
-    }
-
-    let mailbox = match args.handler() {
-        HandlerKind::Email => Some(
-            FileMailbox::open(&args.mailbox)
-                .await
-                .with_context(|| format!("opening the mailbox {}", args.mailbox.display()))?,
-        ),
-        _ => None,
+            OutboxSource::inventory(&topology),
+            &topology.events_stream(),
+            RelaySettings {
+                db_timeout: args.database.timeouts().work(),
+                ..args.relay.settings()
+            },
+        )
+        .await?;
+        runtime.wake_relay_on_events(relay.wake());
+        metrics.watch_relay(relay.status(), args.relay.relay_unhealthy_after)?;
+        Some(relay)
+    } else {
+        None
     };
-    let handler = args
-        .handler()
-        .build(&db, runtime.consumer_name()?, mailbox)?;
     tracing::info!(
-        handler = args.handler().label(),
+        handler = label,
         consumer = %consumer_name,
         stream = %runtime.settings().topology.stream,
         concurrency = runtime.settings().concurrency,
@@ -462,51 +455,28 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<bool> {
 mod tests {
     use clap::Parser as _;
     use inventory_infra::db::DbBackend;
-    use inventory_infra::{HandlerKind, NaturalKeyPath};
 
+    use super::NaturalKeyServed;
     use crate::cli::{Cli, Command};
 
-    fn serve(flags: &[&str]) -> super::ServeArgs {
+    /// `(lanes, batch size)` the flags come to on `backend`.
+    fn shape(flags: &[&str], backend: DbBackend) -> (usize, usize) {
         let args = ["inventory", "serve", "--strategy", "natural"];
-        match Cli::try_parse_from(args.iter().chain(flags)).map(|cli| cli.command) {
-            Ok(Command::Serve(args)) => *args,
+        let serve = match Cli::try_parse_from(args.iter().chain(flags)).map(|cli| cli.command) {
+            Ok(Command::Serve(serve)) => serve.args,
             other => panic!("not serve: {other:?}"),
-        }
-    }
-
-    /// `(handler, lanes, batch size)` the flags come to on `backend`.
-    fn shape(flags: &[&str], backend: DbBackend) -> (HandlerKind, usize, usize) {
-        let args = serve(flags);
-        let settings = args.runtime_settings(backend);
-        (args.handler(), settings.concurrency, settings.batch_size)
+        };
+        let settings = serve.runtime_settings(backend, &NaturalKeyServed);
+        (settings.concurrency, settings.batch_size)
     }
 
     #[test]
     fn the_natural_key_is_served_in_batches_on_both_backends() {
-        let natural = HandlerKind::NaturalKey;
-        assert_eq!(
-            shape(&[], DbBackend::Sqlite),
-            (natural(NaturalKeyPath::Batch), 2, 64)
-        );
-        assert_eq!(
-            shape(&["--batch-size", "1"], DbBackend::Sqlite),
-            (natural(NaturalKeyPath::OneStatement), 2, 1)
-        );
-        assert_eq!(
-            shape(
-                &["--natural-handler", "orm", "--concurrency", "10"],
-                DbBackend::Sqlite
-            ),
-            (natural(NaturalKeyPath::Orm), 10, 1)
-        );
+        assert_eq!(shape(&[], DbBackend::Sqlite), (2, 64));
+        assert_eq!(shape(&["--batch-size", "1"], DbBackend::Sqlite), (2, 1));
+        assert_eq!(shape(&["--concurrency", "10"], DbBackend::Sqlite), (10, 64));
         // PostgreSQL: a lane per pooled connection, batches of 64 too.
-        assert_eq!(
-            shape(&[], DbBackend::Postgres),
-            (natural(NaturalKeyPath::Batch), 10, 64)
-        );
-        assert_eq!(
-            shape(&["--batch-size", "1"], DbBackend::Postgres),
-            (natural(NaturalKeyPath::OneStatement), 10, 1)
-        );
+        assert_eq!(shape(&[], DbBackend::Postgres), (10, 64));
+        assert_eq!(shape(&["--batch-size", "1"], DbBackend::Postgres), (10, 1));
     }
 }

@@ -1,7 +1,7 @@
 //! The tasks `serve` and `relay` run beside their main work: the health server, the purge, the
 //! watchers that feed the metrics. Each runs until the command stops, and every one's end is
 //! looked at: one that ends before the stop, or panics at any time, fails the process. Why a
-//! task ended ([`early_end`]) and how that is reported ([`report_task_failure`]) are said here
+//! task ended (`early_end`) and how that is reported (`report_task_failure`) are said here
 //! for the lanes and the relay too.
 
 use futures::StreamExt as _;
@@ -17,7 +17,7 @@ use crate::metrics::Metrics;
 type Ended = (&'static str, Result<(), JoinError>);
 
 /// The background tasks of one command, stopped together; dropped, it tells them to stop.
-pub(crate) struct Background {
+pub struct Background {
     stop: CancellationToken,
     /// After this, a task may end by itself: those that stop with the first signal.
     stopping: CancellationToken,
@@ -56,9 +56,9 @@ impl Background {
         self.stop.clone()
     }
 
-    /// Watches `task`, which runs until [`Self::stop_token`]; `name` is what the logs and
+    /// Watches `task`, which runs until `stop_token`; `name` is what the logs and
     /// `inventory_task_failures_total` call it.
-    pub(crate) fn adopt(&mut self, name: &'static str, task: JoinHandle<()>) {
+    pub fn adopt(&mut self, name: &'static str, task: JoinHandle<()>) {
         self.aborts.push((name, task.abort_handle()));
         self.running
             .push(Box::pin(async move { (name, task.await) }));

@@ -147,14 +147,14 @@ fn print_config_masks_every_form_of_secret() {
 fn names_without_the_prefix_are_not_read() {
     let printed = stdout(&run(
         &["serve", "--strategy", "natural", "--print-config"],
-        &[("METRICS_ADDR", "127.0.0.1:9191"), ("PURGE_INTERVAL", "5m")],
+        &[("METRICS_ADDR", "127.0.0.1:9191"), ("ACK_WAIT", "5m")],
     ));
     assert!(
         setting(&printed, "metrics-addr").ends_with("# default"),
         "{printed}"
     );
     assert!(
-        setting(&printed, "purge-interval").ends_with("# default"),
+        setting(&printed, "ack-wait").ends_with("# default"),
         "{printed}"
     );
 }
@@ -202,14 +202,10 @@ fn booleans_read_the_same_words_from_every_variable() {
             &[
                 ("INVENTORY_NATS_REQUIRE_TLS", word),
                 ("INVENTORY_SKIP_MIGRATIONS", word),
-                ("INVENTORY_ACCEPT_SHORT_RETENTION", word),
+                ("INVENTORY_UPDATE_CONSUMER", word),
             ],
         ));
-        for long in [
-            "nats-require-tls",
-            "skip-migrations",
-            "accept-short-retention",
-        ] {
+        for long in ["nats-require-tls", "skip-migrations", "update-consumer"] {
             assert!(
                 setting(&printed, long).starts_with(&format!("{long} = true ")),
                 "{word}: {printed}"
@@ -323,5 +319,30 @@ fn force_and_dry_run_are_never_read_from_the_environment() {
         let help = stdout(&run(&[command, &["--help"]].concat(), &[]));
         assert!(!help.contains("INVENTORY_FORCE"), "{command:?}: {help}");
         assert!(!help.contains("INVENTORY_DRY_RUN"), "{command:?}: {help}");
+    }
+}
+
+/// `serve` with a study handler runs in the study binary, which reads its settings from the
+/// same layers: its own flags (`--inbox-retention`) and the service's (`--ack-wait`) alike.
+#[test]
+fn serve_with_a_study_handler_reads_the_same_layers() {
+    let printed = stdout(&run(
+        &["serve", "--strategy", "inbox", "--print-config"],
+        &[
+            ("INVENTORY_INBOX_RETENTION", "30days"),
+            ("INVENTORY_ACK_WAIT", "45s"),
+        ],
+    ));
+    assert!(
+        setting(&printed, "strategy").starts_with("strategy = \"inbox\""),
+        "{printed}"
+    );
+    for (long, value, variable) in [
+        ("inbox-retention", "30days", "INVENTORY_INBOX_RETENTION"),
+        ("ack-wait", "45s", "INVENTORY_ACK_WAIT"),
+    ] {
+        let line = setting(&printed, long);
+        assert!(line.contains(&format!("\"{value}\"")), "{printed}");
+        assert!(line.ends_with(&format!("# env {variable}")), "{printed}");
     }
 }

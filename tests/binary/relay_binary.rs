@@ -3,9 +3,9 @@
 
 use std::time::{Duration, Instant};
 
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_domain::{BookId, OrderId};
 use inventory_infra::jetstream;
-use inventory_infra::{HandlerKind, NaturalKeyPath};
 use inventory_tests::binary::{BinaryRun, free_port, http_get, sample, stop};
 use inventory_tests::broker::eventually;
 use inventory_tests::outbox::{self, assert_published_once_in_order};

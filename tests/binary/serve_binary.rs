@@ -3,8 +3,8 @@
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use inventory_benches::consumers::EMAIL_CONSUMER;
 use inventory_domain::BookId;
-use inventory_infra::EMAIL_CONSUMER;
 use inventory_infra::jetstream;
 use inventory_tests::binary::{self, BinaryRun};
 use inventory_tests::broker::eventually;

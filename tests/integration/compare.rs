@@ -7,7 +7,7 @@ use std::time::Duration;
 use inventory_benches::compare::{
     self, Backend, CompareReport, Fault, Rates, STRATEGIES, Settings, Workload,
 };
-use inventory_infra::{DetectMode, HandlerKind, NaturalKeyPath};
+use inventory_benches::consumers::{DetectMode, HandlerKind, NaturalKeyPath};
 use inventory_tests::nats::shared_url;
 use inventory_tests::postgres::server_url;
 use inventory_tests::{TestDb, placed};

@@ -12,9 +12,9 @@
 
 use std::collections::BTreeMap;
 
+use inventory_benches::consumers::{DetectMode, HandlerKind, NaturalKeyPath};
 use inventory_domain::{BookId, OrderId, StockItem};
 use inventory_infra::jetstream::dlq_headers;
-use inventory_infra::{DetectMode, HandlerKind, NaturalKeyPath};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::corpus::{self, Entry};
 use inventory_tests::nats::NatsServer;

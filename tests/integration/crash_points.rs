@@ -13,15 +13,15 @@ use inventory_benches::mail::InMemoryEmailProvider;
 use inventory_benches::mistakes::Strategy;
 use std::sync::{Arc, Mutex};
 
+use inventory_benches::consumers::{
+    DetectMode, EMAIL_CONSUMER, EmailConsumer, HandlerKind, NaturalKeyPath,
+};
 use inventory_domain::{
     BookId, ConsumerName, Event, EventKind, Message, Outcome, ReservationStatus,
 };
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
-use inventory_infra::{
-    DetectMode, EMAIL_CONSUMER, EmailConsumer, HandleError, HandlerKind, MessageHandler,
-    NaturalKeyPath,
-};
+use inventory_infra::{HandleError, MessageHandler};
 use inventory_service::metrics::ConsumerMetrics;
 use inventory_service::runtime::RuntimeSettings;
 use inventory_tests::broker::{Broker, RunningService, eventually};

@@ -5,9 +5,10 @@
 
 use async_nats::jetstream::consumer::PullConsumer;
 use futures::StreamExt;
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_domain::{BookId, DeadLetterReason, EventKind};
+use inventory_infra::delivery;
 use inventory_infra::jetstream::{self, dlq_headers};
-use inventory_infra::{HandlerKind, NaturalKeyPath, delivery};
 use inventory_service::dlq::{self, Selection};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};

@@ -11,15 +11,14 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
 use futures::future::{join_all, try_join_all};
+use inventory_benches::consumers::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_domain::stock::second_request_for_reservation;
 use inventory_domain::{
     BookId, DeadLetterReason, DedupKey, Effect, Event, Message, MessageId, OrderCancelled, OrderId,
     OrderPlaced, Outcome, Quantity, ReservationDecision, ReservationStatus, StockItem,
 };
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::{
-    HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository,
-};
+use inventory_infra::{HandleError, MessageHandler, StockRepository};
 use inventory_tests::{Backend, TestDb};
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;

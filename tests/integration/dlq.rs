@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use inventory_benches::consumers::HandlerKind;
+use inventory_benches::consumers::NaturalKeyPath;
 use inventory_domain::{DeadLetterReason, StockItem};
-use inventory_infra::HandlerKind;
-use inventory_infra::NaturalKeyPath;
 use inventory_infra::jetstream::Origin;
 use inventory_service::dlq::{self, ReplayOptions, ReplayRefused, Selection};
 use inventory_tests::broker::{Broker, RunningService, eventually};

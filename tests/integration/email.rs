@@ -6,12 +6,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use inventory_benches::consumers::{EMAIL_CONSUMER, EmailConsumer};
+use inventory_benches::mailbox::{FileMailbox, MailboxError};
 use inventory_domain::{
     BookId, ConsumerName, DeadLetterReason, Effect, EmailProvider, MessageId, OrderId, Outcome,
     ProviderError, Quantity, SentLookup, StockReservedEmail,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::{EMAIL_CONSUMER, EmailConsumer, FileMailbox, HandleError, MailboxError};
+use inventory_infra::HandleError;
 use inventory_tests::{TestDb, crash_at, on_both_backends, stock_reserved};
 
 fn email_consumer<P: EmailProvider + Clone>(

@@ -5,12 +5,11 @@ use inventory_domain::{
 };
 use sea_orm::ConnectionTrait;
 
+use inventory_benches::consumers::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_benches::fresh::FreshDatabase;
 use inventory_domain::{DeadLetterReason, ErrorKind, Refusal};
 use inventory_infra::db::{self, DbErrorCode};
-use inventory_infra::{
-    DataError, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath, StockRepository,
-};
+use inventory_infra::{DataError, HandleError, MessageHandler, StockRepository};
 
 /// A database of its own on the server of `DATABASE_URL`, else the local one. These tests
 /// are about PostgreSQL's codes: without a server they fail, never skip.

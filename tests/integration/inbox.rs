@@ -1,9 +1,10 @@
 //! The inbox, in each of its three duplicate-detection modes.
 
+use inventory_benches::consumers::{DetectMode, Handler, HandlerKind};
 use inventory_domain::Message;
 use inventory_domain::{DeadLetterReason, Effect, Event, Outcome, Quantity};
 use inventory_infra::CrashPoint;
-use inventory_infra::{DetectMode, HandleError, Handler, HandlerKind};
+use inventory_infra::HandleError;
 use inventory_tests::{TestDb, crash_at, on_both_backends, placed};
 
 use crate::two_copies;

@@ -1,10 +1,11 @@
 //! Every natural-key path takes its locks in the one order `natural.rs` sets down, so two
 //! messages never wait for each other in a cycle (a deadlock, SQLSTATE 40P01).
 
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_benches::faults;
 use inventory_domain::{Message, OrderId, Outcome};
 use inventory_infra::CrashPoint;
-use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_infra::MessageHandler;
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::ConnectionTrait;
 

@@ -1,12 +1,13 @@
 //! Natural idempotency: the reservation's key (order_id, book_id) refuses a second reservation.
 
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_benches::faults;
 use inventory_domain::Message;
 use inventory_domain::{
     BookId, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::{HandleError, HandlerKind, NaturalKeyPath};
+use inventory_infra::HandleError;
 use inventory_tests::{Backend, TestDb, crash_at, on_both_backends, placed, placed_for};
 
 use crate::two_copies;

@@ -1,12 +1,13 @@
 //! The one-statement natural key on PostgreSQL keeps the reference handler's promises.
 
+use inventory_benches::consumers::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_benches::faults;
 use inventory_domain::Message;
 use inventory_domain::{
     BookId, DeadLetterReason, Effect, OrderId, Outcome, ReservationStatus, StockItem,
 };
 use inventory_infra::CrashPoint;
-use inventory_infra::{Handler, HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_infra::MessageHandler;
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Statement, TransactionTrait};
 

@@ -2,8 +2,9 @@
 //! must keep. The rule itself, against the model, is in `differential.rs`; its crash points in
 //! `crash_points.rs`; hostile input in `corpus.rs`.
 
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_domain::{Effect, Message, OrderId, Outcome, Quantity, ReservationStatus};
-use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_infra::MessageHandler;
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 
 fn reserved(quantity: i64) -> Outcome {

@@ -5,9 +5,10 @@
 //! on PostgreSQL. The random sequences of `differential.rs` compare the events with the
 //! domain's model too.
 
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_domain::{Event, Message, OrderId, StockEvent, StockEventKind};
 use inventory_infra::CrashPoint;
-use inventory_infra::{HandlerKind, MessageHandler, NaturalKeyPath};
+use inventory_infra::MessageHandler;
 use inventory_tests::{Backend, TestDb, crash_at, placed, placed_for};
 use sea_orm::{ConnectionTrait, Statement};
 use serde_json::Value;

@@ -3,8 +3,8 @@
 //! for the whole purge, and nothing inside the retention is deleted. How fast it purges and
 //! what it costs the consumer is measured in docs/benchmarks.md, not asserted here.
 
+use inventory_benches::consumers::{DetectMode, HandlerKind};
 use inventory_infra::retention::purge_completed;
-use inventory_infra::{DetectMode, HandlerKind};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};

@@ -6,11 +6,11 @@
 use inventory_benches::faults;
 use std::time::Duration;
 
+use inventory_benches::consumers::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_domain::OrderId;
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream;
 use inventory_infra::outbox::{OutboxSource, Relay, RelaySettings, Retry};
-use inventory_infra::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_service::health::{self, Liveness, Readiness};
 use inventory_service::metrics::Metrics;
 use inventory_tests::broker::{Broker, RunningService, eventually};

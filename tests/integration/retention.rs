@@ -1,12 +1,12 @@
 //! Retention of inbox rows: bounded batches, processing rows kept.
 
 use chrono::{Duration, Utc};
+use inventory_benches::consumers::{DetectMode, EmailConsumer, HandlerKind};
 use inventory_benches::faults;
 use inventory_benches::mail::InMemoryEmailProvider;
 use inventory_domain::ConsumerName;
 use inventory_infra::CrashPoint;
 use inventory_infra::retention::purge_completed;
-use inventory_infra::{DetectMode, EmailConsumer, HandlerKind};
 use inventory_tests::broker::eventually;
 use inventory_tests::{Backend, TestDb, on_both_backends, placed, stock_reserved};
 use sea_orm::{ConnectionTrait, TransactionTrait};

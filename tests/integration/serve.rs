@@ -5,12 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use inventory_benches::consumers::{DetectMode, Handler, HandlerKind, NaturalKeyPath};
 use inventory_domain::{Message, Outcome};
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
-use inventory_infra::{
-    DetectMode, HandleError, Handler, HandlerKind, MessageHandler, NaturalKeyPath,
-};
+use inventory_infra::{HandleError, MessageHandler};
 use inventory_service::runtime::Ending;
 use inventory_tests::broker::{Broker, RunningService, eventually, one_order};
 use inventory_tests::{Backend, TestDb, placed, placed_for};

@@ -7,8 +7,8 @@ use std::fs::File;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_infra::jetstream;
-use inventory_infra::{HandlerKind, NaturalKeyPath};
 use inventory_tests::binary::{free_port, http_get};
 use inventory_tests::nats::{NatsServer, unique_names};
 use inventory_tests::outbox::{self, Decided, assert_each_order_in_order, decide};

@@ -43,6 +43,7 @@ pub mod workload;
 use inventory_benches::faults;
 use std::time::Duration;
 
+use inventory_benches::consumers::{Handler, HandlerKind};
 use inventory_benches::fresh::FreshDatabase;
 use inventory_benches::mistakes::{Strategy, StudyHandler};
 use inventory_domain::{
@@ -50,7 +51,7 @@ use inventory_domain::{
 };
 use inventory_infra::CrashPoint;
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::{Faults, HandleError, Handler, HandlerKind, MessageHandler, StockRepository};
+use inventory_infra::{Faults, HandleError, MessageHandler, StockRepository};
 use sea_orm::{ConnectionTrait, Statement};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

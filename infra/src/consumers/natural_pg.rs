@@ -29,8 +29,8 @@ use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
-use super::work::{not_an_order_event, unknown_book};
 use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL, MessageHandler};
+use super::{not_an_order_event, unknown_book};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 

@@ -38,8 +38,8 @@ use tokio::sync::Mutex;
 
 use uuid::Uuid;
 
-use super::work::{not_an_order_event, unknown_book};
 use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL, MessageHandler};
+use super::{not_an_order_event, unknown_book};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 

@@ -2,17 +2,17 @@ use sea_orm::entity::prelude::*;
 
 #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
 #[sea_orm(table_name = "inbox")]
-pub(crate) struct Model {
+pub struct Model {
     #[sea_orm(primary_key, auto_increment = false)]
-    pub(crate) message_id: String,
+    pub message_id: String,
     #[sea_orm(primary_key, auto_increment = false)]
-    pub(crate) consumer: String,
-    pub(crate) received_at: DateTimeUtc,
-    pub(crate) completed_at: Option<DateTimeUtc>,
-    pub(crate) payload_hash: String,
+    pub consumer: String,
+    pub received_at: DateTimeUtc,
+    pub completed_at: Option<DateTimeUtc>,
+    pub payload_hash: String,
 }
 
 #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
-pub(crate) enum Relation {}
+pub enum Relation {}
 
 impl ActiveModelBehavior for ActiveModel {}

@@ -1,9 +1,10 @@
-//! sea-orm models of the tables. They stay in this crate: repositories map them to domain types.
+//! sea-orm models of the tables: the repositories here map them to domain types, and the
+//! study's sea-orm handlers (`inventory_benches::consumers`) write through them.
 
-pub(crate) mod inbox;
-pub(crate) mod order_lines;
-pub(crate) mod order_states;
-pub(crate) mod orders;
-pub(crate) mod reservation_log;
-pub(crate) mod stock_items;
-pub(crate) mod stock_reservations;
+pub mod inbox;
+pub mod order_lines;
+pub mod order_states;
+pub mod orders;
+pub mod reservation_log;
+pub mod stock_items;
+pub mod stock_reservations;

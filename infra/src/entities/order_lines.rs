@@ -2,16 +2,16 @@ use sea_orm::entity::prelude::*;
 
 #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
 #[sea_orm(table_name = "order_lines")]
-pub(crate) struct Model {
+pub struct Model {
     #[sea_orm(primary_key, auto_increment = false)]
-    pub(crate) order_id: Uuid,
+    pub order_id: Uuid,
     #[sea_orm(primary_key, auto_increment = false)]
-    pub(crate) book_id: Uuid,
-    pub(crate) quantity: i32,
-    pub(crate) message_id: String,
+    pub book_id: Uuid,
+    pub quantity: i32,
+    pub message_id: String,
 }
 
 #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
-pub(crate) enum Relation {}
+pub enum Relation {}
 
 impl ActiveModelBehavior for ActiveModel {}

@@ -96,7 +96,7 @@ pub(crate) async fn insert(
 }
 
 /// Writes `event` into Inventory's outbox through `conn`, the transaction that decided it.
-pub(crate) async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> Result<(), DbErr> {
+pub async fn record(conn: &impl ConnectionTrait, event: &StockEvent) -> Result<(), DbErr> {
     insert(
         conn,
         OutboxTable::Inventory,

@@ -20,7 +20,7 @@
 //! # Order per order
 //!
 //! Within an order, `seq` order is commit order (every event-writing transaction first takes
-//! the order's lock, see `consumers/natural.rs`; a test refuses any row written without it,
+//! the order's lock, see `consumers/natural_pg.rs`; a test refuses any row written without it,
 //! `tests/integration/outbox.rs`), so once a row is visible,
 //! every earlier row of its order is too. A relay never has two publishes of one order in
 //! flight: the chain sends an order's next row only after the PubAck of the one before, and

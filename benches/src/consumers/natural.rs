@@ -44,12 +44,15 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use super::work::{lock_stock, not_an_order_event, release_stock, set_reserved, unknown_book};
-use super::{HandleError, StockConsumer, begin_write, finish};
-use crate::entities::{order_states, stock_items, stock_reservations};
-use crate::faults::CrashPoint;
-use crate::outbox;
-use crate::stock::{DataError, quantity_column, quantity_from};
+use inventory_infra::consumers::{not_an_order_event, unknown_book};
+use inventory_infra::db::begin_write;
+use inventory_infra::entities::{order_states, stock_items, stock_reservations};
+use inventory_infra::outbox;
+use inventory_infra::stock::{DataError, quantity_column, quantity_from};
+use inventory_infra::{CrashPoint, HandleError};
+
+use super::work::{lock_stock, release_stock, set_reserved};
+use super::{StockConsumer, finish};
 
 impl StockConsumer {
     pub(super) async fn handle_natural(&self, message: &Message) -> Result<Outcome, HandleError> {

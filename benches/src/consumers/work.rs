@@ -3,16 +3,16 @@
 
 use chrono::Utc;
 use inventory_domain::{
-    BookId, DeadLetterReason, Effect, Event, OrderPlaced, Outcome, ReservationDecision,
-    ReservationStatus, StockItem,
+    BookId, Effect, Event, OrderPlaced, Outcome, ReservationDecision, ReservationStatus, StockItem,
 };
 use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::{ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QuerySelect, Set};
 use uuid::Uuid;
 
-use super::HandleError;
-use crate::entities::{reservation_log, stock_items};
-use crate::stock::{int_column, quantity_column, quantity_from, stock_item_from};
+use inventory_infra::HandleError;
+use inventory_infra::consumers::{not_an_order_event, unknown_book};
+use inventory_infra::entities::{reservation_log, stock_items};
+use inventory_infra::stock::{int_column, quantity_column, quantity_from, stock_item_from};
 
 /// Applies `event` through `conn`: inside the caller's transaction, or (in the study of a
 /// mistake) through another connection.
@@ -74,21 +74,6 @@ async fn reserve_logged(
         .exec_without_returning(conn)
         .await?;
     Ok(Outcome::Processed(decision.effect(placed.quantity)))
-}
-
-/// A stock consumer's answer to an event it does not take (Inventory's own StockReserved).
-pub(crate) fn not_an_order_event() -> Outcome {
-    Outcome::refused(
-        DeadLetterReason::Invalid,
-        "a stock consumer takes OrderPlaced and OrderCancelled only",
-    )
-}
-
-pub(crate) fn unknown_book(book_id: BookId) -> Outcome {
-    Outcome::refused(
-        DeadLetterReason::UnknownBook,
-        format!("no stock item for book {book_id}"),
-    )
 }
 
 /// The stock row, locked for this transaction on PostgreSQL (SQLite has one writer anyway).

@@ -4,10 +4,12 @@ use chrono::Utc;
 use inventory_domain::{ConsumerName, Message, Outcome, PayloadHash};
 use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult};
 
-use super::{DetectMode, HandleError, StockConsumer, begin_write, compare_payload, finish, work};
-use crate::entities::inbox;
-use crate::faults::CrashPoint;
-use crate::stock::find_inbox_entry;
+use inventory_infra::db::begin_write;
+use inventory_infra::entities::inbox;
+use inventory_infra::stock::find_inbox_entry;
+use inventory_infra::{CrashPoint, HandleError};
+
+use super::{DetectMode, StockConsumer, compare_payload, finish, work};
 
 fn inbox_row(
     key: &str,

@@ -23,11 +23,12 @@ use inventory_domain::{
 use sea_orm::sea_query::Expr;
 use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
 
+use inventory_infra::entities::inbox;
+use inventory_infra::stock::find_inbox_entry;
+use inventory_infra::{CrashPoint, Faults, HandleError};
+
+use super::compare_payload;
 use super::inbox::claim_on_conflict;
-use super::{HandleError, compare_payload};
-use crate::entities::inbox;
-use crate::faults::{CrashPoint, Faults};
-use crate::stock::find_inbox_entry;
 
 /// The contract's durable consumer for the email handler.
 pub const EMAIL_CONSUMER: &str = "notifications-stock-reserved-email";

@@ -1,15 +1,13 @@
-//! Which handler runs: [`HandlerKind`] is the one list of the handlers a user can choose (the
-//! `serve` flags, `compare`, the benchmarks and the tests all choose through it), and
+//! Which handler runs: [`HandlerKind`] is the one list of the handlers the study can run (the
+//! study's `serve` flags, `compare`, the benchmarks and the tests all choose through it), and
 //! [`Handler`] is the chosen one, built and ready for the consumer loop.
 
 use inventory_domain::{ConsumerName, Message, Outcome};
-use sea_orm::{DatabaseConnection, DbBackend};
+use inventory_infra::{Faults, HandleError, MessageHandler, NaturalKey};
+use sea_orm::DatabaseConnection;
 
 use super::email::EmailConsumer;
-use super::natural_pg::PgNaturalKey;
-use super::natural_sqlite::SqliteNaturalKey;
-use super::{DetectMode, HandleError, MessageHandler, StockConsumer, Strategy};
-use crate::faults::Faults;
+use super::{DetectMode, StockConsumer, Strategy};
 use crate::mailbox::FileMailbox;
 
 /// Every handler a user can run.
@@ -24,8 +22,8 @@ pub enum HandlerKind {
 }
 
 /// How the natural key reaches the database. All three keep the same rule and the same
-/// promises; they differ in round trips. The two fast paths are each backend's own: on
-/// PostgreSQL `natural_pg.rs`, on SQLite `natural_sqlite.rs`.
+/// promises; they differ in round trips. The two fast paths are the service's own
+/// (`inventory_infra::NaturalKey`); the sea-orm one is the study's reference.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NaturalKeyPath {
     /// The sea-orm entity transaction on a pool: the reference.
@@ -122,10 +120,7 @@ impl HandlerKind {
             Self::Inbox(detect) => Handler::Stock(stock(Strategy::Inbox(detect))),
             Self::NaturalKey(NaturalKeyPath::Orm) => Handler::Stock(stock(Strategy::NaturalKey)),
             Self::NaturalKey(NaturalKeyPath::OneStatement | NaturalKeyPath::Batch) => {
-                match db.get_database_backend() {
-                    DbBackend::Sqlite => Handler::SqliteWriter(SqliteNaturalKey::new(db, consumer)),
-                    _ => Handler::OneStatement(PgNaturalKey::new(db, consumer)),
-                }
+                Handler::Natural(NaturalKey::new(db, consumer))
             }
             Self::Email => Handler::Email(EmailConsumer::new(
                 db.clone(),
@@ -147,10 +142,8 @@ pub enum BuildError {
 pub enum Handler {
     /// Through sea-orm: the inbox and the natural key's reference.
     Stock(StockConsumer),
-    /// The natural key's one statement (and its batch statement) on PostgreSQL.
-    OneStatement(PgNaturalKey),
-    /// The natural key on SQLite's one writer, a message or a batch per transaction.
-    SqliteWriter(SqliteNaturalKey),
+    /// The service's own natural key: on PostgreSQL its statements, on SQLite its one writer.
+    Natural(NaturalKey),
     Email(EmailConsumer<FileMailbox>),
 }
 
@@ -159,8 +152,7 @@ impl Handler {
     pub fn consumer(&self) -> &ConsumerName {
         match self {
             Self::Stock(consumer) => consumer.consumer(),
-            Self::OneStatement(handler) => handler.consumer(),
-            Self::SqliteWriter(handler) => handler.consumer(),
+            Self::Natural(handler) => handler.consumer(),
             Self::Email(consumer) => consumer.consumer(),
         }
     }
@@ -169,8 +161,7 @@ impl Handler {
     pub fn with_faults(&self, faults: Faults) -> Self {
         match self {
             Self::Stock(consumer) => Self::Stock(consumer.with_faults(faults)),
-            Self::OneStatement(handler) => Self::OneStatement(handler.with_faults(faults)),
-            Self::SqliteWriter(handler) => Self::SqliteWriter(handler.with_faults(faults)),
+            Self::Natural(handler) => Self::Natural(handler.with_faults(faults)),
             Self::Email(consumer) => Self::Email(consumer.with_faults(faults)),
         }
     }
@@ -180,8 +171,7 @@ impl Handler {
     pub async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         match self {
             Self::Stock(consumer) => consumer.handle(message).await,
-            Self::OneStatement(handler) => handler.handle(message).await,
-            Self::SqliteWriter(handler) => handler.handle(message).await,
+            Self::Natural(handler) => handler.handle(message).await,
             Self::Email(consumer) => consumer.handle(message).await,
         }
     }
@@ -194,8 +184,7 @@ impl MessageHandler for Handler {
 
     async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
         match self {
-            Self::OneStatement(handler) => handler.handle_batch(messages).await,
-            Self::SqliteWriter(handler) => handler.handle_batch(messages).await,
+            Self::Natural(handler) => handler.handle_batch(messages).await,
             _ => self.handle_each(messages).await,
         }
     }
