@@ -8,13 +8,15 @@ use clap::{Parser, Subcommand};
 use inventory_service::args::ProgramArgs;
 use inventory_service::config::Configured;
 
-use crate::{bench, compare, demo, serve};
+use crate::{bench, compare, demo, orders, publish, serve};
 
 /// `serve` reads its settings from the same layers as the service's: each of its flags from the
-/// environment (`INVENTORY_<FLAG>`) and the configuration file too.
+/// environment (`INVENTORY_<FLAG>`) and the configuration file too; the producers' flags of the
+/// same names (the NATS and database flags) as well, as in `inventory`.
 pub const CONFIGURED: Configured = Configured {
     commands: &[&["serve"]],
-    services: &[],
+    services: &[&["serve"]],
+    shared_by: Some(&[&["publish"], &["orders", "place"], &["orders", "cancel"]]),
 };
 
 #[derive(Debug, Parser)]
@@ -57,6 +59,15 @@ pub enum Command {
     /// Runs one of the study's handlers as a JetStream subscriber until SIGINT or SIGTERM, then
     /// drains: what `inventory serve --strategy inbox|email` runs.
     Serve(Box<serve::StudyServeArgs>),
+    /// Publishes OrderPlaced or OrderCancelled, one or many, straight to NATS (the producer
+    /// without an outbox that the study needs).
+    Publish(Box<publish::PublishArgs>),
+    /// The safe producer: writes an order and its message in one transaction of the orders
+    /// database; `inventory relay --source orders` publishes the message.
+    Orders {
+        #[command(subcommand)]
+        command: orders::OrdersCommand,
+    },
 }
 
 pub async fn run(cli: Cli) -> Result<bool> {
@@ -76,6 +87,8 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Compare(args) => compare::start(*args).await,
         Command::Bench { command } => bench::run(command).await,
         Command::Serve(args) => serve::start(*args).await,
+        Command::Publish(args) => publish::run(*args).await.map(|()| true),
+        Command::Orders { command } => orders::run(command).await.map(|()| true),
     }
 }
 

@@ -37,6 +37,8 @@
 //!   of fresh messages and copies of already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
+//! - [`publish`]: `inventory publish`, the producer without an outbox; [`orders`]: `inventory
+//!   orders place|cancel`, the safe producer, an order and its message in one transaction.
 //! - [`serve`]: `serve` for the study's handlers, which `inventory serve --strategy
 //!   inbox|email` runs: the service's `serve` with a study handler, and the inbox's purge.
 //! - [`cli`]: the `inventory-study` command line.
@@ -65,6 +67,8 @@ pub mod latency;
 pub mod mail;
 pub mod mailbox;
 pub mod mistakes;
+pub mod orders;
+pub mod publish;
 pub mod serve;
 pub mod system_cpu;
 pub mod workload;

@@ -16,7 +16,6 @@
 //!   call met (`NatsErrorKind`), and the dead-letter format: its headers and ids, the publisher,
 //!   and `DeadLetter`, one read back from the dead-letter stream.
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
-//! - [`orders`]: the orders producer, writing an order and its message in one transaction.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - [`entities`]: the sea-orm models of the tables.
@@ -29,7 +28,6 @@ pub mod delivery;
 pub mod entities;
 pub mod faults;
 pub mod jetstream;
-pub mod orders;
 pub mod outbox;
 pub mod redact;
 pub mod retention;

@@ -6,18 +6,16 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use inventory_domain::{BookId, OrderId, Quantity, StockItem};
+use inventory_domain::{BookId, StockItem};
 use inventory_infra::StockRepository;
-use inventory_infra::orders::{Cancellation, OrdersRepository, Placement};
 use inventory_infra::{db, jetstream, retention};
 use serde::Serialize;
 
 use crate::args::{
-    DatabaseArgs, DatabaseUrlArgs, NatsArgs, OrdersDatabaseArgs, ProgramArgs, REPLAY_ALLOWANCE,
-    TopologyArgs,
+    DatabaseArgs, DatabaseUrlArgs, NatsArgs, ProgramArgs, REPLAY_ALLOWANCE, TopologyArgs,
 };
 use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refusal_message};
-use crate::{dlq, publish, relay, serve, study};
+use crate::{dlq, relay, serve, study};
 
 /// `inventory --version`: the release, the commit it was built from and the build's date.
 fn version() -> String {
@@ -68,7 +66,7 @@ pub enum Command {
     /// them.
     Dlq {
         #[command(subcommand)]
-        command: DlqCommand,
+        command: Box<DlqCommand>,
     },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
     Serve(Box<serve::ServeCommand>),
@@ -81,14 +79,13 @@ pub enum Command {
         command: relay::OutboxCommand,
     },
     /// Publishes OrderPlaced or OrderCancelled, one or many, straight to NATS (the producer
-    /// without an outbox that the study needs).
-    Publish(publish::PublishArgs),
+    /// without an outbox that the study needs). [the study binary]
+    #[command(disable_help_flag = true)]
+    Publish(study::Forwarded),
     /// The safe producer: writes an order and its message in one transaction of the orders
-    /// database; `inventory relay --source orders` publishes the message.
-    Orders {
-        #[command(subcommand)]
-        command: OrdersCommand,
-    },
+    /// database; `inventory relay --source orders` publishes the message. [the study binary]
+    #[command(disable_help_flag = true)]
+    Orders(study::Forwarded),
     /// Runs one workload with every kind of duplicate through JetStream into each strategy and
     /// prints expected versus actual reserved copies. [the study binary]
     #[command(disable_help_flag = true)]
@@ -210,32 +207,6 @@ pub enum DlqCommand {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum OrdersCommand {
-    /// Places copies of a book in an order, with its OrderPlaced. After a failure, run it again
-    /// with the order id it printed (or the one given): nothing is placed twice and the message
-    /// keeps its id.
-    Place {
-        #[arg(long)]
-        book_id: BookId,
-        /// Copies, 1 to 10,000.
-        #[arg(long)]
-        quantity: i64,
-        /// The order; a new one by default. An open order takes one line per book.
-        #[arg(long)]
-        order_id: Option<OrderId>,
-        #[command(flatten)]
-        database: OrdersDatabaseArgs,
-    },
-    /// Cancels an order, once, with its OrderCancelled.
-    Cancel {
-        #[arg(long)]
-        order_id: OrderId,
-        #[command(flatten)]
-        database: OrdersDatabaseArgs,
-    },
-}
-
-#[derive(Debug, Subcommand)]
 pub enum StockCommand {
     /// Sets a book's title and copies on hand (what is reserved is kept).
     Put {
@@ -275,7 +246,7 @@ pub fn exit_code(result: Result<bool>) -> std::process::ExitCode {
 }
 
 /// A small pool: these commands run a handful of statements.
-const COMMAND_POOL: u32 = 2;
+pub const COMMAND_POOL: u32 = 2;
 
 pub async fn run(cli: Cli) -> Result<bool> {
     match cli.command {
@@ -296,54 +267,15 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Inbox {
             command: InboxCommand::Purge(args),
         } => purge_inbox(*args).await.map(|()| true),
-        Command::Dlq { command } => run_dlq(command).await.map(|()| true),
+        Command::Dlq { command } => run_dlq(*command).await.map(|()| true),
         Command::Serve(args) => serve::start(*args).await,
         Command::Relay(args) => relay::run(*args).await,
         Command::Outbox { command } => relay::run_outbox(command).await.map(|()| true),
-        Command::Publish(args) => publish::run(args).await.map(|()| true),
-        Command::Orders { command } => run_orders(command).await.map(|()| true),
+        Command::Publish(args) => study::forward("publish", args),
+        Command::Orders(args) => study::forward("orders", args),
         Command::Compare(args) => study::forward("compare", args),
         Command::Bench(args) => study::forward("bench", args),
     }
-}
-
-async fn run_orders(command: OrdersCommand) -> Result<()> {
-    let (OrdersCommand::Place { database, .. } | OrdersCommand::Cancel { database, .. }) = &command;
-    let conn = db::open(
-        database.url(),
-        COMMAND_POOL,
-        database.database.schema(),
-        database.database.timeouts(),
-    )
-    .await
-    .context("opening the orders database")?;
-    let orders = OrdersRepository::new(conn);
-    match command {
-        OrdersCommand::Place {
-            book_id,
-            quantity,
-            order_id,
-            ..
-        } => {
-            let order_id = order_id.unwrap_or_else(OrderId::new_v7);
-            let quantity = Quantity::new(quantity)?;
-            let (verb, message_id) = match orders.place(order_id, book_id, quantity).await? {
-                Placement::Placed { message_id } => ("placed", message_id),
-                Placement::AlreadyPlaced { message_id } => ("already placed", message_id),
-            };
-            println!(
-                "{verb}: order {order_id} book {book_id} quantity {quantity} message {message_id}"
-            );
-        }
-        OrdersCommand::Cancel { order_id, .. } => {
-            let (verb, message_id) = match orders.cancel(order_id).await? {
-                Cancellation::Cancelled { message_id } => ("cancelled", message_id),
-                Cancellation::AlreadyCancelled { message_id } => ("already cancelled", message_id),
-            };
-            println!("{verb}: order {order_id} message {message_id}");
-        }
-    }
-    Ok(())
 }
 
 #[derive(Serialize)]

@@ -38,12 +38,15 @@ pub struct Configured {
     pub commands: &'static [&'static [&'static str]],
     /// The commands whose flags other commands share by name.
     pub services: &'static [&'static [&'static str]],
+    /// The commands that share them; `None`: every other command.
+    pub shared_by: Option<&'static [&'static [&'static str]]>,
 }
 
 /// The `inventory` binary's.
 pub const INVENTORY: Configured = Configured {
     commands: &CONFIGURED,
     services: &SERVICES,
+    shared_by: None,
 };
 
 /// The commands each of whose flags is a setting.
@@ -204,7 +207,7 @@ fn config_file(args: &[OsString]) -> Option<PathBuf> {
 
 /// The long names of every setting, and of those the services share with other commands.
 struct SettingNames {
-    configured: &'static [&'static [&'static str]],
+    configured: Configured,
     all: BTreeSet<String>,
     shared: BTreeSet<String>,
 }
@@ -227,7 +230,7 @@ fn setting_names(root: &Command, configured: Configured) -> SettingNames {
         .map(str::to_owned)
         .collect();
     SettingNames {
-        configured: configured.commands,
+        configured,
         all: longs(configured.commands).union(&global).cloned().collect(),
         shared: longs(configured.services).union(&global).cloned().collect(),
     }
@@ -353,10 +356,16 @@ fn configure(
     settings: &SettingNames,
     layers: &Layers,
 ) -> Result<Command, clap::Error> {
-    let configured = settings
+    let is_command = |commands: &[&[&str]]| {
+        commands
+            .iter()
+            .any(|command| command.iter().eq(path.iter()))
+    };
+    let configured = is_command(settings.configured.commands);
+    let sharing = settings
         .configured
-        .iter()
-        .any(|configured| configured.iter().eq(path.iter()));
+        .shared_by
+        .is_none_or(|sharing| path.is_empty() || is_command(sharing));
     let mut failure = None;
     let command = command.mut_args(|arg| {
         let Some(long) = arg.get_long().map(str::to_owned) else {
@@ -365,7 +374,7 @@ fn configure(
         let is_setting = if configured {
             settings.all.contains(&long)
         } else {
-            settings.shared.contains(&long)
+            sharing && settings.shared.contains(&long)
         };
         if !is_setting {
             return arg;

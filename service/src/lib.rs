@@ -16,11 +16,11 @@
 //!   `--print-config`.
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
-//! - [`dlq`]: listing, replaying and deleting dead letters; [`publish`]: the producer command.
+//! - [`dlq`]: listing, replaying and deleting dead letters.
 //! - [`retention`]: the redelivery horizon and the inbox's purge, which `inbox purge` and the
 //!   study's `serve` run.
-//! - [`study`]: `inventory demo|compare|bench`, and `serve` for the study's handlers, run by
-//!   the study binary.
+//! - [`study`]: `inventory demo|compare|bench`, the producers `publish` and `orders`, and
+//!   `serve` for the study's handlers, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.
 //!
 //! No module imports one that imports it back: [`policy`] depends on no other module,
@@ -54,7 +54,6 @@ pub mod dlq;
 pub mod health;
 pub mod metrics;
 pub mod policy;
-pub mod publish;
 pub mod relay;
 pub mod retention;
 pub mod runtime;

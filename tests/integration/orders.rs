@@ -1,8 +1,8 @@
 //! The orders producer with its outbox: an order and its message in one transaction; a retry
 //! of a command writes nothing new and reports the message made the first time, id and all.
 
+use inventory_benches::orders::{Cancellation, OrdersError, OrdersRepository, Placement};
 use inventory_domain::{Event, EventKind, Message, OrderId, Quantity};
-use inventory_infra::orders::{Cancellation, OrdersError, OrdersRepository, Placement};
 use inventory_tests::{Backend, TestDb};
 use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
 

@@ -12,10 +12,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use inventory_benches::orders::{Cancellation, OrdersRepository, Placement};
 use inventory_benches::workload::SplitMix64;
 use inventory_domain::{BookId, OrderId, Quantity};
 use inventory_infra::jetstream::{self, Topology};
-use inventory_infra::orders::{Cancellation, OrdersRepository, Placement};
 use inventory_tests::outbox::{self, Stored};
 use inventory_tests::workload::{self, StreamState};
 use inventory_tests::{Backend, TestDb};

@@ -5,8 +5,9 @@
 //!
 //! The ORM handler writes through `record`; the PostgreSQL statements in
 //! `consumers/natural_pg.rs` write the same row in SQL (`jsonb_build_object`), whose body a
-//! test holds equal to [`StockEvent::body`]'s. The orders producer (`orders.rs`) writes its own
-//! outbox table of the same shape through `insert`.
+//! test holds equal to [`StockEvent::body`]'s. The study's orders producer
+//! (`inventory_benches::orders`) writes its own outbox table of the same shape through
+//! [`insert`].
 //!
 //! # Layout
 //! - [`relay`]: the relay, which publishes an outbox's rows to their stream and deletes them
@@ -61,7 +62,7 @@ impl OutboxTable {
 
 /// Writes one row into `table` through `conn`, the transaction that made the event's
 /// decision. `subject_token` is the subject below the stream's prefix.
-pub(crate) async fn insert(
+pub async fn insert(
     conn: &impl ConnectionTrait,
     table: OutboxTable,
     event_id: Uuid,

@@ -8,6 +8,7 @@
 //! Place and cancel of one order both lock the order's `orders` row before writing their
 //! outbox row, so an order's messages are numbered in the order their transactions commit.
 
+use anyhow::Context as _;
 use chrono::Utc;
 use inventory_domain::{BookId, Message, MessageId, OrderId, Quantity};
 use sea_orm::sea_query::OnConflict;
@@ -16,10 +17,12 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use crate::db::begin_write;
-use crate::entities::{order_lines, orders};
-use crate::outbox::{self, OutboxTable};
-use crate::stock::{DataError, quantity_column, quantity_from};
+use inventory_infra::db::{self, begin_write};
+use inventory_infra::entities::{order_lines, orders};
+use inventory_infra::outbox::{self, OutboxTable};
+use inventory_infra::stock::{DataError, quantity_column, quantity_from};
+use inventory_service::args::OrdersDatabaseArgs;
+use inventory_service::cli::COMMAND_POOL;
 
 /// What `place` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,4 +201,70 @@ fn stored_message_id(stored: String) -> Result<MessageId, DataError> {
         column: "message_id",
         value: stored,
     })
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum OrdersCommand {
+    /// Places copies of a book in an order, with its OrderPlaced. After a failure, run it again
+    /// with the order id it printed (or the one given): nothing is placed twice and the message
+    /// keeps its id.
+    Place {
+        #[arg(long)]
+        book_id: BookId,
+        /// Copies, 1 to 10,000.
+        #[arg(long)]
+        quantity: i64,
+        /// The order; a new one by default. An open order takes one line per book.
+        #[arg(long)]
+        order_id: Option<OrderId>,
+        #[command(flatten)]
+        database: OrdersDatabaseArgs,
+    },
+    /// Cancels an order, once, with its OrderCancelled.
+    Cancel {
+        #[arg(long)]
+        order_id: OrderId,
+        #[command(flatten)]
+        database: OrdersDatabaseArgs,
+    },
+}
+
+/// `inventory orders place|cancel`.
+pub async fn run(command: OrdersCommand) -> anyhow::Result<()> {
+    let (OrdersCommand::Place { database, .. } | OrdersCommand::Cancel { database, .. }) = &command;
+    let conn = db::open(
+        database.url(),
+        COMMAND_POOL,
+        database.database.schema(),
+        database.database.timeouts(),
+    )
+    .await
+    .context("opening the orders database")?;
+    let orders = OrdersRepository::new(conn);
+    match command {
+        OrdersCommand::Place {
+            book_id,
+            quantity,
+            order_id,
+            ..
+        } => {
+            let order_id = order_id.unwrap_or_else(OrderId::new_v7);
+            let quantity = Quantity::new(quantity)?;
+            let (verb, message_id) = match orders.place(order_id, book_id, quantity).await? {
+                Placement::Placed { message_id } => ("placed", message_id),
+                Placement::AlreadyPlaced { message_id } => ("already placed", message_id),
+            };
+            println!(
+                "{verb}: order {order_id} book {book_id} quantity {quantity} message {message_id}"
+            );
+        }
+        OrdersCommand::Cancel { order_id, .. } => {
+            let (verb, message_id) = match orders.cancel(order_id).await? {
+                Cancellation::Cancelled { message_id } => ("cancelled", message_id),
+                Cancellation::AlreadyCancelled { message_id } => ("already cancelled", message_id),
+            };
+            println!("{verb}: order {order_id} message {message_id}");
+        }
+    }
+    Ok(())
 }

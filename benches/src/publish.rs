@@ -10,7 +10,7 @@ use inventory_domain::{
 };
 use inventory_infra::jetstream::{self, OrderPublisher, PublishReceipt};
 
-use crate::args::{NatsArgs, TopologyArgs};
+use inventory_service::args::{NatsArgs, TopologyArgs};
 
 /// Publishes in flight at once in a bulk run.
 const IN_FLIGHT: usize = 64;
