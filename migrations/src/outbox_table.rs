@@ -13,7 +13,8 @@ pub(crate) async fn create(manager: &SchemaManager<'_>, table: &str) -> Result<(
                 // Write order. Not commit order across orders: the relay reads every row left,
                 // never "after the last seen", so a row that commits late is not skipped. Within
                 // one order it is commit order, as long as every transaction writing an order's
-                // events first locks that order (the natural key's `lock_order`, the orders producer's row).
+                // events first locks that order (the natural key's `lock_order`, the orders
+                // producer's row).
                 .col(big_pk_auto(Outbox::Seq))
                 .col(uuid_uniq(Outbox::EventId))
                 .col(small_integer(Outbox::RelayPartition))
