@@ -290,7 +290,7 @@ async fn purge_under_flow(args: &PurgeArgs, conn: &DatabaseConnection) -> Result
     tokio::time::sleep(Duration::from_secs(1)).await;
     let purge_started = Instant::now();
     let cutoff = chrono::Utc::now() - chrono::Duration::days(1);
-    let report = inventory_infra::retention::purge_completed(
+    let report = crate::purge::purge_completed(
         conn,
         "inventory-reserve-stock-inbox",
         cutoff,

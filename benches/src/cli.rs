@@ -8,13 +8,13 @@ use clap::{Parser, Subcommand};
 use inventory_service::args::ProgramArgs;
 use inventory_service::config::Configured;
 
-use crate::{bench, compare, demo, orders, publish, serve};
+use crate::{bench, compare, demo, orders, publish, retention, serve};
 
-/// `serve` reads its settings from the same layers as the service's: each of its flags from the
+/// `serve` and `inbox purge` read their settings from the same layers as the service's: each flag from the
 /// environment (`INVENTORY_<FLAG>`) and the configuration file too; the producers' flags of the
 /// same names (the NATS and database flags) as well, as in `inventory`.
 pub const CONFIGURED: Configured = Configured {
-    commands: &[&["serve"]],
+    commands: &[&["serve"], &["inbox", "purge"]],
     services: &[&["serve"]],
     shared_by: Some(&[&["publish"], &["orders", "place"], &["orders", "cancel"]]),
 };
@@ -68,6 +68,11 @@ pub enum Command {
         #[command(subcommand)]
         command: orders::OrdersCommand,
     },
+    /// Dedup records: retention.
+    Inbox {
+        #[command(subcommand)]
+        command: retention::InboxCommand,
+    },
 }
 
 pub async fn run(cli: Cli) -> Result<bool> {
@@ -89,6 +94,9 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Serve(args) => serve::start(*args).await,
         Command::Publish(args) => publish::run(*args).await.map(|()| true),
         Command::Orders { command } => orders::run(command).await.map(|()| true),
+        Command::Inbox {
+            command: retention::InboxCommand::Purge(args),
+        } => retention::purge_inbox(*args).await.map(|()| true),
     }
 }
 

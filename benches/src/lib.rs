@@ -39,6 +39,9 @@
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
 //! - [`publish`]: `inventory publish`, the producer without an outbox; [`orders`]: `inventory
 //!   orders place|cancel`, the safe producer, an order and its message in one transaction.
+//! - [`retention`]: the inbox's purge, in the background of the study's `serve` and by hand
+//!   (`inventory inbox purge`), each checked against the redelivery horizon; [`purge`]: its
+//!   statements, in bounded batches.
 //! - [`serve`]: `serve` for the study's handlers, which `inventory serve --strategy
 //!   inbox|email` runs: the service's `serve` with a study handler, and the inbox's purge.
 //! - [`cli`]: the `inventory-study` command line.
@@ -69,6 +72,8 @@ pub mod mailbox;
 pub mod mistakes;
 pub mod orders;
 pub mod publish;
+pub mod purge;
+pub mod retention;
 pub mod serve;
 pub mod system_cpu;
 pub mod workload;

@@ -10,12 +10,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::builder::TypedValueParser;
 use inventory_service::args::one_of;
-use inventory_service::retention::{self, PURGE_BATCH_SIZE, PurgeSettings};
+use inventory_service::retention::horizon;
 use inventory_service::runtime::Reads;
 use inventory_service::serve::{Served, Setup};
 
 use crate::consumers::{DetectMode, Handler, HandlerKind, NaturalKeyPath};
 use crate::mailbox::FileMailbox;
+use crate::retention::{self, PURGE_BATCH_SIZE, PurgeMetrics, PurgeSettings};
 
 /// The strategy the study's `serve` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -132,7 +133,7 @@ impl Served for StudyServed {
         if self.kind.writes_inbox_rows() && !self.args.purge_interval.is_zero() {
             let consumer = setup.consumer.as_str().to_owned();
             // The server's values rule, whatever this process would have set.
-            let horizon = retention::horizon(
+            let horizon = horizon(
                 setup.runtime.server_consumer(),
                 setup.runtime.duplicate_window(),
                 setup.runtime.stream_max_age(),
@@ -153,7 +154,10 @@ impl Served for StudyServed {
                 setup.db.clone(),
                 consumer,
                 settings,
-                Some(setup.metrics.clone()),
+                Some(PurgeMetrics::register(
+                    setup.metrics,
+                    setup.consumer.as_str(),
+                )?),
                 setup.graceful.child_token(),
             )?;
             setup.background.adopt("purge", purge);

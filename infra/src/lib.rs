@@ -11,7 +11,6 @@
 //! - [`consumers`]: the natural key, the handler `serve` runs, on PostgreSQL and on SQLite;
 //!   [`MessageHandler`], what the consumer loop needs of any handler; and `HandleError`, whose
 //!   kind says whether a failed delivery is retried or dead-lettered.
-//! - [`retention`]: purging completed inbox rows in bounded batches.
 //! - [`jetstream`]: the streams and durable consumers, the producer, what kind of failure a NATS
 //!   call met (`NatsErrorKind`), and the dead-letter format: its headers and ids, the publisher,
 //!   and `DeadLetter`, one read back from the dead-letter stream.
@@ -30,7 +29,6 @@ pub mod faults;
 pub mod jetstream;
 pub mod outbox;
 pub mod redact;
-pub mod retention;
 pub mod stock;
 
 pub use consumers::{HandleError, MessageHandler, NaturalKey};

@@ -8,13 +8,12 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use inventory_domain::{BookId, StockItem};
 use inventory_infra::StockRepository;
-use inventory_infra::{db, jetstream, retention};
+use inventory_infra::db;
 use serde::Serialize;
 
 use crate::args::{
     DatabaseArgs, DatabaseUrlArgs, NatsArgs, ProgramArgs, REPLAY_ALLOWANCE, TopologyArgs,
 };
-use crate::retention::{HorizonArgs, PURGE_BATCH_SIZE, PURGE_FLAGS, horizon, refusal_message};
 use crate::{dlq, relay, serve, study};
 
 /// `inventory --version`: the release, the commit it was built from and the build's date.
@@ -57,11 +56,9 @@ pub enum Command {
         #[command(subcommand)]
         command: StockCommand,
     },
-    /// Dedup records: retention.
-    Inbox {
-        #[command(subcommand)]
-        command: InboxCommand,
-    },
+    /// Dedup records: retention. [the study binary]
+    #[command(disable_help_flag = true)]
+    Inbox(study::Forwarded),
     /// Dead letters in ORDERS_DLQ: list them, replay them to their original subject, delete
     /// them.
     Dlq {
@@ -94,44 +91,6 @@ pub enum Command {
     /// criterion's results as a chart. [the study binary]
     #[command(disable_help_flag = true)]
     Bench(study::Forwarded),
-}
-
-#[derive(Debug, Subcommand)]
-pub enum InboxCommand {
-    /// Deletes completed inbox rows older than DURATION, in bounded batches, consumer by
-    /// consumer, each only once DURATION covers that consumer's redelivery horizon (read from
-    /// the server, as serve does). Rows still "processing" are kept and counted.
-    Purge(Box<PurgeArgs>),
-}
-
-#[derive(Debug, clap::Args)]
-pub struct PurgeArgs {
-    /// Age of the rows to delete, by their completion time (e.g. 7d, 36h).
-    #[arg(long, value_parser = humantime::parse_duration)]
-    older_than: std::time::Duration,
-    /// Only this consumer's rows (repeatable); by default every consumer that has rows.
-    #[arg(long)]
-    consumer: Vec<String>,
-    /// Purges without looking up the consumers' horizons (no NATS needed): for an operator
-    /// who knows no copy of these messages can come any more.
-    #[arg(long)]
-    force: bool,
-    /// The settings of the horizon: give `inbox purge` the service's (its configuration file,
-    /// its environment) so that both check the same horizon.
-    #[command(flatten)]
-    horizon: HorizonArgs,
-    /// Rows per batch; each batch is one short transaction.
-    #[arg(long, alias = "batch-size", default_value_t = PURGE_BATCH_SIZE)]
-    purge_batch_size: u64,
-    /// Counts what would be deleted, deletes nothing.
-    #[arg(long)]
-    dry_run: bool,
-    #[command(flatten)]
-    database: DatabaseArgs,
-    #[command(flatten)]
-    nats: NatsArgs,
-    #[command(flatten)]
-    topology: TopologyArgs,
 }
 
 /// Which dead letters `dlq replay` and `dlq delete` take.
@@ -264,9 +223,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Command::Stock { command } => run_stock(command).await.map(|()| true),
-        Command::Inbox {
-            command: InboxCommand::Purge(args),
-        } => purge_inbox(*args).await.map(|()| true),
+        Command::Inbox(args) => study::forward("inbox", args),
         Command::Dlq { command } => run_dlq(*command).await.map(|()| true),
         Command::Serve(args) => serve::start(*args).await,
         Command::Relay(args) => relay::run(*args).await,
@@ -512,89 +469,4 @@ fn missing(missing: &[u64]) -> Result<()> {
         return Ok(());
     }
     anyhow::bail!("no dead letter with sequence {missing:?} in the DLQ")
-}
-
-/// `inventory inbox purge`: each consumer's rows, each after its horizon check (unless
-/// `--force`), one line for the whole and one per consumer.
-async fn purge_inbox(args: PurgeArgs) -> Result<()> {
-    let conn = db::open(
-        args.database.url(),
-        COMMAND_POOL,
-        args.database.schema(),
-        args.database.timeouts(),
-    )
-    .await
-    .context("opening the database")?;
-    let consumers = if args.consumer.is_empty() {
-        inventory_infra::retention::inbox_consumers(&conn).await?
-    } else {
-        args.consumer.clone()
-    };
-    if !args.force && !consumers.is_empty() {
-        let client = args.nats.connect("inventory inbox purge").await?;
-        let js = jetstream::context(client);
-        let topology = args.topology.topology();
-        // The stock consumers read the orders, the email notifier Inventory's events.
-        let streams = [topology.stream.clone(), topology.events_stream.clone()];
-        for consumer in &consumers {
-            let (config, stream) = jetstream::find_consumer(&js, &streams, consumer)
-                .await?
-                .with_context(|| {
-                    format!(
-                        "consumer {consumer} is on neither {} nor {}, so its redelivery horizon \
-                         is unknown: name the streams (--stream, --events-stream), or pass \
-                         --force",
-                        streams[0], streams[1]
-                    )
-                })?;
-            let horizon = horizon(
-                &config,
-                stream.duplicate_window,
-                stream.max_age,
-                &args.horizon,
-            );
-            if let Err(refusal) = horizon.check(args.older_than) {
-                anyhow::bail!(refusal_message(consumer, &horizon, refusal, PURGE_FLAGS));
-            }
-        }
-    }
-    let cutoff = chrono::Utc::now()
-        - chrono::Duration::from_std(args.older_than).context("--older-than is too large")?;
-    let mut reports = Vec::with_capacity(consumers.len());
-    for consumer in &consumers {
-        let report = retention::purge_completed(
-            &conn,
-            consumer,
-            cutoff,
-            args.purge_batch_size.max(1),
-            args.dry_run,
-        )
-        .await?;
-        reports.push((consumer, report));
-    }
-    let sum = |count: fn(&retention::PurgeReport) -> u64| {
-        reports.iter().map(|(_, report)| count(report)).sum::<u64>()
-    };
-    let verb = if args.dry_run {
-        "would delete"
-    } else {
-        "deleted"
-    };
-    println!(
-        "{verb} {} completed inbox rows older than {} in {} batches; {} rows still processing are older and were kept",
-        sum(|report| report.deleted),
-        humantime::format_duration(args.older_than),
-        sum(|report| report.batches),
-        sum(|report| report.processing_older)
-    );
-    for (consumer, report) in &reports {
-        println!(
-            "  {consumer}: {verb} {}, {} still processing",
-            report.deleted, report.processing_older
-        );
-        if report.skipped_locked {
-            println!("  {consumer}: another instance is purging: nothing done");
-        }
-    }
-    Ok(())
 }

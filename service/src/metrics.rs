@@ -37,9 +37,6 @@ pub struct Metrics {
     dead_letters_waiting: IntGaugeVec,
     dead_letters_oldest: GaugeVec,
     dead_letters_past_allowance: IntGaugeVec,
-    purged: IntCounter,
-    processing_older: IntGaugeVec,
-    purge_failing: IntGaugeVec,
     task_failures: IntCounterVec,
     outbox: OutboxMetrics,
     /// The relay of this process, once one runs: read at each scrape and health check.
@@ -262,26 +259,6 @@ impl Metrics {
              else 0.",
             &["consumer"],
         )?;
-        let purged = registered(
-            &registry,
-            IntCounter::new(
-                "inventory_inbox_rows_purged_total",
-                "Completed inbox rows deleted by the retention purge.",
-            )?,
-        )?;
-        let processing_older = gauges(
-            &registry,
-            "inventory_inbox_processing_older_than_retention",
-            "Inbox rows still \"processing\" older than the retention at the last purge: kept, \
-             to be reconciled.",
-            &["consumer"],
-        )?;
-        let purge_failing = gauges(
-            &registry,
-            "inventory_inbox_purge_failing",
-            "1 when the last background purge of the consumer's inbox rows failed, else 0.",
-            &["consumer"],
-        )?;
         let task_failures = counters(
             &registry,
             "inventory_task_failures_total",
@@ -312,9 +289,6 @@ impl Metrics {
             dead_letters_waiting,
             dead_letters_oldest,
             dead_letters_past_allowance,
-            purged,
-            processing_older,
-            purge_failing,
             task_failures,
         })
     }
@@ -333,8 +307,6 @@ impl Metrics {
         self.dead_letters_past_allowance
             .with_label_values(&[consumer]);
         self.oldest_in_flight.with_label_values(&[consumer]);
-        self.purge_failing.with_label_values(&[consumer]);
-        self.processing_older.with_label_values(&[consumer]);
         ConsumerMetrics {
             consumer: consumer.to_owned(),
             task_failures: self.task_failures.clone(),
@@ -348,20 +320,6 @@ impl Metrics {
                 .clone(),
             pending: self.pending.with_label_values(&[consumer]),
             ack_pending: self.ack_pending.with_label_values(&[consumer]),
-        }
-    }
-
-    /// After each purge of `consumer`'s rows: what it did, or that it failed.
-    pub fn record_purge(&self, consumer: &str, purged: Option<(u64, u64)>) {
-        let labels = [consumer];
-        self.purge_failing
-            .with_label_values(&labels)
-            .set(i64::from(purged.is_none()));
-        if let Some((deleted, processing_older)) = purged {
-            self.purged.inc_by(deleted);
-            self.processing_older
-                .with_label_values(&labels)
-                .set(i64::try_from(processing_older).unwrap_or(i64::MAX));
         }
     }
 
@@ -406,6 +364,18 @@ impl Metrics {
         }
     }
 
+    /// Exports `collectors` with the rest: the series of a part of the process that keeps its
+    /// own (the relay's, the study's purge).
+    pub fn register(
+        &self,
+        collectors: impl IntoIterator<Item = Box<dyn prometheus::core::Collector>>,
+    ) -> Result<(), prometheus::Error> {
+        for collector in collectors {
+            self.registry.register(collector)?;
+        }
+        Ok(())
+    }
+
     /// Reports `status`, the relay of its outbox table, in the scrapes and the health check; it
     /// counts as failing once it has failed longer than `unhealthy_after`.
     pub fn watch_relay(
@@ -413,9 +383,7 @@ impl Metrics {
         status: RelayStatus,
         unhealthy_after: Duration,
     ) -> Result<(), prometheus::Error> {
-        for collector in status.collectors() {
-            self.registry.register(collector)?;
-        }
+        self.register(status.collectors())?;
         let watched = WatchedRelay {
             status,
             unhealthy_after,

@@ -90,9 +90,19 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_exported() {
 
     let run = BinaryRun::new("inventory_deploy", "info,sqlx=warn").await;
     run.put_stock(BOOK, "Dune", 10);
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let service = run.spawn(&["serve", "--strategy", "natural", "--metrics-addr", &addr]);
+    // The service, and the study's inbox beside it for the inbox purge's series.
+    let ports = [free_port(), free_port()];
+    let addrs = ports.map(|port| format!("127.0.0.1:{port}"));
+    let services = [
+        run.spawn(&[
+            "serve",
+            "--strategy",
+            "natural",
+            "--metrics-addr",
+            &addrs[0],
+        ]),
+        run.spawn(&["serve", "--strategy", "inbox", "--metrics-addr", &addrs[1]]),
+    ];
     // A reservation (messages, handling time, the relay's counts) and a dead letter, so the
     // labelled families have a series to show.
     run.run(&["publish", "placed", "--book-id", BOOK, "--quantity", "1"]);
@@ -100,17 +110,21 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_exported() {
 
     let deadline = Instant::now() + Duration::from_secs(30);
     let missing = loop {
-        let exported = http_get(port, "/metrics")
-            .map(|(_, scrape)| families(&scrape))
-            .unwrap_or_default();
+        let exported: BTreeSet<String> = ports
+            .iter()
+            .filter_map(|port| http_get(*port, "/metrics"))
+            .flat_map(|(_, scrape)| families(&scrape))
+            .collect();
         let missing: Vec<&String> = named.difference(&exported).collect();
         if missing.is_empty() || Instant::now() > deadline {
             break missing.into_iter().cloned().collect::<Vec<_>>();
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let (status, log) = stop(service);
-    assert!(status.success(), "{log}");
+    for service in services {
+        let (status, log) = stop(service);
+        assert!(status.success(), "{log}");
+    }
     assert!(
         missing.is_empty(),
         "named in deploy/ but not exported: {missing:?}"

@@ -4,7 +4,7 @@
 //! what it costs the consumer is measured in docs/benchmarks.md, not asserted here.
 
 use inventory_benches::consumers::{DetectMode, HandlerKind};
-use inventory_infra::retention::purge_completed;
+use inventory_benches::purge::purge_completed;
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
