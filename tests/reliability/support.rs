@@ -261,12 +261,14 @@ impl Scenario {
 
     /// [`Self::spawn`] with `extra` flags for this instance alone.
     pub(crate) fn spawn_with(&self, label: &str, extra: &[&str]) -> Instance {
-        let slot = label.split('-').next().unwrap_or(label);
-        let mailbox = self.mailbox(slot);
-        let mut args: Vec<String> = ["serve", "--strategy", self.served.flag(), "--mailbox"]
+        let mut args: Vec<String> = ["serve", "--strategy", self.served.flag()]
             .map(str::to_owned)
             .into();
-        args.push(mailbox.to_str().unwrap().to_owned());
+        if self.served == Served::Email {
+            let slot = label.split('-').next().unwrap_or(label);
+            args.push("--mailbox".to_owned());
+            args.push(self.mailbox(slot).to_str().unwrap().to_owned());
+        }
         args.extend(["--consumer".to_owned(), self.names.consumer.clone()]);
         args.extend(self.consumer_args.iter().cloned());
         args.extend(self.serve_args.iter().cloned());
