@@ -6,6 +6,7 @@
 
 use crate::faults;
 use crate::mail::InMemoryEmailProvider;
+use crate::readback::Readback as _;
 use std::time::Duration;
 
 use crate::consumers::{DetectMode, EMAIL_CONSUMER, EmailConsumer, HandlerKind, NaturalKeyPath};

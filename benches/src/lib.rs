@@ -39,6 +39,7 @@
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
 //! - [`publish`]: `inventory publish`, the producer without an outbox; [`orders`]: `inventory
 //!   orders place|cancel`, the safe producer, an order and its message in one transaction.
+//! - [`readback`]: what the consumers recorded, read back for the study's tables and the tests.
 //! - [`retention`]: the inbox's purge, in the background of the study's `serve` and by hand
 //!   (`inventory inbox purge`), each checked against the redelivery horizon; [`purge`]: its
 //!   statements, in bounded batches.
@@ -73,6 +74,7 @@ pub mod mistakes;
 pub mod orders;
 pub mod publish;
 pub mod purge;
+pub mod readback;
 pub mod retention;
 pub mod serve;
 pub mod system_cpu;

@@ -6,7 +6,7 @@
 //! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
 //!   error's code means for a retry (`DbFailure`); `Probe`, whether the database answers, asked
 //!   on a connection outside the pool.
-//! - [`stock`]: `StockRepository`, setting stock and reading back reservations and inbox rows;
+//! - [`stock`]: `StockRepository`, setting and reading stock;
 //!   `DataError`, a value that does not fit between a column and its domain type.
 //! - [`consumers`]: the natural key, the handler `serve` runs, on PostgreSQL and on SQLite;
 //!   [`MessageHandler`], what the consumer loop needs of any handler; and `HandleError`, whose
@@ -33,4 +33,4 @@ pub mod stock;
 
 pub use consumers::{HandleError, MessageHandler, NaturalKey};
 pub use faults::{CrashPoint, FaultPlan, Faults};
-pub use stock::{DataError, InboxEntry, RecordedReservation, StockRepository};
+pub use stock::{DataError, StockRepository};

@@ -29,8 +29,6 @@ use figment::providers::{Format, Toml};
 use figment::value::Value;
 use inventory_infra::redact::redact_url;
 
-use crate::cli::Cli;
-
 /// Which commands of a program take their flags as settings.
 #[derive(Debug, Clone, Copy)]
 pub struct Configured {
@@ -117,22 +115,17 @@ fn secret(long: &str) -> Option<Secret> {
 
 /// What the command line asks for.
 #[derive(Debug)]
-pub enum Parsed<P = Cli> {
+pub enum Parsed<P> {
     /// Run this command.
     Run(Box<P>),
     /// Print the settings in effect (`--print-config`), as this text.
     Print(String),
 }
 
-/// The command line `args` (the program's name first) with this process's environment and the
-/// file under it. A usage error (a flag, a value of any layer, an unreadable file) is clap's,
-/// which prints and exits with 2.
-pub fn parse_from(args: Vec<OsString>) -> Result<Parsed, clap::Error> {
-    parse_program(args, INVENTORY)
-}
-
-/// The command line `args` of program `P` with the environment and the file under it, the
-/// flags of `configured`'s commands taken as settings.
+/// The command line `args` (the program's name first) of program `P` with this process's
+/// environment and the file under it, the flags of `configured`'s commands taken as settings. A
+/// usage error (a flag, a value of any layer, an unreadable file) is clap's, which prints and
+/// exits with 2.
 pub fn parse_program<P: CommandFactory + FromArgMatches>(
     args: Vec<OsString>,
     configured: Configured,
@@ -602,8 +595,13 @@ fn quoted(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::Cli;
 
-    fn parse(args: &[&str]) -> Result<Parsed, clap::Error> {
+    fn parse_from(args: Vec<OsString>) -> Result<Parsed<Cli>, clap::Error> {
+        parse_program(args, INVENTORY)
+    }
+
+    fn parse(args: &[&str]) -> Result<Parsed<Cli>, clap::Error> {
         parse_from(args.iter().map(OsString::from).collect())
     }
 

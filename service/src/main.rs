@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use inventory_service::cli::{self, Command};
-use inventory_service::config::{self, Parsed};
+use inventory_service::config::{self, INVENTORY, Parsed};
 use inventory_service::{study, telemetry};
 
 #[tokio::main]
@@ -11,7 +11,9 @@ async fn main() -> ExitCode {
         return cli::exit_code(study::forward_all(&args));
     }
     // Usage errors, in a flag or in any layer of the settings, exit with 2 inside `parse`.
-    let cli = match config::parse_from(args).unwrap_or_else(|error| error.exit()) {
+    let cli = match config::parse_program::<cli::Cli>(args, INVENTORY)
+        .unwrap_or_else(|error| error.exit())
+    {
         Parsed::Run(cli) => *cli,
         Parsed::Print(settings) => {
             print!("{settings}");

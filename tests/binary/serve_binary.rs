@@ -1,5 +1,6 @@
 //! `inventory serve` and `inventory publish` as processes: signals, drain, abandon, logs.
 
+use inventory_benches::readback::Readback as _;
 use std::process::{Child, Command};
 use std::time::Duration;
 

@@ -2,6 +2,7 @@
 //! NATS server into every strategy, each row held against what the workload predicts.
 
 use inventory_benches::mistakes::Strategy;
+use inventory_benches::readback::Readback as _;
 use std::time::Duration;
 
 use inventory_benches::compare::{

@@ -2,6 +2,7 @@
 
 use inventory_benches::faults;
 use inventory_benches::mail::InMemoryEmailProvider;
+use inventory_benches::readback::Readback as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,6 +1,7 @@
 //! The inbox, in each of its three duplicate-detection modes.
 
 use inventory_benches::consumers::{DetectMode, Handler, HandlerKind};
+use inventory_benches::readback::Readback as _;
 use inventory_domain::Message;
 use inventory_domain::{DeadLetterReason, Effect, Event, Outcome, Quantity};
 use inventory_infra::CrashPoint;

@@ -1,6 +1,7 @@
 //! The strategies without an inbox transaction: naive and check-then-process.
 
 use inventory_benches::mistakes::Strategy;
+use inventory_benches::readback::Readback as _;
 use inventory_domain::Outcome;
 use inventory_infra::CrashPoint;
 use inventory_infra::MessageHandler;

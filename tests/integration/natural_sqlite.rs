@@ -3,6 +3,7 @@
 //! `crash_points.rs`; hostile input in `corpus.rs`.
 
 use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
+use inventory_benches::readback::Readback as _;
 use inventory_domain::{Effect, Message, OrderId, Outcome, Quantity, ReservationStatus};
 use inventory_infra::MessageHandler;
 use inventory_tests::{Backend, TestDb, placed, placed_for};

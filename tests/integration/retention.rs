@@ -5,6 +5,7 @@ use inventory_benches::consumers::{DetectMode, EmailConsumer, HandlerKind};
 use inventory_benches::faults;
 use inventory_benches::mail::InMemoryEmailProvider;
 use inventory_benches::purge::purge_completed;
+use inventory_benches::readback::Readback as _;
 use inventory_domain::ConsumerName;
 use inventory_infra::CrashPoint;
 use inventory_tests::broker::eventually;

@@ -41,6 +41,7 @@ pub mod tls;
 pub mod workload;
 
 use inventory_benches::faults;
+use inventory_benches::readback::Readback as _;
 use std::time::Duration;
 
 use inventory_benches::consumers::{Handler, HandlerKind};
