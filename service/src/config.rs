@@ -1,7 +1,8 @@
 //! One configuration for the commands that run as a service (`serve`, `relay`) and those an
-//! operator runs beside them (`inbox purge`, `dlq`): each of their flags is a setting, taken
-//! from, in rising precedence, its default, the configuration file, the environment and the
-//! command line.
+//! operator runs beside them (`dlq`): each of their flags is a setting, taken from, in rising
+//! precedence, its default, the configuration file, the environment and the command line. The
+//! study binary reads its own (`serve` with a study handler, `inbox purge`) the same way
+//! ([`parse_program`] with its [`Configured`]).
 //!
 //! - The environment: `INVENTORY_<FLAG>` (`--ack-wait` → `INVENTORY_ACK_WAIT`), except the URLs
 //!   that keep the names every tool of their kind reads (`DATABASE_URL`, `NATS_URL`,
@@ -13,8 +14,8 @@
 //!   the flags' defaults before clap parses: each value goes through its flag's own parser
 //!   whichever layer it came from, and clap's environment and command line rank above them.
 //!
-//! The same flag of another command (`stock`, `orders`, `outbox`, `migrate`, `publish`) reads
-//! the same names: a setting has one name everywhere.
+//! The same flag of another command (`stock`, `outbox`, `migrate`; the study's `orders` and
+//! `publish`) reads the same names: a setting has one name everywhere.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
@@ -48,10 +49,9 @@ pub const INVENTORY: Configured = Configured {
 };
 
 /// The commands each of whose flags is a setting.
-const CONFIGURED: [&[&str]; 6] = [
+const CONFIGURED: [&[&str]; 5] = [
     &["serve"],
     &["relay"],
-    &["inbox", "purge"],
     &["dlq", "list"],
     &["dlq", "replay"],
     &["dlq", "delete"],
