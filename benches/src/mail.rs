@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use inventory_domain::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
+use crate::consumers::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 
 /// A provider that keeps sent mail in memory and honours the idempotency key, for the demo and
 /// the tests. It comes in two kinds: with a lookup by key, and without one (like a provider with

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::consumers::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 use chrono::{DateTime, Utc};
-use inventory_domain::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 use uuid::Uuid;

@@ -13,14 +13,12 @@
 //!   partition of an order.
 //! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
 //!   the guard against a shorter retention.
-//! - [`ports`]: the email provider trait (send, and lookup by idempotency key).
 
 pub mod horizon;
 pub mod ids;
 pub mod message;
 pub mod outbox;
 pub mod outcome;
-pub mod ports;
 pub mod stock;
 
 pub use horizon::{FirstDelivery, Horizon, RedeliveryPolicy, RetentionTooShort};
@@ -31,5 +29,4 @@ pub use message::{
 };
 pub use outbox::{StockEvent, StockEventKind};
 pub use outcome::{DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};
-pub use ports::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 pub use stock::{ReservationDecision, ReservationStatus, StockItem};

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use inventory_benches::consumers::{EMAIL_CONSUMER, EmailConsumer};
+use inventory_benches::consumers::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 use inventory_benches::mailbox::{FileMailbox, MailboxError};
 use inventory_domain::{
-    BookId, ConsumerName, DeadLetterReason, Effect, EmailProvider, MessageId, OrderId, Outcome,
-    ProviderError, Quantity, SentLookup, StockReservedEmail,
+    BookId, ConsumerName, DeadLetterReason, Effect, MessageId, OrderId, Outcome, Quantity,
 };
 use inventory_infra::CrashPoint;
 use inventory_infra::HandleError;
@@ -101,7 +101,7 @@ async fn email_provider_refusal_frees_the_claim_for_the_retry(db: TestDb) {
     let message = stock_reserved(db.dune(10).await, 2);
     assert!(matches!(
         consumer.handle(&message).await,
-        Err(HandleError::Provider(_))
+        Err(HandleError::Unavailable(_))
     ));
     let record = db
         .stock
@@ -236,7 +236,7 @@ async fn email_lookup_failure_is_retryable_and_keeps_the_record(db: TestDb) {
     assert!(crashed.is_err());
     assert!(matches!(
         consumer.handle(&message).await,
-        Err(HandleError::Provider(_))
+        Err(HandleError::Unavailable(_))
     ));
     assert!(
         !completed(&db, &key).await,

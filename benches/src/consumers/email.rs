@@ -15,10 +15,10 @@
 //! it (as [`crate::mailbox::FileMailbox`] does) sends one email. A
 //! provider with a lookup API but no deduplication by key would not be safe here.
 
+use super::{EmailProvider, SentLookup, StockReservedEmail};
 use chrono::Utc;
 use inventory_domain::{
-    ConsumerName, DeadLetterReason, Effect, EmailProvider, Event, Message, Outcome, PayloadHash,
-    SentLookup, StockReservedEmail,
+    ConsumerName, DeadLetterReason, Effect, Event, Message, Outcome, PayloadHash,
 };
 use sea_orm::sea_query::Expr;
 use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};

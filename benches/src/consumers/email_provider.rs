@@ -1,8 +1,11 @@
-//! What the domain needs from the outside world, as traits the infrastructure implements.
+//! What the email consumer needs of an email provider: a send that honours an idempotency
+//! key, and a lookup by that key. The study's providers: `crate::mailbox::FileMailbox` for its
+//! `serve`, `crate::mail::InMemoryEmailProvider` for the demo and the tests.
 
 use std::future::Future;
 
-use crate::ids::{BookId, OrderId, Quantity};
+use inventory_domain::{BookId, OrderId, Quantity};
+use inventory_infra::HandleError;
 
 /// The mail a reservation triggers: a side effect no database transaction can contain.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,5 +47,12 @@ pub trait EmailProvider: Send + Sync {
     ) -> impl Future<Output = Result<SentLookup, ProviderError>> + Send {
         let _ = idempotency_key;
         async { Ok(SentLookup::Unknown) }
+    }
+}
+
+impl From<ProviderError> for HandleError {
+    /// The provider did not take the call: retried later, as any dependency that did not answer.
+    fn from(error: ProviderError) -> Self {
+        Self::Unavailable(error.to_string())
     }
 }

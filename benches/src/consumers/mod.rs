@@ -15,6 +15,7 @@
 //! and [`finish`].
 
 pub mod email;
+mod email_provider;
 pub mod handler;
 mod inbox;
 mod natural;
@@ -22,13 +23,12 @@ mod work;
 
 use std::future::Future;
 
-use inventory_domain::{
-    ConsumerName, DeadLetterReason, EmailProvider, Message, Outcome, PayloadHash,
-};
+use inventory_domain::{ConsumerName, DeadLetterReason, Message, Outcome, PayloadHash};
 use inventory_infra::{CrashPoint, Faults, HandleError, MessageHandler};
 use sea_orm::{DatabaseConnection, DatabaseTransaction};
 
 pub use email::{EMAIL_CONSUMER, EmailConsumer};
+pub use email_provider::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
 pub use handler::{BuildError, Handler, HandlerKind, NaturalKeyPath};
 pub use inbox::{claim_on_conflict, judge_lost_claim, recorded_outcome};
 pub use work::apply_logged;

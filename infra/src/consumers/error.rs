@@ -1,6 +1,6 @@
 //! Why a handler failed, and what that means for the delivery: [`HandleError::kind`].
 
-use inventory_domain::{DeadLetterReason, ErrorKind, ProviderError, Refusal};
+use inventory_domain::{DeadLetterReason, ErrorKind, Refusal};
 use sea_orm::DbErr;
 
 use crate::db::{DbErrorCode, DbFailure};
@@ -20,9 +20,10 @@ pub enum HandleError {
     /// Stored data the handler cannot use, which no retry changes.
     #[error("unusable data: {0}")]
     Data(#[from] DataError),
-    /// The provider did not take the email: retry later.
-    #[error(transparent)]
-    Provider(#[from] ProviderError),
+    /// A service the handler depends on beside the database (the study's email provider) did
+    /// not take the call: retry later.
+    #[error("{0}")]
+    Unavailable(String),
     /// A crash injected at this point (the study's and the tests' `FaultPlan`): the handler
     /// "died" there, as a killed process would.
     #[error("crashed at {}", .0.as_str())]
@@ -68,7 +69,7 @@ impl HandleError {
                 reason: DeadLetterReason::NeedsReconciliation,
                 detail: self.to_string(),
             }),
-            Self::Provider(_) | Self::TimedOut(_) => ErrorKind::Transient,
+            Self::Unavailable(_) | Self::TimedOut(_) => ErrorKind::Transient,
             Self::Internal(_) => ErrorKind::Internal,
             // Transient to the policy, as any failure another attempt would get past; the
             // consumer loop settles it before asking, leaving the delivery unacked as a dead
@@ -97,7 +98,7 @@ mod tests {
 
     #[test]
     fn kinds_follow_the_error_type() {
-        let provider = HandleError::from(ProviderError("down".into()));
+        let provider = HandleError::Unavailable("email provider unavailable: down".into());
         assert_eq!(provider.kind(), ErrorKind::Transient);
         let unknown = HandleError::from(DbErr::Custom("anything".into()));
         assert_eq!(unknown.kind(), ErrorKind::Transient);
