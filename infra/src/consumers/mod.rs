@@ -1,8 +1,9 @@
 //! The natural key, the handler `inventory serve` runs: the reservation's own key
 //! `(order_id, book_id)` refuses a second reservation, whatever the message id. Each backend has
 //! its own path: PostgreSQL's statements on a connection each lane holds ([`natural_pg`]), and
-//! SQLite's one writer connection every lane shares ([`natural_sqlite`]); [`NaturalKey`] is the
-//! one the database calls for. Why a handler failed, and whether that is worth a retry, is in
+//! SQLite's one writer connection every lane shares ([`natural_sqlite`]). [`NaturalKey`] runs
+//! the one the database calls for, and decides in one place for both what a message or a batch
+//! comes to: which statements, the one-by-one retry of a refused batch, the crash points. Why a handler failed, and whether that is worth a retry, is in
 //! [`HandleError`].
 //!
 //! The study's handlers (the inbox, the natural key through sea-orm, the email consumer and the
@@ -13,16 +14,20 @@ mod error;
 pub mod natural_pg;
 pub mod natural_sqlite;
 
+use std::borrow::Cow;
 use std::future::Future;
 
-use inventory_domain::{BookId, ConsumerName, DeadLetterReason, Message, Outcome};
+use inventory_domain::{
+    BookId, ConsumerName, DeadLetterReason, ErrorKind, Event, EventKind, Message, OrderCancelled,
+    OrderPlaced, Outcome, keyed_placements,
+};
 use sea_orm::{DatabaseConnection, DbBackend};
 
 pub use error::HandleError;
 use natural_pg::PgNaturalKey;
 use natural_sqlite::SqliteNaturalKey;
 
-use crate::faults::Faults;
+use crate::faults::{CrashPoint, Faults};
 
 /// A cancellation's mark, on both backends' fast paths: the order's one `order_states` row,
 /// written once. A second cancellation, under any message id, changes no row: a duplicate.
@@ -70,9 +75,18 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
     }
 }
 
-/// The natural key on the database's own path.
+/// The natural key on the database's own path: what one message or a lane's batch comes to,
+/// and the crash points it passes, whichever backend's statements run.
 #[derive(Clone)]
-pub enum NaturalKey {
+pub struct NaturalKey {
+    path: Path,
+    consumer: ConsumerName,
+    faults: Faults,
+}
+
+/// Each backend's statements.
+#[derive(Clone)]
+enum Path {
     Postgres(PgNaturalKey),
     Sqlite(SqliteNaturalKey),
 }
@@ -80,41 +94,122 @@ pub enum NaturalKey {
 impl NaturalKey {
     /// The handler for `db`'s backend, keeping its reservations under `consumer`.
     pub fn new(db: &DatabaseConnection, consumer: ConsumerName) -> Self {
-        match db.get_database_backend() {
-            DbBackend::Sqlite => Self::Sqlite(SqliteNaturalKey::new(db, consumer)),
-            _ => Self::Postgres(PgNaturalKey::new(db, consumer)),
+        let path = match db.get_database_backend() {
+            DbBackend::Sqlite => Path::Sqlite(SqliteNaturalKey::new(db)),
+            _ => Path::Postgres(PgNaturalKey::new(db)),
+        };
+        Self {
+            path,
+            consumer,
+            faults: Faults::none(),
         }
     }
 
     pub fn consumer(&self) -> &ConsumerName {
-        match self {
-            Self::Postgres(handler) => handler.consumer(),
-            Self::Sqlite(handler) => handler.consumer(),
+        &self.consumer
+    }
+
+    /// The same handler, failing as `faults` says (the tests and the study only): a placement
+    /// passes `BeforeStatement` and `AfterCommit`; a cancellation `AfterDedupCheck`,
+    /// `BeforeCommit` and `AfterCommit`.
+    pub fn with_faults(&self, faults: Faults) -> Self {
+        Self {
+            faults,
+            ..self.clone()
         }
     }
 
-    /// The same handler, failing as `faults` says (the tests and the study only).
-    pub fn with_faults(&self, faults: Faults) -> Self {
-        match self {
-            Self::Postgres(handler) => Self::Postgres(handler.with_faults(faults)),
-            Self::Sqlite(handler) => Self::Sqlite(handler.with_faults(faults)),
+    async fn place(&self, key: &str, placed: &OrderPlaced) -> Result<Outcome, HandleError> {
+        match &self.path {
+            Path::Postgres(path) => path.place(key, placed).await,
+            Path::Sqlite(path) => path.place(key, placed).await,
         }
+    }
+
+    async fn place_together(
+        &self,
+        placements: &[(Cow<'_, str>, &OrderPlaced)],
+    ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
+        match &self.path {
+            Path::Postgres(path) => path.place_together(placements).await,
+            Path::Sqlite(path) => path.place_together(placements).await,
+        }
+    }
+
+    async fn cancel(&self, key: &str, cancelled: &OrderCancelled) -> Result<Outcome, HandleError> {
+        match &self.path {
+            Path::Postgres(path) => path.cancel(key, cancelled, &self.faults).await,
+            Path::Sqlite(path) => path.cancel(key, cancelled, &self.faults).await,
+        }
+    }
+
+    /// Placements committed together, one result each, in order.
+    async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
+        let placements = keyed_placements(messages);
+        let all = |error: &HandleError| placements.iter().map(|_| Err(error.clone())).collect();
+        if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
+            return all(&crash.into());
+        }
+        let results = match self.place_together(&placements).await {
+            Ok(results) => results,
+            // Nothing committed, and the statements were refused for good: possibly for one
+            // placement's sake, so each is decided alone and only its own refusal dead-letters it.
+            Err(error) if matches!(error.kind(), ErrorKind::Permanent(_)) => {
+                let mut results = Vec::with_capacity(placements.len());
+                for (key, placed) in &placements {
+                    results.push(self.place(key, placed).await);
+                }
+                results
+            }
+            // Nothing committed: every placement is retried.
+            Err(error) => return all(&error),
+        };
+        // A crash after the commit loses every result.
+        if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
+            return all(&crash.into());
+        }
+        let mut results = results.into_iter();
+        placements
+            .iter()
+            .map(|_| {
+                results.next().unwrap_or(Err(HandleError::Internal(
+                    "the batch statement returned fewer rows than placements",
+                )))
+            })
+            .collect()
     }
 }
 
 impl MessageHandler for NaturalKey {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        match self {
-            Self::Postgres(handler) => handler.handle(message).await,
-            Self::Sqlite(handler) => handler.handle(message).await,
-        }
+        let key = message.key.storage_key();
+        let outcome = match &message.event {
+            Event::Placed(placed) => {
+                self.faults.pass(CrashPoint::BeforeStatement).await?;
+                self.place(&key, placed).await?
+            }
+            Event::Cancelled(cancelled) => self.cancel(&key, cancelled).await?,
+            Event::StockReserved(_) => return Ok(not_an_order_event()),
+        };
+        self.faults.pass(CrashPoint::AfterCommit).await?;
+        Ok(outcome)
     }
 
+    /// Each run of placements committed together, each cancellation in its place between
+    /// them: a cancellation decides what a later placement of its order comes to, and frees
+    /// copies a later placement of another order may take, so nothing moves past one.
     async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        match self {
-            Self::Postgres(handler) => handler.handle_batch(messages).await,
-            Self::Sqlite(handler) => handler.handle_batch(messages).await,
+        let mut results = Vec::with_capacity(messages.len());
+        for run in messages.chunk_by(|a, b| a.event.kind() == b.event.kind()) {
+            if run[0].event.kind() == EventKind::Placed {
+                results.extend(self.handle_placements(run).await);
+            } else {
+                for message in run {
+                    results.push(self.handle(message).await);
+                }
+            }
         }
+        results
     }
 }
 

@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use inventory_domain::{
-    ConsumerName, Effect, ErrorKind, Event, EventKind, Message, OrderCancelled, OrderPlaced,
-    Outcome, Quantity, ReservationStatus, StockEvent, StockEventKind, keyed_placements,
+    Effect, OrderCancelled, OrderPlaced, Outcome, Quantity, ReservationStatus, StockEvent,
+    StockEventKind,
 };
 use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
@@ -29,8 +29,8 @@ use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
-use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL, MessageHandler};
-use super::{not_an_order_event, unknown_book};
+use super::unknown_book;
+use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
@@ -243,8 +243,6 @@ pub struct PgNaturalKey {
     /// The pool's bound on getting a connection, which opening one here keeps too.
     connect_timeout: std::time::Duration,
     connection: Mutex<Option<PgConnection>>,
-    consumer: ConsumerName,
-    faults: Faults,
 }
 
 impl Clone for PgNaturalKey {
@@ -254,15 +252,13 @@ impl Clone for PgNaturalKey {
             options: self.options.clone(),
             connect_timeout: self.connect_timeout,
             connection: Mutex::new(None),
-            consumer: self.consumer.clone(),
-            faults: self.faults.clone(),
         }
     }
 }
 
 impl PgNaturalKey {
-    /// The handler on `db`, a PostgreSQL pool whose options its lanes' connections take.
-    pub fn new(db: &DatabaseConnection, consumer: ConsumerName) -> Self {
+    /// The path on `db`, a PostgreSQL pool whose options its lanes' connections take.
+    pub(super) fn new(db: &DatabaseConnection) -> Self {
         let pool = db.get_postgres_connection_pool();
         let connect_timeout = pool.options().get_acquire_timeout();
         let options = pool
@@ -275,21 +271,6 @@ impl PgNaturalKey {
             options: Arc::new(options),
             connect_timeout,
             connection: Mutex::new(None),
-            consumer,
-            faults: Faults::none(),
-        }
-    }
-
-    pub fn consumer(&self) -> &ConsumerName {
-        &self.consumer
-    }
-
-    /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
-    /// `AfterCommit`; a cancellation `AfterDedupCheck`, `BeforeCommit` and `AfterCommit`.
-    pub fn with_faults(&self, faults: Faults) -> Self {
-        Self {
-            faults,
-            ..self.clone()
         }
     }
 
@@ -317,10 +298,31 @@ impl PgNaturalKey {
         result
     }
 
+    /// One placement, through the single statement.
+    pub(super) async fn place(
+        &self,
+        key: &str,
+        placed: &OrderPlaced,
+    ) -> Result<Outcome, HandleError> {
+        self.with_connection(async |connection| decide(connection, key, placed).await)
+            .await
+    }
+
+    /// A cancellation, in a transaction of its own on this lane's connection.
+    pub(super) async fn cancel(
+        &self,
+        key: &str,
+        cancelled: &OrderCancelled,
+        faults: &Faults,
+    ) -> Result<Outcome, HandleError> {
+        self.with_connection(async |connection| cancel(connection, key, cancelled, faults).await)
+            .await
+    }
+
     /// Placements through the batch statement. `Err`: the statement failed and nothing of the
     /// batch committed. `Ok`: it committed, with one result per placement in order; a
     /// placement whose row cannot be read fails alone.
-    async fn reserve_batch(
+    pub(super) async fn place_together(
         &self,
         placements: &[(Cow<'_, str>, &OrderPlaced)],
     ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
@@ -369,33 +371,6 @@ impl PgNaturalKey {
             Ok(results)
         })
         .await
-    }
-
-    /// Placements through the single statement, one after another.
-    async fn reserve_one_by_one(
-        &self,
-        placements: &[(Cow<'_, str>, &OrderPlaced)],
-    ) -> Vec<Result<Outcome, HandleError>> {
-        let mut results = Vec::with_capacity(placements.len());
-        for (key, placed) in placements {
-            results.push(
-                self.with_connection(async |connection| decide(connection, key, placed).await)
-                    .await,
-            );
-        }
-        results
-    }
-
-    /// The placements' results once committed, past the crash point after the commit, where a
-    /// crash loses every result.
-    async fn after_commit(
-        &self,
-        results: Vec<Result<Outcome, HandleError>>,
-    ) -> Vec<Result<Outcome, HandleError>> {
-        if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
-            return results.iter().map(|_| Err(crash.into())).collect();
-        }
-        results
     }
 }
 
@@ -567,74 +542,5 @@ async fn cancel(
         faults.pass(CrashPoint::BeforeCommit).await?;
         txn.commit().await.map_err(HandleError::from_sqlx)?;
         return Ok(Outcome::Processed(Effect::Released { copies }));
-    }
-}
-
-impl MessageHandler for PgNaturalKey {
-    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        let key = message.key.storage_key();
-        let outcome = match &message.event {
-            Event::Placed(placed) => {
-                self.faults.pass(CrashPoint::BeforeStatement).await?;
-                self.with_connection(async |connection| decide(connection, &key, placed).await)
-                    .await?
-            }
-            Event::Cancelled(cancelled) => {
-                self.with_connection(async |connection| {
-                    cancel(connection, &key, cancelled, &self.faults).await
-                })
-                .await?
-            }
-            Event::StockReserved(_) => return Ok(not_an_order_event()),
-        };
-        self.faults.pass(CrashPoint::AfterCommit).await?;
-        Ok(outcome)
-    }
-
-    /// Each run of placements in one statement, each cancellation in its place between them:
-    /// a cancellation decides what a later placement of its order comes to, and frees copies a
-    /// later placement of another order may take, so nothing moves past one.
-    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        let mut results = Vec::with_capacity(messages.len());
-        for run in messages.chunk_by(|a, b| a.event.kind() == b.event.kind()) {
-            if run[0].event.kind() == EventKind::Placed {
-                results.extend(self.handle_placements(run).await);
-            } else {
-                for message in run {
-                    results.push(self.handle(message).await);
-                }
-            }
-        }
-        results
-    }
-}
-
-impl PgNaturalKey {
-    /// Placements in one statement, one result each, in order.
-    async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        let placements = keyed_placements(messages);
-        if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
-            return placements.iter().map(|_| Err(crash.into())).collect();
-        }
-        let placed_results = match self.reserve_batch(&placements).await {
-            Ok(results) => self.after_commit(results).await,
-            // Nothing committed, and the statement is refused for good: possibly for one
-            // placement's sake, so each is decided alone and only its own refusal dead-letters it.
-            Err(error) if matches!(error.kind(), ErrorKind::Permanent(_)) => {
-                let results = self.reserve_one_by_one(&placements).await;
-                self.after_commit(results).await
-            }
-            // Nothing committed: every placement is retried.
-            Err(error) => placements.iter().map(|_| Err(error.clone())).collect(),
-        };
-        let mut placed_results = placed_results.into_iter();
-        placements
-            .iter()
-            .map(|_| {
-                placed_results.next().unwrap_or(Err(HandleError::Internal(
-                    "the batch statement returned fewer rows than placements",
-                )))
-            })
-            .collect()
     }
 }

@@ -27,9 +27,8 @@ use chrono::Utc;
 use inventory_domain::outbox::partition;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    ConsumerName, Effect, ErrorKind, Event, EventKind, Message, OrderCancelled, OrderPlaced,
-    Outcome, ReservationDecision, ReservationStatus, StockEvent, StockEventKind, StockItem,
-    keyed_placements,
+    Effect, OrderCancelled, OrderPlaced, Outcome, ReservationDecision, ReservationStatus,
+    StockEvent, StockEventKind, StockItem,
 };
 use sea_orm::DatabaseConnection;
 use sea_orm::sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
@@ -38,8 +37,8 @@ use tokio::sync::Mutex;
 
 use uuid::Uuid;
 
-use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL, MessageHandler};
-use super::{not_an_order_event, unknown_book};
+use super::unknown_book;
+use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
@@ -76,12 +75,10 @@ UPDATE stock_items SET reserved = reserved - $3 WHERE book_id = $2 AND changes()
 INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
 SELECT $4, $5, $1, $6, $7, $8 WHERE changes() = 1";
 
-/// The natural-key handler on SQLite. Clones share the writer.
+/// The natural key's path on SQLite. Clones share the writer.
 #[derive(Clone)]
 pub struct SqliteNaturalKey {
     writer: Arc<Writer>,
-    consumer: ConsumerName,
-    faults: Faults,
 }
 
 /// The one writer connection, opened on first use.
@@ -91,29 +88,14 @@ struct Writer {
 }
 
 impl SqliteNaturalKey {
-    /// The handler on `db`, a SQLite pool: the writer opens the pool's file with the pool's
+    /// The path on `db`, a SQLite pool: the writer opens the pool's file with the pool's
     /// options (WAL, busy timeout, synchronous FULL).
-    pub fn new(db: &DatabaseConnection, consumer: ConsumerName) -> Self {
+    pub(super) fn new(db: &DatabaseConnection) -> Self {
         Self {
             writer: Arc::new(Writer {
                 options: writer_options(db),
                 connection: Mutex::new(None),
             }),
-            consumer,
-            faults: Faults::none(),
-        }
-    }
-
-    pub fn consumer(&self) -> &ConsumerName {
-        &self.consumer
-    }
-
-    /// The same handler, failing as `faults` says: a placement passes `BeforeStatement` and
-    /// `AfterCommit`; a cancellation `AfterDedupCheck`, `BeforeCommit` and `AfterCommit`.
-    pub fn with_faults(&self, faults: Faults) -> Self {
-        Self {
-            faults,
-            ..self.clone()
         }
     }
 
@@ -142,38 +124,36 @@ impl SqliteNaturalKey {
         result
     }
 
-    /// Placements in one transaction, one result each, in order.
-    async fn handle_placements(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        let placements = keyed_placements(messages);
-        if let Err(crash) = self.faults.pass(CrashPoint::BeforeStatement).await {
-            return placements.iter().map(|_| Err(crash.into())).collect();
-        }
-        let results = match self
-            .write(async |connection| reserve_each(connection, &placements).await)
+    /// One placement, in a transaction of its own.
+    pub(super) async fn place(
+        &self,
+        key: &str,
+        placed: &OrderPlaced,
+    ) -> Result<Outcome, HandleError> {
+        self.write(async |connection| reserve(connection, key, placed).await)
             .await
-        {
-            Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
-            // Nothing committed, and a statement was refused for good: possibly for one
-            // placement's sake, so each is decided alone and only its own refusal
-            // dead-letters it.
-            Err(error) if matches!(error.kind(), ErrorKind::Permanent(_)) => {
-                let mut results = Vec::with_capacity(placements.len());
-                for (key, placed) in &placements {
-                    results.push(
-                        self.write(async |connection| reserve(connection, key, placed).await)
-                            .await,
-                    );
-                }
-                results
-            }
-            // Nothing committed: every placement is retried.
-            Err(error) => return placements.iter().map(|_| Err(error.clone())).collect(),
-        };
-        // A crash after the commit loses every result.
-        if let Err(crash) = self.faults.pass(CrashPoint::AfterCommit).await {
-            return results.iter().map(|_| Err(crash.into())).collect();
-        }
-        results
+    }
+
+    /// Placements in one transaction; `Err`: nothing of them committed.
+    pub(super) async fn place_together(
+        &self,
+        placements: &[(Cow<'_, str>, &OrderPlaced)],
+    ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
+        let outcomes = self
+            .write(async |connection| reserve_each(connection, placements).await)
+            .await?;
+        Ok(outcomes.into_iter().map(Ok).collect())
+    }
+
+    /// A cancellation, in a transaction of its own.
+    pub(super) async fn cancel(
+        &self,
+        key: &str,
+        cancelled: &OrderCancelled,
+        faults: &Faults,
+    ) -> Result<Outcome, HandleError> {
+        self.write(async |connection| cancel(connection, key, cancelled, faults).await)
+            .await
     }
 }
 
@@ -358,43 +338,4 @@ async fn cancel(
     }
     faults.pass(CrashPoint::BeforeCommit).await?;
     Ok(Outcome::Processed(Effect::Released { copies }))
-}
-
-impl MessageHandler for SqliteNaturalKey {
-    async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
-        let key = message.key.storage_key();
-        let outcome = match &message.event {
-            Event::Placed(placed) => {
-                self.faults.pass(CrashPoint::BeforeStatement).await?;
-                self.write(async |connection| reserve(connection, &key, placed).await)
-                    .await?
-            }
-            Event::Cancelled(cancelled) => {
-                self.write(async |connection| {
-                    cancel(connection, &key, cancelled, &self.faults).await
-                })
-                .await?
-            }
-            Event::StockReserved(_) => return Ok(not_an_order_event()),
-        };
-        self.faults.pass(CrashPoint::AfterCommit).await?;
-        Ok(outcome)
-    }
-
-    /// Each run of placements in one transaction, each cancellation in its place between them
-    /// (as `natural_pg.rs` does): a cancellation decides what a later placement of its order
-    /// comes to, and frees copies a later placement of another order may take.
-    async fn handle_batch(&self, messages: &[Message]) -> Vec<Result<Outcome, HandleError>> {
-        let mut results = Vec::with_capacity(messages.len());
-        for run in messages.chunk_by(|a, b| a.event.kind() == b.event.kind()) {
-            if run[0].event.kind() == EventKind::Placed {
-                results.extend(self.handle_placements(run).await);
-            } else {
-                for message in run {
-                    results.push(self.handle(message).await);
-                }
-            }
-        }
-        results
-    }
 }
