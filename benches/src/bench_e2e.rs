@@ -25,7 +25,8 @@ use inventory_service::args::NatsArgs;
 
 use crate::serve::natural_key_path;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Reads, Running, RuntimeSettings, Shutdown};
+use inventory_service::runtime::{ConsumerRuntime, Reads, Running, RuntimeSettings};
+use inventory_service::shutdown::Shutdown;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EndToEndArgs {
@@ -362,10 +363,12 @@ impl Prepared {
                 let metrics =
                     ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
                 Consuming::Service(match clock {
-                    Some(clock) => {
-                        runtime.start(Timed { handler, clock }, metrics, Shutdown::default())
-                    }
-                    None => runtime.start(handler, metrics, Shutdown::default()),
+                    Some(clock) => runtime.start(
+                        Timed { handler, clock },
+                        metrics,
+                        Shutdown::new(Shutdown::TIMEOUT),
+                    ),
+                    None => runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT)),
                 })
             }
             Self::HandWritten(consumer, driver) => Consuming::HandWritten(

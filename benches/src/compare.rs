@@ -32,9 +32,8 @@ use serde::Serialize;
 
 use inventory_service::args::NatsArgs;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{
-    ConsumerRuntime, Ending, Reads, Running, RuntimeSettings, Shutdown,
-};
+use inventory_service::runtime::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
+use inventory_service::shutdown::Shutdown;
 
 /// The server `compare` creates its databases on when neither the flag nor `DATABASE_URL` names
 /// one: the local PostgreSQL.
@@ -986,7 +985,7 @@ impl Run {
                 let metrics =
                     ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
                 Ok(Instance {
-                    running: runtime.start(handler, metrics, Shutdown::default()),
+                    running: runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT)),
                     conn,
                 })
             })

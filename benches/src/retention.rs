@@ -16,7 +16,6 @@ use inventory_service::cli::COMMAND_POOL;
 use inventory_service::metrics::Metrics;
 use inventory_service::retention::{HorizonArgs, horizon};
 use prometheus::{IntCounter, IntGaugeVec, Opts};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::purge::{self, PurgeReport, purge_completed};
@@ -120,20 +119,20 @@ pub fn guard(
     }
 }
 
-/// Runs a purge of `consumer`'s rows now and then every `interval` until `stop` (only its own:
-/// the guard checked the retention against its horizon alone); each purge's counts are logged, and
-/// rows still "processing" older than the retention are reported at warn. A purge cut short by
-/// `stop` rolls back only its current batch.
-pub fn spawn_purge(
+/// A purge of `consumer`'s rows now and then every `interval` until `stop`, for the caller to
+/// spawn (only its own: the guard checked the retention against its horizon alone); each
+/// purge's counts are logged, and rows still "processing" older than the retention are reported
+/// at warn. A purge cut short by `stop` rolls back only its current batch.
+pub fn purge_every(
     db: DatabaseConnection,
     consumer: String,
     settings: PurgeSettings,
     metrics: Option<PurgeMetrics>,
     stop: CancellationToken,
-) -> anyhow::Result<JoinHandle<()>> {
+) -> anyhow::Result<impl Future<Output = ()> + Send + 'static> {
     let retention =
         chrono::Duration::from_std(settings.retention).context("--inbox-retention is too large")?;
-    Ok(tokio::spawn(async move {
+    Ok(async move {
         let mut ticks = tokio::time::interval(settings.interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -182,7 +181,7 @@ pub fn spawn_purge(
                 }
             }
         }
-    }))
+    })
 }
 
 fn first_delivery(first: FirstDelivery) -> String {

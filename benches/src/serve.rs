@@ -150,7 +150,7 @@ impl Served for StudyServed {
                 interval: self.args.purge_interval,
                 batch_size: self.args.purge_batch_size,
             };
-            let purge = retention::spawn_purge(
+            let purge = retention::purge_every(
                 setup.db.clone(),
                 consumer,
                 settings,
@@ -158,9 +158,9 @@ impl Served for StudyServed {
                     setup.metrics,
                     setup.consumer.as_str(),
                 )?),
-                setup.graceful.child_token(),
+                setup.background.graceful(),
             )?;
-            setup.background.adopt("purge", purge);
+            setup.background.spawn("purge", purge);
         }
         let mailbox = match self.kind {
             HandlerKind::Email => Some(

@@ -9,9 +9,8 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use inventory_infra::db::{DEFAULT_DATABASE_URL, DbTimeouts, SchemaPolicy};
 use inventory_infra::jetstream::{self, NatsSecurity, NatsTimeouts, Topology};
 use secrecy::{ExposeSecret as _, SecretString};
-use tokio_util::sync::CancellationToken;
 
-use crate::runtime::RuntimeSettings;
+use crate::shutdown::Shutdown;
 use crate::telemetry::LogFormat;
 
 /// A default `--help` can show: a duration as it is written (`30s`, `2m`).
@@ -289,30 +288,8 @@ pub struct StopArgs {
     /// How long the whole stop may take after SIGINT or SIGTERM: the in-flight messages, the
     /// relay's last pass and the NATS drain. What has not finished by then is left for
     /// redelivery or for the next relay, and the process exits 1.
-    #[arg(long, default_value = shown(RuntimeSettings::SHUTDOWN_TIMEOUT), value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = shown(Shutdown::TIMEOUT), value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
-}
-
-/// Flushes what the NATS connection holds (the acks of the last messages, the relay's last
-/// publishes) onto the socket, then drains it, unless the stop's time runs out first; whether
-/// it did. The flush is what waits: the client's `drain` only asks for one and returns.
-pub async fn drain(client: &jetstream::Client, immediate: &CancellationToken) -> bool {
-    let flushed = async {
-        client.flush().await?;
-        client.drain().await?;
-        Ok::<_, anyhow::Error>(())
-    };
-    tokio::select! {
-        biased;
-        () = immediate.cancelled() => false,
-        done = flushed => match done {
-            Ok(()) => true,
-            Err(error) => {
-                tracing::warn!(%error, "flushing and draining the NATS connection");
-                false
-            }
-        },
-    }
 }
 
 /// A flag whose values are the labels of `all`.

@@ -86,8 +86,8 @@ struct Health {
     stuck_after: Duration,
 }
 
-/// Binds `addr` and serves `/metrics`, `/livez`, `/readyz` and `/healthz` until `stop` fires.
-/// Returns the bound address (useful with port 0) once it listens.
+/// Binds `addr`: the bound address (useful with port 0), and the server of `/metrics`, `/livez`,
+/// `/readyz` and `/healthz` until `stop` fires, for the caller to spawn.
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
@@ -95,7 +95,7 @@ pub async fn serve(
     readiness: Readiness,
     stuck_after: Duration,
     stop: CancellationToken,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+) -> anyhow::Result<(SocketAddr, impl Future<Output = ()> + Send + 'static)> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the metrics address {addr}"))?;
@@ -111,14 +111,14 @@ pub async fn serve(
             readiness,
             stuck_after,
         });
-    let server = tokio::spawn(async move {
+    let server = async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
             .await;
         if let Err(error) = served {
             tracing::error!(%error, "metrics server stopped");
         }
-    });
+    };
     tracing::info!(addr = %bound, "serving /metrics, /livez, /readyz and /healthz");
     Ok((bound, server))
 }

@@ -9,8 +9,8 @@
 //!   function, and what became of it ([`policy::Disposition`]).
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, what the lanes run (a
 //!   [`serve::Served`]), Prometheus metrics ([`metrics`]) and the health endpoints
-//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); [`tasks`]: the tasks `serve`
-//!   and `relay` run beside their main work, each one's end looked at.
+//!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); [`shutdown`]: how `serve` and
+//!   `relay` stop (the signals' tokens, the tasks beside their main work, one exit path).
 //! - [`cli`]: the clap commands and what each one runs; [`args`]: flags shared by commands;
 //!   [`config`]: the settings' layers (defaults, a TOML file, the environment, the flags) and
 //!   `--print-config`.
@@ -58,6 +58,6 @@ pub mod relay;
 pub mod retention;
 pub mod runtime;
 pub mod serve;
+pub mod shutdown;
 pub mod study;
-pub mod tasks;
 pub mod telemetry;

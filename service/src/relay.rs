@@ -11,16 +11,13 @@ use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream::{self, Context, PrefixStream, Topology};
 use inventory_infra::outbox::{OutboxSource, ParkedRow, Relay, RelaySettings, Retry};
 use inventory_infra::redact::redact_url;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 use crate::args::{
-    MetricsAddr, MetricsArgs, NatsArgs, OrdersDatabaseArgs, StopArgs, TopologyArgs, drain, shown,
+    MetricsAddr, MetricsArgs, NatsArgs, OrdersDatabaseArgs, StopArgs, TopologyArgs, shown,
 };
 use crate::health::{Liveness, Readiness};
 use crate::metrics::Metrics;
-use crate::runtime::Shutdown;
-use crate::tasks::{Background, report_task_failure};
+use crate::shutdown::{Background, Shutdown};
 
 /// Which outbox a command works on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -146,27 +143,25 @@ pub async fn prepare(
 /// What the logs and `inventory_task_failures_total` call the relay's task.
 pub(crate) const RELAY: &str = "relay";
 
-/// Runs `relay` in a task of its own until `stop`: the pass in flight finishes, one last pass
-/// publishes what was just committed, and its partitions are given back. Aborted instead (an
-/// immediate stop), it leaves published rows that were not yet removed for the next relay to
-/// republish (the stream drops them as duplicates).
-pub(crate) fn spawn(relay: Relay, stop: CancellationToken) -> JoinHandle<()> {
+/// Runs `relay` in a task of `background` until the main work ends: the pass in flight
+/// finishes, one last pass publishes what was just committed, and its partitions are given
+/// back. Aborted instead (an immediate stop), it leaves published rows that were not yet
+/// removed for the next relay to republish (the stream drops them as duplicates).
+pub(crate) fn spawn(relay: Relay, background: &mut Background) {
     tracing::info!(
         outbox = relay.source().table(),
         stream = relay.source().stream(),
         holder = relay.holder(),
         "relaying the outbox"
     );
-    tokio::spawn(relay.run(stop))
+    background.spawn(RELAY, relay.run(background.after_main()));
 }
 
 /// `inventory relay`: publishes the outbox until SIGINT or SIGTERM. Ok(true) when it stopped
 /// cleanly.
 pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
-    let shutdown = Shutdown::default();
-    shutdown.on_signals()?;
-    shutdown.bound(args.stop.shutdown_timeout);
-    let mut background = Background::new(shutdown.graceful.clone());
+    let shutdown = Shutdown::on_signals(args.stop.shutdown_timeout)?;
+    let mut background = Background::new(&shutdown);
     let (metrics, liveness, readiness) =
         (Metrics::new()?, Liveness::default(), Readiness::default());
     if let MetricsAddr(Some(addr)) = args.metrics.metrics_addr {
@@ -178,10 +173,10 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
             health.1,
             health.2,
             Duration::MAX,
-            background.stop_token(),
+            background.after_main(),
         )
         .await?;
-        background.adopt("health", server);
+        background.spawn("health", server);
     }
     if args.source == SourceArg::Inventory || args.databases.orders_database_url.is_none() {
         args.databases.database.url.warn_if_implicit();
@@ -205,22 +200,15 @@ pub async fn run(args: RelayCommandArgs) -> anyhow::Result<bool> {
     let relay = prepare(&js, db.clone(), source, &stream, settings).await?;
     metrics.watch_relay(relay.status(), args.relay.relay_unhealthy_after)?;
     readiness.ready(client.clone(), &db);
-    background.adopt(RELAY, spawn(relay, background.stop_token()));
-    let mut failures = Vec::new();
-    tokio::select! {
-        () = shutdown.graceful.cancelled() => {}
-        (task, why) = background.ended_early() => {
-            report_task_failure(task, &why, &metrics, &liveness);
-            failures.push(format!("{task} {why}"));
-        }
+    spawn(relay, &mut background);
+    // The relay's own work is its task: the main work here is only waiting for the signal.
+    let finished = background
+        .finish(shutdown.graceful.cancelled(), &client, &metrics, &liveness)
+        .await;
+    if !finished.failures.is_empty() {
+        anyhow::bail!("{}", finished.failures.join("; "));
     }
-    let stopped = background.stop(&shutdown.immediate).await;
-    failures.extend(stopped.failures);
-    let drained = drain(&client, &shutdown.immediate).await;
-    if !failures.is_empty() {
-        anyhow::bail!("{}", failures.join("; "));
-    }
-    if stopped.abandoned.contains(&RELAY) || !drained {
+    if finished.abandoned.contains(&RELAY) || !finished.drained {
         eprintln!(
             "error: stopped at once; rows published and not yet removed will be republished by \
              the next relay (the stream drops them as duplicates)"

@@ -35,7 +35,7 @@ use tracing::{Instrument, field};
 use crate::health::Liveness;
 use crate::metrics::ConsumerMetrics;
 use crate::policy::{self, Acked, Action, Disposition, RetryPolicy};
-use crate::tasks;
+use crate::shutdown::{self, Shutdown};
 
 /// Everything that says how one consumer runs.
 #[derive(Debug, Clone)]
@@ -61,8 +61,6 @@ pub struct RuntimeSettings {
     /// Delay before retrying a transient failure; doubles per delivery up to `max_retry_delay`.
     pub retry_delay: Duration,
     pub max_retry_delay: Duration,
-    /// How long the whole stop may take once the graceful one began ([`Shutdown::bound`]).
-    pub shutdown_timeout: Duration,
     /// The client's bound on a handler's database work for one message or batch (and on a
     /// lane's check that the database answers): past it the work is abandoned and the
     /// message nak'ed as a transient failure. `None`: unbounded.
@@ -79,9 +77,6 @@ impl RuntimeSettings {
     pub const MAX_BODY_BYTES: usize = 64 * 1024;
     pub const RETRY_DELAY: Duration = Duration::from_millis(500);
     pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
-    /// The whole stop: the lanes' drain, the relay's last pass and hand-back, the NATS drain.
-    /// Well inside the 30 s an orchestrator waits by default before it kills the process.
-    pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(20);
 
     /// The durable consumer `durable_name`, reading what `reads` names of `topology`'s
     /// subjects, with the `serve` defaults: what a caller changes is set on the value returned.
@@ -112,7 +107,6 @@ impl RuntimeSettings {
             max_body_bytes: Self::MAX_BODY_BYTES,
             retry_delay: Self::RETRY_DELAY,
             max_retry_delay: Self::MAX_RETRY_DELAY,
-            shutdown_timeout: Self::SHUTDOWN_TIMEOUT,
             work_timeout: None,
         }
     }
@@ -286,7 +280,6 @@ impl ConsumerRuntime {
             relay_wake: self.relay_wake,
         };
         let metrics = worker.metrics.clone();
-        shutdown.bound(self.settings.shutdown_timeout);
         let consumer = self.consumer.clone();
         let lanes = TaskTracker::new();
         let task = tokio::spawn({
@@ -333,13 +326,17 @@ impl Running {
         jetstream::consumer_state(&mut self.consumer.clone()).await
     }
 
-    /// Reads the consumer's counts every `every` into `metrics` until the first signal: its
-    /// lag is the server's to know, not any one instance's. A failed look keeps the last
-    /// figures.
-    pub fn report_lag(&self, metrics: ConsumerMetrics, every: Duration) -> JoinHandle<()> {
+    /// Reads the consumer's counts every `every` into `metrics` until the first signal, for
+    /// the caller to spawn: its lag is the server's to know, not any one instance's. A failed
+    /// look keeps the last figures.
+    pub fn report_lag(
+        &self,
+        metrics: ConsumerMetrics,
+        every: Duration,
+    ) -> impl Future<Output = ()> + Send + 'static {
         let mut consumer = self.consumer.clone();
         let stop = self.shutdown.graceful.clone();
-        tokio::spawn(async move {
+        async move {
             let mut ticks = tokio::time::interval(every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -352,7 +349,7 @@ impl Running {
                     Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
                 }
             }
-        })
+        }
     }
 
     pub fn is_finished(&self) -> bool {
@@ -368,58 +365,6 @@ impl Running {
     pub async fn stop(self) -> anyhow::Result<Ending> {
         self.shutdown.graceful.cancel();
         self.wait().await
-    }
-}
-
-/// How the loop is asked to stop: `graceful` stops fetching and waits for in-flight messages;
-/// `immediate` gives up waiting.
-#[derive(Clone, Default)]
-pub struct Shutdown {
-    pub graceful: CancellationToken,
-    pub immediate: CancellationToken,
-}
-
-impl Shutdown {
-    /// Installs the signal handlers: the first SIGINT or SIGTERM asks for a graceful stop, the
-    /// second for an immediate one.
-    pub fn on_signals(&self) -> std::io::Result<()> {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut interrupt = signal(SignalKind::interrupt())?;
-        let mut terminate = signal(SignalKind::terminate())?;
-        let shutdown = self.clone();
-        tokio::spawn(async move {
-            for token in [&shutdown.graceful, &shutdown.immediate] {
-                tokio::select! {
-                    _ = interrupt.recv() => {}
-                    _ = terminate.recv() => {}
-                }
-                token.cancel();
-                if token == &shutdown.graceful {
-                    tracing::info!("signal received: stopping; a second signal stops at once");
-                }
-            }
-        });
-        Ok(())
-    }
-
-    /// Bounds the stop as a whole: `timeout` after the graceful stop begins, the immediate one
-    /// follows and cuts short whatever still waits on it (in-flight messages, the relay's last
-    /// pass, the NATS drain), so that the process ends before its supervisor kills it.
-    pub fn bound(&self, timeout: Duration) {
-        let (graceful, immediate) = (self.graceful.clone(), self.immediate.clone());
-        tokio::spawn(async move {
-            graceful.cancelled().await;
-            tokio::select! {
-                () = immediate.cancelled() => {}
-                () = tokio::time::sleep(timeout) => {
-                    tracing::warn!(
-                        timeout = %humantime::format_duration(timeout),
-                        "the shutdown timeout ran out: stopping at once"
-                    );
-                    immediate.cancel();
-                }
-            }
-        });
     }
 }
 
@@ -544,7 +489,7 @@ async fn run<H: MessageHandler>(
                 format!("found consumer {} gone", consumer.cached_info().name)
             }
             Ok(Err(LaneError::Halted(why))) => format!("stopped on a broken invariant: {why}"),
-            Err(error) => tasks::early_end(Err(error)),
+            Err(error) => shutdown::early_end(Err(error)),
         };
         if failures.is_empty() {
             tracing::error!(%why, "a lane ended; stopping the other lanes");

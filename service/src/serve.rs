@@ -15,16 +15,15 @@ use inventory_infra::redact::redact_url;
 use inventory_infra::{MessageHandler, NaturalKey};
 use tokio_util::sync::CancellationToken;
 
-use crate::tasks::{Background, report_task_failure};
-
 use crate::args::{
-    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, drain, shown,
+    DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, shown,
 };
 use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::relay::{RELAY, RelayArgs};
 use crate::retention::HorizonArgs;
-use crate::runtime::{ConsumerRuntime, Ending, Reads, RuntimeSettings, Shutdown};
+use crate::runtime::{ConsumerRuntime, Ending, Reads, RuntimeSettings};
+use crate::shutdown::{Background, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.
 const LAG_INTERVAL: Duration = Duration::from_secs(10);
@@ -165,9 +164,8 @@ pub struct Setup<'a> {
     pub runtime: &'a ConsumerRuntime,
     pub consumer: ConsumerName,
     pub metrics: &'a Metrics,
+    /// Where what runs beside the lanes is spawned.
     pub background: &'a mut Background,
-    /// Cancelled at the first signal.
-    pub graceful: CancellationToken,
 }
 
 /// The natural key on the database's own path: what `inventory serve` runs.
@@ -227,7 +225,6 @@ impl ServeArgs {
             max_body_bytes: self.max_body_bytes,
             retry_delay: self.retry_delay,
             max_retry_delay: self.horizon.max_retry_delay,
-            shutdown_timeout: self.stop.shutdown_timeout,
             // SQLite has no network to go silent, and its writer is shared by the lanes: no
             // lane abandons its work there.
             work_timeout: match backend {
@@ -289,13 +286,11 @@ pub async fn start(command: ServeCommand) -> anyhow::Result<bool> {
 /// `serve` running `served`: wiring, then the runtime until a signal. Ok(true) when it drained
 /// cleanly.
 pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<bool> {
-    let shutdown = Shutdown::default();
-    shutdown.on_signals()?;
-    let (graceful, immediate) = (shutdown.graceful.clone(), shutdown.immediate.clone());
-    // The health server, the purge and the watchers; the purge and the watchers stop with the
-    // first signal (the purge must not hold the database while the lanes drain), the health
-    // server at the very end.
-    let mut background = Background::new(graceful.clone());
+    let shutdown = Shutdown::on_signals(args.stop.shutdown_timeout)?;
+    // The health server, the relay, the purge and the watchers; the purge and the watchers stop
+    // with the first signal (the purge must not hold the database while the lanes drain), the
+    // relay and the health server after the lanes.
+    let mut background = Background::new(&shutdown);
     // The health endpoints are up before the set-up: /livez answers at once, /readyz says
     // "starting" until the database, NATS and the relay are set up.
     let (metrics, liveness, readiness) =
@@ -309,10 +304,10 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
             health.1,
             health.2,
             stuck_after,
-            background.stop_token(),
+            background.after_main(),
         )
         .await?;
-        background.adopt("health", server);
+        background.spawn("health", server);
     }
 
     args.database.url.warn_if_implicit();
@@ -346,7 +341,6 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
             consumer: runtime.consumer_name()?,
             metrics: &metrics,
             background: &mut background,
-            graceful: graceful.clone(),
         })
         .await?;
     // A handler that writes an event per decision into the outbox has its relay here, woken
@@ -385,46 +379,33 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
         runtime.server_consumer().max_ack_pending,
     );
     if let Some(relay) = relay {
-        background.adopt(RELAY, crate::relay::spawn(relay, background.stop_token()));
+        crate::relay::spawn(relay, &mut background);
     }
-    let running = runtime.start(handler, consumer_metrics.clone(), shutdown);
-    background.adopt(
+    let running = runtime.start(handler, consumer_metrics.clone(), shutdown.clone());
+    background.spawn(
         "lag-watcher",
         running.report_lag(consumer_metrics, LAG_INTERVAL),
     );
-    background.adopt(
+    background.spawn(
         "dead-letters-watcher",
-        tokio::spawn(watch_dead_letters(
+        watch_dead_letters(
             jetstream::DeadLetterStream::new(js.clone(), args.topology.topology()),
             consumer_name.clone(),
             args.horizon.replay_allowance,
             metrics.clone(),
-            graceful.child_token(),
-        )),
+            shutdown.graceful.clone(),
+        ),
     );
     readiness.ready(client.clone(), &db);
-    let lanes = running.wait();
-    tokio::pin!(lanes);
     // The relay and the background tasks must run as long as the lanes: one that ends stops
-    // them, and the process.
-    let mut failures = Vec::new();
-    let lanes_ended = tokio::select! {
-        ended = &mut lanes => ended,
-        (task, why) = background.ended_early() => {
-            report_task_failure(task, &why, &metrics, &liveness);
-            failures.push(format!("{task} {why}"));
-            graceful.cancel();
-            lanes.await
-        }
-    };
-    // After the lanes: the relay's last pass publishes what their last messages committed.
-    let stopped = background.stop(&immediate).await;
-    failures.extend(stopped.failures);
-    // Flushes the acks of the last messages before the process ends, or fails.
-    let drained = drain(&client, &immediate).await;
-    let lanes_ended = lanes_ended?;
-    if !failures.is_empty() {
-        anyhow::bail!("{}", failures.join("; "));
+    // them, and the process. After the lanes, the relay's last pass publishes what their last
+    // messages committed; then the acks of the last messages are flushed.
+    let finished = background
+        .finish(running.wait(), &client, &metrics, &liveness)
+        .await;
+    let lanes_ended = finished.main?;
+    if !finished.failures.is_empty() {
+        anyhow::bail!("{}", finished.failures.join("; "));
     }
     if lanes_ended == Ending::Abandoned {
         eprintln!(
@@ -433,14 +414,14 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
         );
         return Ok(false);
     }
-    if stopped.abandoned.contains(&RELAY) {
+    if finished.abandoned.contains(&RELAY) {
         eprintln!(
             "error: the outbox relay was stopped at once; its rows published and not yet removed \
              will be republished by the next relay (the stream drops them as duplicates)"
         );
         return Ok(false);
     }
-    if !drained {
+    if !finished.drained {
         eprintln!(
             "error: the NATS connection did not drain before the shutdown timeout; messages whose \
              acks were not sent will be redelivered"

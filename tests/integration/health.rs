@@ -41,8 +41,11 @@ async fn serve_health(
         stop.clone(),
     )
     .await
+    .map(|(addr, server)| {
+        tokio::spawn(server);
+        addr
+    })
     .unwrap()
-    .0
 }
 
 /// The status and the JSON body of `GET /healthz`.
@@ -189,8 +192,11 @@ async fn readyz_says_starting_until_set_up_and_livez_follows_the_tasks() {
         stop.clone(),
     )
     .await
-    .unwrap()
-    .0;
+    .map(|(addr, server)| {
+        tokio::spawn(server);
+        addr
+    })
+    .unwrap();
     let (status, body) = get(addr, "/readyz").await;
     assert_eq!((status, body["status"].as_str()), (503, Some("starting")));
     assert_eq!(

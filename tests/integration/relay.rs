@@ -661,8 +661,11 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
         stop.clone(),
     )
     .await
-    .unwrap()
-    .0;
+    .map(|(addr, server)| {
+        tokio::spawn(server);
+        addr
+    })
+    .unwrap();
     let running = tokio::spawn(relay.run(stop.clone()));
     assert_eq!(healthz(addr).await.1["relay"], "publishing");
 

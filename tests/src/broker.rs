@@ -11,9 +11,8 @@ use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublishe
 use inventory_infra::outbox::RelayWake;
 use inventory_service::health::Liveness;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{
-    ConsumerRuntime, Ending, Reads, Running, RuntimeSettings, Shutdown,
-};
+use inventory_service::runtime::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
+use inventory_service::shutdown::Shutdown;
 
 /// A test's own streams (removed on drop) on `url`.
 pub struct Broker {
@@ -242,7 +241,7 @@ impl RunningService {
         runtime.report_failures_to(liveness.clone());
         let metrics =
             ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name).unwrap();
-        let running = runtime.start(handler, metrics, Shutdown::default());
+        let running = runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT));
         Self {
             metrics: running.metrics.clone(),
             running,
