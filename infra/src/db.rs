@@ -2,7 +2,8 @@
 //! database that goes silent: [`DbTimeouts`], [`within`]), applying migrations,
 //! what a database error means for a retry ([`DbFailure`]), whether the database answers,
 //! asked outside the pool ([`Probe`]), and the schema checked instead of migrated by a role
-//! that may not change it ([`SchemaPolicy`]).
+//! that may not change it ([`SchemaPolicy`]). Also one column of a statement's rows, read the
+//! same way for every backend (`column_of_rows`).
 
 mod failure;
 mod probe;
@@ -19,9 +20,26 @@ pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
 use sea_orm::{
     ConnectOptions, ConnectionTrait, DatabaseTransaction, SqliteTransactionMode, Statement,
-    TransactionOptions, TransactionTrait,
+    StatementBuilder, TransactionOptions, TransactionTrait, TryGetable,
 };
 pub use sea_orm::{DatabaseConnection, DbBackend, DbErr};
+
+/// `column` of every row `query` returns.
+pub(crate) async fn column_of_rows<T, C>(
+    db: &impl ConnectionTrait,
+    query: &impl StatementBuilder,
+    column: &str,
+) -> Result<C, DbErr>
+where
+    T: TryGetable,
+    C: FromIterator<T>,
+{
+    db.query_all(query)
+        .await?
+        .iter()
+        .map(|row| row.try_get::<T>("", column))
+        .collect()
+}
 
 /// The embedded default: a SQLite file in the working directory.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://inventory.db?mode=rwc";

@@ -722,16 +722,12 @@ async fn a_missing_stream_fails_the_relay_without_parking_and_health_says_so() {
 }
 
 /// Shared blocks a statement's plan touched, as `EXPLAIN (ANALYZE, BUFFERS)` counts them.
-async fn blocks_touched(db: &TestDb, sql: &str) -> i64 {
-    let row = db
-        .conn
-        .query_one_raw(Statement::from_string(
-            sea_orm::DbBackend::Postgres,
-            format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
-        ))
-        .await
-        .unwrap()
-        .unwrap();
+async fn blocks_touched(db: &TestDb, statement: Statement) -> i64 {
+    let explain = Statement {
+        sql: format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", statement.sql),
+        ..statement
+    };
+    let row = db.conn.query_one_raw(explain).await.unwrap().unwrap();
     let plan: serde_json::Value = row.try_get_by_index(0).unwrap();
     let plan = &plan[0]["Plan"];
     ["Shared Hit Blocks", "Shared Read Blocks"]
@@ -762,8 +758,8 @@ async fn the_backlog_figures_touch_as_few_blocks_at_a_hundred_thousand_rows_as_a
             .unwrap();
         stored = rows;
         let mut blocks = 0;
-        for sql in source.backlog_statements() {
-            blocks += blocks_touched(&db, &sql).await;
+        for statement in source.backlog_statements(sea_orm::DbBackend::Postgres) {
+            blocks += blocks_touched(&db, statement).await;
         }
         touched.push(blocks);
     }

@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use std::fmt;
 
 use inventory_migrations::{Migrator, MigratorTrait, grants};
+use sea_orm::sea_query::Query;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Statement};
 
 /// What [`super::open`] does about the schema.
@@ -109,14 +110,11 @@ pub(super) async fn check_current(db: &DatabaseConnection) -> Result<(), SchemaE
 
 /// The migrations recorded as applied. The table must exist.
 async fn applied_versions(conn: &impl ConnectionTrait) -> Result<HashSet<String>, DbErr> {
-    conn.query_all_raw(Statement::from_string(
-        conn.get_database_backend(),
-        format!("SELECT version FROM {}", grants::MIGRATIONS_TABLE),
-    ))
-    .await?
-    .iter()
-    .map(|row| row.try_get::<String>("", "version"))
-    .collect()
+    let versions = Query::select()
+        .column("version")
+        .from(grants::MIGRATIONS_TABLE)
+        .to_owned();
+    super::column_of_rows(conn, &versions, "version").await
 }
 
 /// The migrations recorded as applied that this binary does not know, in order; none where

@@ -23,16 +23,31 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use inventory_domain::outbox::PARTITIONS;
+use sea_orm::sea_query::{
+    Asterisk, Expr, ExprTrait, Func, OnConflict, Order, Query, UpdateStatement,
+};
 use sea_orm::{ConnectionTrait, DbBackend, DbErr};
 
-use super::source::{backend, statement};
+use crate::db::column_of_rows;
 
-/// The database's clock in milliseconds since the epoch, as SQL.
-fn now_ms(backend: DbBackend) -> &'static str {
-    match backend {
+/// The partitions' leases and the relays' heartbeats, one table of each for every outbox.
+const LEASES: &str = "outbox_leases";
+const RELAYS: &str = "outbox_relays";
+
+/// The database's clock in milliseconds since the epoch. sea-query has no portable expression
+/// for it, so each backend's is a fixed fragment, which names no column and holds no value.
+fn now_ms(backend: DbBackend) -> Expr {
+    Expr::cust(match backend {
         DbBackend::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
         _ => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
-    }
+    })
+}
+
+/// A lease row nobody holds, or whose holder let it expire.
+fn free_or_expired(backend: DbBackend) -> Expr {
+    Expr::col("holder")
+        .is_null()
+        .or(Expr::col("expires_at").lte(now_ms(backend)))
 }
 
 /// The partitions one relay should hold when `live` relays share `partitions`: the fair
@@ -340,39 +355,62 @@ impl Leases {
         i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX)
     }
 
+    /// One lease from the database's now: when a lease renewed or taken now runs out.
+    fn lease_end(&self, backend: DbBackend) -> Expr {
+        now_ms(backend).add(self.lease_ms())
+    }
+
+    /// This outbox's rows (of either table).
+    fn this_outbox(&self) -> Expr {
+        Expr::col("outbox").eq(self.outbox.as_str())
+    }
+
+    /// This relay's rows of this outbox: its heartbeat, the leases it holds.
+    fn mine(&self) -> Expr {
+        self.this_outbox()
+            .and(Expr::col("holder").eq(self.holder.as_str()))
+    }
+
     /// Makes the outbox's partition rows exist and writes this relay's heartbeat, so the
     /// relays already running count it at their next round.
     pub(crate) async fn register(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
-        let rows: Vec<String> = (0..PARTITIONS)
-            .map(|partition| format!("($1, {partition}, NULL, 0)"))
-            .collect();
-        let sql = format!(
-            "INSERT INTO outbox_leases (outbox, relay_partition, holder, expires_at) VALUES {} \
-             ON CONFLICT (outbox, relay_partition) DO NOTHING",
-            rows.join(", ")
-        );
-        db.execute_raw(statement(db, &sql, [self.outbox.clone().into()]))
-            .await?;
+        let partitions = Query::insert()
+            .into_table(LEASES)
+            .columns(["outbox", "relay_partition", "holder", "expires_at"])
+            .values_from_panic((0..PARTITIONS).map(|partition| {
+                [
+                    self.outbox.as_str().into(),
+                    i16::from(partition).into(),
+                    Expr::null(),
+                    0_i64.into(),
+                ]
+            }))
+            .on_conflict(
+                OnConflict::columns(["outbox", "relay_partition"])
+                    .do_nothing()
+                    .to_owned(),
+            )
+            .to_owned();
+        db.execute(&partitions).await?;
         self.heartbeat(db).await
     }
 
     async fn heartbeat(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
-        let sql = format!(
-            "INSERT INTO outbox_relays (outbox, holder, expires_at) VALUES ($1, $2, {now} + $3) \
-             ON CONFLICT (outbox, holder) DO UPDATE SET expires_at = excluded.expires_at",
-            now = now_ms(backend(db))
-        );
-        db.execute_raw(statement(
-            db,
-            &sql,
-            [
-                self.outbox.clone().into(),
-                self.holder.clone().into(),
-                self.lease_ms().into(),
-            ],
-        ))
-        .await
-        .map(drop)
+        let heartbeat = Query::insert()
+            .into_table(RELAYS)
+            .columns(["outbox", "holder", "expires_at"])
+            .values_panic([
+                self.outbox.as_str().into(),
+                self.holder.as_str().into(),
+                self.lease_end(db.get_database_backend()),
+            ])
+            .on_conflict(
+                OnConflict::columns(["outbox", "holder"])
+                    .update_column("expires_at")
+                    .to_owned(),
+            )
+            .to_owned();
+        db.execute(&heartbeat).await.map(drop)
     }
 
     /// Whether a round is due (see [`RoundTimer`]).
@@ -429,16 +467,14 @@ impl Leases {
     }
 
     async fn count_live(&self, db: &impl ConnectionTrait) -> Result<usize, DbErr> {
+        let count = Query::select()
+            .expr_as(Func::count(Expr::col(Asterisk)), "live")
+            .from(RELAYS)
+            .and_where(self.this_outbox())
+            .and_where(Expr::col("expires_at").gt(now_ms(db.get_database_backend())))
+            .to_owned();
         let live = db
-            .query_one_raw(statement(
-                db,
-                &format!(
-                    "SELECT COUNT(*) AS live FROM outbox_relays \
-                     WHERE outbox = $1 AND expires_at > {now}",
-                    now = now_ms(backend(db))
-                ),
-                [self.outbox.clone().into()],
-            ))
+            .query_one(&count)
             .await?
             .map(|row| row.try_get::<i64>("", "live"))
             .transpose()?
@@ -449,114 +485,83 @@ impl Leases {
     /// Renewed only where this relay is still the holder: a partition someone else took after
     /// it expired is theirs.
     async fn renew(&self, db: &impl ConnectionTrait) -> Result<Vec<i16>, DbErr> {
-        db.query_all_raw(statement(
-            db,
-            &format!(
-                "UPDATE outbox_leases SET expires_at = {now} + $3 \
-                 WHERE outbox = $1 AND holder = $2 RETURNING relay_partition",
-                now = now_ms(backend(db))
-            ),
-            [
-                self.outbox.clone().into(),
-                self.holder.clone().into(),
-                self.lease_ms().into(),
-            ],
-        ))
-        .await?
-        .iter()
-        .map(|row| row.try_get::<i16>("", "relay_partition"))
-        .collect()
+        let renew = Query::update()
+            .table(LEASES)
+            .value("expires_at", self.lease_end(db.get_database_backend()))
+            .and_where(self.mine())
+            .returning_col("relay_partition")
+            .to_owned();
+        column_of_rows(db, &renew, "relay_partition").await
     }
 
     async fn find_free(&self, db: &impl ConnectionTrait) -> Result<Vec<i16>, DbErr> {
-        db.query_all_raw(statement(
-            db,
-            &format!(
-                "SELECT relay_partition FROM outbox_leases \
-                 WHERE outbox = $1 AND (holder IS NULL OR expires_at <= {now}) \
-                 ORDER BY relay_partition",
-                now = now_ms(backend(db))
-            ),
-            [self.outbox.clone().into()],
-        ))
-        .await?
-        .iter()
-        .map(|row| row.try_get::<i16>("", "relay_partition"))
-        .collect()
+        let free = Query::select()
+            .column("relay_partition")
+            .from(LEASES)
+            .and_where(self.this_outbox())
+            .and_where(free_or_expired(db.get_database_backend()))
+            .order_by("relay_partition", Order::Asc)
+            .to_owned();
+        column_of_rows(db, &free, "relay_partition").await
     }
 
     /// Taken only if still free or expired when the database gets to it: of two relays
     /// racing for it, one wins.
     async fn take(&self, db: &impl ConnectionTrait, partition: i16) -> Result<bool, DbErr> {
-        let took = db
-            .execute_raw(statement(
-                db,
-                &format!(
-                    "UPDATE outbox_leases SET holder = $2, expires_at = {now} + $3 \
-                     WHERE outbox = $1 AND relay_partition = $4 \
-                       AND (holder IS NULL OR expires_at <= {now})",
-                    now = now_ms(backend(db))
-                ),
-                [
-                    self.outbox.clone().into(),
-                    self.holder.clone().into(),
-                    self.lease_ms().into(),
-                    partition.into(),
-                ],
-            ))
-            .await?
-            .rows_affected();
+        let backend = db.get_database_backend();
+        let take = Query::update()
+            .table(LEASES)
+            .values([
+                ("holder", self.holder.as_str().into()),
+                ("expires_at", self.lease_end(backend)),
+            ])
+            .and_where(self.this_outbox())
+            .and_where(Expr::col("relay_partition").eq(partition))
+            .and_where(free_or_expired(backend))
+            .to_owned();
+        let took = db.execute(&take).await?.rows_affected();
         Ok(took == 1)
     }
 
     /// Heartbeats of relays gone for a long time are only clutter.
     async fn sweep(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
-        db.execute_raw(statement(
-            db,
-            &format!(
-                "DELETE FROM outbox_relays WHERE outbox = $1 AND expires_at < {now} - $2",
-                now = now_ms(backend(db))
-            ),
-            [self.outbox.clone().into(), (self.lease_ms() * 100).into()],
-        ))
-        .await
-        .map(drop)
+        let gone_since = now_ms(db.get_database_backend()).sub(self.lease_ms() * 100);
+        let sweep = Query::delete()
+            .from_table(RELAYS)
+            .and_where(self.this_outbox())
+            .and_where(Expr::col("expires_at").lt(gone_since))
+            .to_owned();
+        db.execute(&sweep).await.map(drop)
+    }
+
+    /// Frees the leases this relay holds, at once (expiry 0).
+    fn give_back(&self) -> UpdateStatement {
+        Query::update()
+            .table(LEASES)
+            .values([("holder", Expr::null()), ("expires_at", 0_i64.into())])
+            .and_where(self.mine())
+            .to_owned()
     }
 
     /// Gives `partition` back if this relay still holds it (already forgotten by the round).
     async fn release_one(&self, db: &impl ConnectionTrait, partition: i16) -> Result<(), DbErr> {
-        db.execute_raw(statement(
-            db,
-            "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \
-             WHERE outbox = $1 AND relay_partition = $2 AND holder = $3",
-            [
-                self.outbox.clone().into(),
-                partition.into(),
-                self.holder.clone().into(),
-            ],
-        ))
-        .await
-        .map(drop)
+        let release = self
+            .give_back()
+            .and_where(Expr::col("relay_partition").eq(partition))
+            .to_owned();
+        db.execute(&release).await.map(drop)
     }
 
     /// Gives every partition back and removes the heartbeat, so the other relays take over
     /// at their next round instead of waiting for the leases to expire.
     pub(crate) async fn release_all(&mut self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
         self.held.lock().clear();
-        db.execute_raw(statement(
-            db,
-            "UPDATE outbox_leases SET holder = NULL, expires_at = 0 \
-             WHERE outbox = $1 AND holder = $2",
-            [self.outbox.clone().into(), self.holder.clone().into()],
-        ))
-        .await?;
-        db.execute_raw(statement(
-            db,
-            "DELETE FROM outbox_relays WHERE outbox = $1 AND holder = $2",
-            [self.outbox.clone().into(), self.holder.clone().into()],
-        ))
-        .await
-        .map(drop)
+        db.execute(&self.give_back()).await?;
+        let heartbeat = Query::delete()
+            .from_table(RELAYS)
+            .and_where(self.mine())
+            .to_owned();
+        db.execute(&heartbeat).await.map(drop)
     }
 }
 

@@ -60,6 +60,16 @@ impl OutboxTable {
     }
 }
 
+/// The columns a writer fills; `seq` and the parking's are the database's and the relay's.
+const WRITTEN: [&str; 6] = [
+    "event_id",
+    "relay_partition",
+    "order_id",
+    "subject",
+    "payload",
+    "created_at",
+];
+
 /// Writes one row into `table` through `conn`, the transaction that made the event's
 /// decision. `subject_token` is the subject below the stream's prefix.
 pub async fn insert(
@@ -72,17 +82,7 @@ pub async fn insert(
 ) -> Result<(), DbErr> {
     let statement = Query::insert()
         .into_table(Alias::new(table.name()))
-        .columns(
-            [
-                "event_id",
-                "relay_partition",
-                "order_id",
-                "subject",
-                "payload",
-                "created_at",
-            ]
-            .map(Alias::new),
-        )
+        .columns(WRITTEN)
         .values_panic([
             event_id.into(),
             partition(order_id).into(),

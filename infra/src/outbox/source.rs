@@ -6,13 +6,16 @@
 //! them.
 //!
 //! Every statement here stands alone (no transaction is opened), so none is ever held open
-//! while the relay talks to the broker.
+//! while the relay talks to the broker. They are built with sea-query for the connection's
+//! backend: the table is a quoted identifier and every value a bound parameter.
 
 use chrono::{DateTime, Utc};
-use sea_orm::{ConnectionTrait, DbBackend, DbErr, FromQueryResult, Statement, Value as DbValue};
+use sea_orm::sea_query::{Alias, Asterisk, Expr, ExprTrait, Func, Order, Query};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, FromQueryResult, Statement};
 use uuid::Uuid;
 
-use super::OutboxTable;
+use super::{OutboxTable, WRITTEN};
+use crate::db::column_of_rows;
 use crate::jetstream::Topology;
 
 /// Where an outbox's rows come from and where they go.
@@ -28,8 +31,9 @@ pub struct OutboxSource {
 pub struct InvalidTable(String);
 
 impl OutboxSource {
-    /// Rows of `table` go to `stream` under `<subject_prefix>.<row's subject>`. The table name
-    /// is written into SQL, so only plain lowercase identifiers are taken.
+    /// Rows of `table` go to `stream` under `<subject_prefix>.<row's subject>`. Only plain
+    /// lowercase names are taken, as the migrations create them: a mistyped or quoted one is
+    /// refused here, naming it, rather than by every statement.
     pub fn new(table: &str, stream: &str, subject_prefix: &str) -> Result<Self, InvalidTable> {
         let plain = !table.is_empty()
             && table.len() <= 63
@@ -70,6 +74,11 @@ impl OutboxSource {
         &self.table
     }
 
+    /// The table as an identifier of a statement.
+    fn iden(&self) -> Alias {
+        Alias::new(&self.table)
+    }
+
     pub fn stream(&self) -> &str {
         &self.stream
     }
@@ -86,8 +95,12 @@ impl OutboxSource {
     /// Fails unless the table is there: a relay started before its outbox was created says so
     /// at once rather than failing every pass.
     pub(crate) async fn check_table(&self, db: &impl ConnectionTrait) -> Result<(), DbErr> {
-        let sql = format!("SELECT seq FROM {} WHERE 1 = 0", self.table);
-        db.query_all_raw(statement(db, &sql, [])).await.map(drop)
+        let probe = Query::select()
+            .column("seq")
+            .from(self.iden())
+            .limit(0)
+            .to_owned();
+        db.query_all(&probe).await.map(drop)
     }
 
     /// Up to `limit` rows of `partitions` waiting to be published, in seq order: every row
@@ -105,20 +118,26 @@ impl OutboxSource {
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
-        let sql = format!(
-            "SELECT o.seq, o.event_id, o.relay_partition, o.order_id, o.subject, o.payload, \
-                    o.created_at \
-             FROM {table} o \
-             WHERE o.relay_partition IN ({partitions}) AND o.parked_at IS NULL \
-               AND NOT EXISTS (SELECT 1 FROM {table} p \
-                               WHERE p.order_id = o.order_id AND p.parked_at IS NOT NULL \
-                                 AND p.seq < o.seq) \
-             ORDER BY o.seq LIMIT $1",
-            table = self.table,
-            partitions = int_list(partitions.iter().map(|p| i64::from(*p))),
-        );
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        PendingRow::find_by_statement(statement(db, &sql, [limit.into()]))
+        // The drivers bind the LIMIT as a BIGINT.
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX).unsigned_abs();
+        let parked_before = Query::select()
+            .column(("p", "seq"))
+            .from_as(self.iden(), "p")
+            .and_where(Expr::col(("p", "order_id")).equals(("o", "order_id")))
+            .and_where(Expr::col(("p", "parked_at")).is_not_null())
+            .and_where(Expr::col(("p", "seq")).lt(Expr::col(("o", "seq"))))
+            .to_owned();
+        let pending = Query::select()
+            .column(("o", "seq"))
+            .columns(WRITTEN.map(|column| ("o", column)))
+            .from_as(self.iden(), "o")
+            .and_where(Expr::col(("o", "relay_partition")).is_in(partitions.iter().copied()))
+            .and_where(Expr::col(("o", "parked_at")).is_null())
+            .and_where(Expr::not_exists(parked_before))
+            .order_by(("o", "seq"), Order::Asc)
+            .limit(limit)
+            .to_owned();
+        PendingRow::find_by_statement(db.get_database_backend().build(&pending))
             .all(db)
             .await
     }
@@ -134,15 +153,11 @@ impl OutboxSource {
     ) -> Result<u64, DbErr> {
         let mut deleted = 0;
         for part in seqs.chunks(chunk.max(1)) {
-            let sql = format!(
-                "DELETE FROM {} WHERE seq IN ({})",
-                self.table,
-                int_list(part.iter().copied())
-            );
-            deleted += db
-                .execute_raw(statement(db, &sql, []))
-                .await?
-                .rows_affected();
+            let published = Query::delete()
+                .from_table(self.iden())
+                .and_where(Expr::col("seq").is_in(part.iter().copied()))
+                .to_owned();
+            deleted += db.execute(&published).await?.rows_affected();
         }
         Ok(deleted)
     }
@@ -155,29 +170,32 @@ impl OutboxSource {
         seq: i64,
         reason: &str,
     ) -> Result<(), DbErr> {
-        let sql = format!(
-            "UPDATE {} SET parked_at = $1, parked_reason = $2 \
-             WHERE seq = $3 AND parked_at IS NULL",
-            self.table
-        );
-        db.execute_raw(statement(
-            db,
-            &sql,
-            [Utc::now().into(), reason.into(), seq.into()],
-        ))
-        .await
-        .map(drop)
+        let park = Query::update()
+            .table(self.iden())
+            .values([
+                ("parked_at", Utc::now().into()),
+                ("parked_reason", reason.into()),
+            ])
+            .and_where(Expr::col("seq").eq(seq))
+            .and_where(Expr::col("parked_at").is_null())
+            .to_owned();
+        db.execute(&park).await.map(drop)
     }
 
     /// The parked rows, oldest first.
     pub async fn parked(&self, db: &impl ConnectionTrait) -> Result<Vec<ParkedRow>, DbErr> {
-        let sql = format!(
-            "SELECT seq, event_id, order_id, subject, CAST(length(payload) AS BIGINT) AS payload_chars, \
-                    created_at, parked_at, parked_reason \
-             FROM {} WHERE parked_at IS NOT NULL ORDER BY seq",
-            self.table
-        );
-        ParkedRow::find_by_statement(statement(db, &sql, []))
+        let parked = Query::select()
+            .columns(["seq", "event_id", "order_id", "subject"])
+            .expr_as(
+                Func::cast_as(Func::char_length(Expr::col("payload")), "BIGINT"),
+                "payload_chars",
+            )
+            .columns(["created_at", "parked_at", "parked_reason"])
+            .from(self.iden())
+            .and_where(Expr::col("parked_at").is_not_null())
+            .order_by("seq", Order::Asc)
+            .to_owned();
+        ParkedRow::find_by_statement(db.get_database_backend().build(&parked))
             .all(db)
             .await
     }
@@ -186,21 +204,19 @@ impl OutboxSource {
     /// tries them on its next pass, before their orders' later rows. Returns the seqs
     /// released.
     pub async fn retry(&self, db: &impl ConnectionTrait, which: &Retry) -> Result<Vec<i64>, DbErr> {
-        let filter = match which {
-            Retry::All => String::new(),
+        let only = match which {
+            Retry::All => None,
             Retry::Seqs(seqs) if seqs.is_empty() => return Ok(Vec::new()),
-            Retry::Seqs(seqs) => format!(" AND seq IN ({})", int_list(seqs.iter().copied())),
+            Retry::Seqs(seqs) => Some(Expr::col("seq").is_in(seqs.iter().copied())),
         };
-        let sql = format!(
-            "UPDATE {} SET parked_at = NULL, parked_reason = NULL \
-             WHERE parked_at IS NOT NULL{filter} RETURNING seq",
-            self.table
-        );
-        let rows = db.query_all_raw(statement(db, &sql, [])).await?;
-        let mut seqs = rows
-            .iter()
-            .map(|row| row.try_get::<i64>("", "seq"))
-            .collect::<Result<Vec<_>, _>>()?;
+        let release = Query::update()
+            .table(self.iden())
+            .values([("parked_at", Expr::null()), ("parked_reason", Expr::null())])
+            .and_where(Expr::col("parked_at").is_not_null())
+            .and_where_option(only)
+            .returning_col("seq")
+            .to_owned();
+        let mut seqs: Vec<i64> = column_of_rows(db, &release, "seq").await?;
         seqs.sort_unstable();
         Ok(seqs)
     }
@@ -212,11 +228,11 @@ impl OutboxSource {
     /// waiting are estimated by the span of seqs from the oldest waiting to the newest: exact
     /// while the relays publish in write order, more while a partition lags behind.
     pub(crate) async fn backlog(&self, db: &impl ConnectionTrait) -> Result<Backlog, DbErr> {
-        let [oldest, newest, parked] = self.backlog_statements();
-        let oldest = db.query_one_raw(statement(db, &oldest, [])).await?;
-        let newest = db.query_one_raw(statement(db, &newest, [])).await?;
+        let [oldest, newest, parked] = self.backlog_statements(db.get_database_backend());
+        let oldest = db.query_one_raw(oldest).await?;
+        let newest = db.query_one_raw(newest).await?;
         let parked = db
-            .query_one_raw(statement(db, &parked, []))
+            .query_one_raw(parked)
             .await?
             .map(|row| row.try_get::<i64>("", "parked"))
             .transpose()?
@@ -239,26 +255,40 @@ impl OutboxSource {
         })
     }
 
-    /// The statements behind the backlog's figures: the oldest row waiting, the newest row, the
-    /// parked rows counted; public so that a test can look at their plans.
-    pub fn backlog_statements(&self) -> [String; 3] {
-        let table = &self.table;
-        [
-            format!(
-                "SELECT seq, created_at FROM {table} WHERE parked_at IS NULL ORDER BY seq LIMIT 1"
-            ),
-            format!("SELECT seq FROM {table} ORDER BY seq DESC LIMIT 1"),
-            format!(
-                "SELECT COUNT(*) AS parked FROM (SELECT 1 FROM {table} \
-                 WHERE parked_at IS NOT NULL LIMIT {PARKED_COUNTED}) AS parked_rows"
-            ),
-        ]
+    /// The statements behind the backlog's figures, built for `backend`: the oldest row
+    /// waiting, the newest row, the parked rows counted; public so that a test can look at their
+    /// plans.
+    pub fn backlog_statements(&self, backend: DbBackend) -> [Statement; 3] {
+        let oldest = Query::select()
+            .columns(["seq", "created_at"])
+            .from(self.iden())
+            .and_where(Expr::col("parked_at").is_null())
+            .order_by("seq", Order::Asc)
+            .limit(1)
+            .to_owned();
+        let newest = Query::select()
+            .column("seq")
+            .from(self.iden())
+            .order_by("seq", Order::Desc)
+            .limit(1)
+            .to_owned();
+        let parked_rows = Query::select()
+            .column("seq")
+            .from(self.iden())
+            .and_where(Expr::col("parked_at").is_not_null())
+            .limit(PARKED_COUNTED)
+            .to_owned();
+        let parked = Query::select()
+            .expr_as(Func::count(Expr::col(Asterisk)), "parked")
+            .from_subquery(parked_rows, "parked_rows")
+            .to_owned();
+        [oldest, newest, parked].map(|query| backend.build(&query))
     }
 }
 
 /// Parked rows counted for the metrics, at most: a few are expected, and each waits for an
 /// operator.
-const PARKED_COUNTED: i64 = 1_000;
+const PARKED_COUNTED: u64 = 1_000;
 
 /// Which parked rows `retry` puts back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,24 +331,6 @@ pub struct Backlog {
     pub pending: u64,
     pub parked: u64,
     pub oldest_pending: Option<DateTime<Utc>>,
-}
-
-/// `1, 2, 3`: integers written into SQL (never text, so nothing to escape).
-fn int_list(values: impl Iterator<Item = i64>) -> String {
-    values.map(|v| v.to_string()).collect::<Vec<_>>().join(", ")
-}
-
-/// `$n` placeholders work on both backends (sqlx numbers them on SQLite too).
-pub(crate) fn statement<const N: usize>(
-    db: &impl ConnectionTrait,
-    sql: &str,
-    values: [DbValue; N],
-) -> Statement {
-    Statement::from_sql_and_values(backend(db), sql, values)
-}
-
-pub(crate) fn backend(db: &impl ConnectionTrait) -> DbBackend {
-    db.get_database_backend()
 }
 
 #[cfg(test)]
