@@ -6,9 +6,10 @@
 # minimal, availability, availability-event and reserve (RESERVE_SQL).
 #
 # Each runs prepared in a single-user backend (`postgres --single`) on a copy of one seeded
-# cluster, each execution its own transaction, a fresh order on a random book of 1,000; a run of
-# N1 and one of N2 executions give (instructions(N2) - instructions(N1)) / (N2 - N1) per
-# statement, start-up and planning cancelled out. User space only: the kernel's side of a
+# cluster, each execution its own transaction, a fresh order on a random book of 1,000 (arrays
+# of one, as a lane binds one message); a run of N1 and one of N2 executions give
+# (instructions(N2) - instructions(N1)) / (N2 - N1) per statement, start-up and planning
+# cancelled out. User space only: the kernel's side of a
 # commit (the WAL write and its flush) is not in the count.
 #
 #   scripts/bench-statement-instructions.sh [N1, default 500] [N2, default 2500]
@@ -64,16 +65,17 @@ instructions() {
   fi
   {
     [ -z "$setup" ] || echo "$setup"
-    echo "PREPARE p(uuid, uuid, int4, text, uuid, int2) AS $sql"
+    echo "PREPARE p(uuid[], uuid[], int4[], text[], int4[], uuid[], int2[]) AS $sql"
     python3 - "$executions" $books <<'PYTHON'
 import hashlib, random, sys
 executions, books = int(sys.argv[1]), int(sys.argv[2])
 uuid = lambda text: hashlib.md5(text.encode()).hexdigest()  # md5('b' || g)::uuid, as seeded
+one = lambda value: "'{" + str(value) + "}'"  # an array of one, as a lane binds one message
 draw = random.Random(7)
 for _ in range(executions):
     n, b = draw.randrange(1, 10**12), draw.randrange(1, books + 1)
-    print(f"EXECUTE p('{uuid(f'o{n}')}', '{uuid(f'b{b}')}', {1 + n % 3}, 'pgbench-{n}', "
-          f"'{uuid(f'e{n}')}', {n % 16})")
+    print(f"EXECUTE p({one(uuid(f'o{n}'))}, {one(uuid(f'b{b}'))}, {one(1 + n % 3)}, "
+          f"{one(f'pgbench-{n}')}, {one(0)}, {one(uuid(f'e{n}'))}, {one(n % 16)})")
 PYTHON
   } >"$dir/input.sql"
   rm -rf "$dir/run"
@@ -114,9 +116,9 @@ part() {
   printf '%-58s %12d\n' "$name" $(( per[$statement] - without ))
 }
 part "reserve: lock_order (false in its place)" reserve \
-  's/lock_order\(\$1\)/false/'
+  's/lock_order\(order_id\)/false/'
 part "reserve: the reservation looked up first (made empty)" reserve \
-  's/WITH existing AS \(.*?\), stock AS \(/WITH existing AS (SELECT NULL::int4 AS quantity WHERE false), stock AS (/'
+  's/LEFT JOIN LATERAL \(.*?\) existing ON true/LEFT JOIN (SELECT NULL::int4 AS quantity) existing ON true/'
 part "availability-event: the event's body (replaced by '')" availability-event \
   "s/jsonb_strip_nulls\\(jsonb_build_object\\(.*?END\\s*\\)\\)::text/''/"
 part "availability-event: the unique index on event_id" availability-event \

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Side by side, one run, every ratio of the PostgreSQL path against its own bound:
 #
-#   1. per message: pgbench running the one-statement handler's own SQL (RESERVE_SQL) against the
-#      service end to end (published to JetStream, consumed by the real loop, acked after
+#   1. per message: pgbench running the handler's own SQL (RESERVE_SQL on one placement) against
+#      the service end to end (published to JetStream, consumed by the real loop, acked after
 #      commit), at 1, 4 and 16 in flight; and PostgreSQL's own bound beside pgbench (`inventory
 #      bench postgres-bound`: the same statement on the service's workload, its values bound as
 #      the lanes bind them, where pgbench's script computes its uuids in the statement);
 #   2. CPU per message of the service process against the hand-written consumer of the same
 #      statement (`inventory bench hand-written`: tokio-postgres + async-nats) at 1, 4 and 16,
 #      and against the same loop on sqlx (`--driver sqlx`), which parts the driver's share;
-#   3. batched: pgbench running the batch statement (RESERVE_BATCH_SQL, arrays of 16 and 64
+#   3. batched: pgbench running the same statement (RESERVE_SQL on arrays of 16 and 64
 #      placements, 16 clients, each on books of its own as the lanes are) and the bound of step 1
 #      on batches against `end-to-end --batch-size 16/64 --concurrency 16`;
 #   4. the latency batching adds: publish to handled, p50/p99, per message and in batches of 16
@@ -97,7 +97,7 @@ for clients in 1 4 16; do
 done
 
 echo
-echo "3. batched, 16 in flight: the service against pgbench running RESERVE_BATCH_SQL on arrays of the same size,"
+echo "3. batched, 16 in flight: the service against pgbench running RESERVE_SQL on arrays of the same size,"
 echo "   and against PostgreSQL's own bound on batches of the same size"
 printf '%-8s %14s %14s %14s %8s %8s %12s\n' "batch" "pgbench msg/s" "bound msg/s" "service msg/s" "÷ pgb." "÷ bound" "service µs"
 for batch in 16 64; do

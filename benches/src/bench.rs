@@ -63,8 +63,8 @@ pub enum BenchCommand {
     /// lanes bind them, through tokio-postgres on N connections in a tight loop, no NATS:
     /// messages per second.
     PostgresBound(bench_pg_bound::PostgresBoundArgs),
-    /// Prints the pgbench script (the one-statement handler's SQL, or one of the statements
-    /// that bound it) and the SQL that seeds its books, for scripts/bench-vs-pgbench.sh and
+    /// Prints the pgbench script (the handler's statement, or one of the statements that bound
+    /// it) and the SQL that seeds its books, for scripts/bench-vs-pgbench.sh and
     /// scripts/bench-cancel-guard.sh.
     PgbenchScript {
         #[arg(long, default_value_t = 1_000)]
@@ -73,15 +73,14 @@ pub enum BenchCommand {
         #[arg(long, default_value = "reserve",
               value_parser = clap::builder::PossibleValuesParser::new(guard_cost::STATEMENTS))]
         statement: String,
-        /// Runs the batch statement (`RESERVE_BATCH_SQL`) with arrays of this many placements
-        /// instead of `--statement`; pgbench's transactions are then batches.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        batch_size: Option<u64>,
+        /// Placements per statement (its arrays' length): a pgbench transaction is a batch.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        batch_size: u64,
         /// Prints the seeding SQL instead of the script.
         #[arg(long)]
         seed: bool,
         /// Prints `--statement` as the lanes prepare it instead of the script: its parameters
-        /// ($1 to $6) kept, on one line, for scripts/bench-statement-instructions.sh.
+        /// ($1 to $7) kept, on one line, for scripts/bench-statement-instructions.sh.
         #[arg(long, conflicts_with_all = ["batch_size", "seed"])]
         prepared: bool,
     },
@@ -207,15 +206,16 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         } => {
             if seed {
                 println!("{}", bench_e2e::pgbench_seed_sql(books));
-            } else if let Some(batch_size) = batch_size {
-                print!("{}", bench_e2e::pgbench_batch_script(books, batch_size));
             } else {
                 let statement = guard_cost::statement(&statement)
                     .with_context(|| format!("no statement {statement}"))?;
                 if prepared {
                     println!("{}", bench_e2e::one_line(&statement));
                 } else {
-                    print!("{}", bench_e2e::pgbench_script(&statement, books));
+                    print!(
+                        "{}",
+                        bench_e2e::pgbench_script(&statement, books, batch_size)
+                    );
                 }
             }
             Ok(true)

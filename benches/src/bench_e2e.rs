@@ -578,22 +578,6 @@ fn status_kib(field: &str) -> Result<u64> {
     Ok(value.trim().trim_end_matches("kB").trim().parse()?)
 }
 
-/// The pgbench script that runs `statement` (the one-statement handler's own SQL, `RESERVE_SQL`,
-/// or a bound of it with the same parameters) with fresh orders over `books` books, seeded by
-/// [`pgbench_seed_sql`]. pgbench variables stand in for the statement's parameters, so the
-/// database does the same work per message as the service. Comments are dropped first: pgbench
-/// would make a parameter of a variable named in one, and fail on its unknown type.
-pub fn pgbench_script(statement: &str, books: usize) -> String {
-    let statement = one_line(statement)
-        .replace("$1", "md5('o' || :n::text)::uuid")
-        .replace("$2", "md5('b' || :b::text)::uuid")
-        .replace("$3", "(1 + :n::bigint % 3)::int4")
-        .replace("$4", "('pgbench-' || :n::text)")
-        .replace("$5", "md5('e' || :n::text)::uuid")
-        .replace("$6", "(:n::bigint % 16)::int2");
-    format!("\\set n random(1, 1000000000000)\n\\set b random(1, {books})\n{statement};\n")
-}
-
 /// `sql` on one line, without its `/* … */` comments: as pgbench and a single-user backend
 /// read a statement.
 pub fn one_line(sql: &str) -> String {
@@ -614,24 +598,32 @@ fn without_comments(sql: &str) -> String {
     kept
 }
 
-/// The pgbench script that runs the batch statement (`RESERVE_BATCH_SQL`) on `batch` fresh
-/// placements at a time. As the lanes of the end-to-end run take consecutive messages, so
-/// consecutive books, and never lock each other's books, each pgbench client orders consecutive
-/// books, from a random one, in a slice of the books of its own (`books / 16`: for up to 16
-/// clients). Each array is built in the statement from pgbench's variables, so the text around
-/// the parameters is the handler's own (comments dropped, as above). A pgbench transaction is a
-/// batch.
-pub fn pgbench_batch_script(books: usize, batch: u64) -> String {
-    let slice = (books / 16).max(1);
+/// The pgbench script that runs `statement` (the handler's own `RESERVE_SQL`, or a bound of it
+/// with the same parameters) on `batch` fresh placements at a time over `books` books, seeded
+/// by [`pgbench_seed_sql`]. Each array is built in the statement from pgbench's variables, so
+/// the text around the parameters is the handler's own and the database does the same work per
+/// message as the service; comments are dropped first, as pgbench would make a parameter of a
+/// variable named in one and fail on its unknown type. A pgbench transaction is a batch. One
+/// placement at a time takes any book; a batch, as the lanes of the end-to-end run take
+/// consecutive messages, so consecutive books, and never lock each other's books, orders
+/// consecutive books, from a random one, in a slice of the books of the client's own
+/// (`books / 16`: for up to 16 clients).
+pub fn pgbench_script(statement: &str, books: usize, batch: u64) -> String {
+    let (first, slice) = if batch == 1 {
+        ("0".to_owned(), books.max(1))
+    } else {
+        let slice = (books / 16).max(1);
+        (format!(":client_id * {slice}"), slice)
+    };
     let array = |element: &str| {
         format!("(SELECT array_agg({element} ORDER BY i) FROM generate_series(1, {batch}) i)")
     };
-    let statement = one_line(inventory_infra::consumers::natural_pg::RESERVE_BATCH_SQL)
+    let statement = one_line(statement)
         .replace("$1", &array("md5('o' || :n::text || '-' || i)::uuid"))
         .replace(
             "$2",
             &array(&format!(
-                "md5('b' || (1 + :client_id * {slice} + (:b::bigint + i) % {slice})::text)::uuid"
+                "md5('b' || (1 + {first} + (:b::bigint + i) % {slice})::text)::uuid"
             )),
         )
         .replace("$3", &array("(1 + (:n::bigint + i) % 3)::int4"))
@@ -654,7 +646,7 @@ pub fn pgbench_seed_sql(books: usize) -> String {
 mod tests {
     #![expect(clippy::unwrap_used, reason = "a test fails by panicking")]
 
-    use super::{Orders, one_line, pgbench_batch_script};
+    use super::{Orders, one_line, pgbench_script};
     use inventory_domain::{BookId, Event};
 
     #[test]
@@ -684,20 +676,28 @@ mod tests {
     }
 
     #[test]
-    fn the_batch_script_binds_every_parameter_of_the_batch_statement_to_an_array() {
-        let script = pgbench_batch_script(1_000, 16);
-        let statement = script.lines().nth(2).unwrap();
-        assert!(
-            !statement
-                .as_bytes()
-                .windows(2)
-                .any(|pair| pair[0] == b'$' && pair[1].is_ascii_digit()),
-            "a parameter left: {statement}"
-        );
-        assert_eq!(
-            statement.matches("FROM generate_series(1, 16) i)").count(),
-            7
-        );
+    fn the_script_binds_every_parameter_of_each_statement_to_an_array() {
+        for name in crate::guard_cost::STATEMENTS {
+            let sql = crate::guard_cost::statement(name).unwrap();
+            for batch in [1, 16] {
+                let script = pgbench_script(&sql, 1_000, batch);
+                let statement = script.lines().nth(2).unwrap();
+                assert!(
+                    !statement
+                        .as_bytes()
+                        .windows(2)
+                        .any(|pair| pair[0] == b'$' && pair[1].is_ascii_digit()),
+                    "{name}: a parameter left: {statement}"
+                );
+                assert_eq!(
+                    statement
+                        .matches(&format!("FROM generate_series(1, {batch}) i)"))
+                        .count(),
+                    7,
+                    "{name}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -705,7 +705,7 @@ mod tests {
         let sql = inventory_infra::consumers::natural_pg::RESERVE_SQL;
         let line = one_line(sql);
         assert!(!line.contains('\n') && !line.contains("/*") && !line.contains("*/"));
-        for parameter in ["$1", "$2", "$3", "$4", "$5", "$6"] {
+        for parameter in ["$1", "$2", "$3", "$4", "$5", "$6", "$7"] {
             assert!(line.contains(parameter), "{parameter} lost");
         }
     }

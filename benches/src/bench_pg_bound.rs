@@ -1,6 +1,6 @@
 //! `inventory bench postgres-bound`: PostgreSQL's own bound for the natural key, the figure the
-//! service on PostgreSQL is measured against beside pgbench. The handler's own statements
-//! ([`RESERVE_SQL`], or [`RESERVE_BATCH_SQL`] with `--batch-size` above 1) prepared once on each
+//! service on PostgreSQL is measured against beside pgbench. The handler's own statement
+//! ([`RESERVE_SQL`], on one placement or on `--batch-size` of them) prepared once on each
 //! of N tokio-postgres connections and run in a tight loop with no NATS, over the messages of
 //! `inventory bench end-to-end` ([`placements`]): fresh orders over many books, a tenth of them
 //! resent under a new message id. Each connection takes the next message (or the next batch)
@@ -20,7 +20,7 @@ use anyhow::{Context as _, Result, ensure};
 use inventory_domain::OrderId;
 use inventory_domain::keyed_placements;
 use inventory_domain::outbox::partition;
-use inventory_infra::consumers::natural_pg::{RESERVE_BATCH_SQL, RESERVE_SQL};
+use inventory_infra::consumers::natural_pg::RESERVE_SQL;
 use serde::Serialize;
 use tokio::task::JoinSet;
 use uuid::Uuid;
@@ -37,7 +37,7 @@ pub struct PostgresBoundArgs {
     /// Connections running statements at once, one run each, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub concurrency: Vec<usize>,
-    /// Messages per statement (1: `RESERVE_SQL`; more: `RESERVE_BATCH_SQL` on that many).
+    /// Messages per statement.
     #[arg(long, default_value_t = 1)]
     pub batch_size: usize,
     /// Fraction of orders resent under a new message id.
@@ -140,7 +140,7 @@ async fn measure(
                 match taken {
                     [] => return Ok(()),
                     [one] => connection.reserve(one).await?,
-                    many => connection.reserve_batch(many).await?,
+                    many => connection.reserve_together(many).await?,
                 }
             }
         });
@@ -159,29 +159,27 @@ async fn measure(
     })
 }
 
-/// A connection with both statements prepared on it.
+/// A connection with the statement prepared on it.
 struct Connection {
     client: tokio_postgres::Client,
-    one: tokio_postgres::Statement,
-    batch: tokio_postgres::Statement,
+    statement: tokio_postgres::Statement,
 }
 
 impl Connection {
     async fn open(url: &str) -> Result<Self> {
         let client = bench_hand::connect(url).await?;
-        let one = client.prepare(RESERVE_SQL).await?;
-        let batch = client.prepare(RESERVE_BATCH_SQL).await?;
-        Ok(Self { client, one, batch })
+        let statement = client.prepare(RESERVE_SQL).await?;
+        Ok(Self { client, statement })
     }
 
     async fn reserve(&self, placed: &Placed) -> Result<()> {
-        bench_hand::reserve(&self.client, &self.one, placed).await?;
+        bench_hand::reserve(&self.client, &self.statement, placed).await?;
         Ok(())
     }
 
-    /// The batch statement, then, as the handler does, [`RESERVE_SQL`] for each placement it
-    /// left undecided: neither decided nor found taken, nor a copy of one decided before it.
-    async fn reserve_batch(&self, placements: &[Placed]) -> Result<()> {
+    /// The statement on a batch, then, as the handler does, on each placement it left
+    /// undecided alone: neither decided nor found taken, nor a copy of one decided before it.
+    async fn reserve_together(&self, placements: &[Placed]) -> Result<()> {
         let orders: Vec<Uuid> = placements.iter().map(|p| p.order_id).collect();
         let books: Vec<Uuid> = placements.iter().map(|p| p.book_id).collect();
         let quantities: Vec<i32> = placements.iter().map(|p| p.quantity).collect();
@@ -197,7 +195,7 @@ impl Connection {
         let rows = self
             .client
             .query(
-                &self.batch,
+                &self.statement,
                 &[
                     &orders,
                     &books,

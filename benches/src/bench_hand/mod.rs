@@ -11,9 +11,9 @@
 //! - PostgreSQL through tokio-postgres (the default there): [`RESERVE_SQL`] per message, on a
 //!   connection of the lane's own, prepared once.
 //! - PostgreSQL through sqlx (`--driver sqlx`), the service's driver, connected with the
-//!   service's options: a single message through `RESERVE_SQL`, several through
-//!   `RESERVE_BATCH_SQL` in one statement, so one commit, those it leaves undecided through
-//!   `RESERVE_SQL` after it, as the service's handler does.
+//!   service's options: a message or a batch through `RESERVE_SQL` in one statement, so one
+//!   commit, those it leaves undecided through it alone after it, as the service's handler
+//!   does.
 //! - SQLite (sqlx, the only driver there): one writer connection for every lane, opened as the
 //!   service opens its writer, each lane's message or batch in `BEGIN IMMEDIATE … COMMIT`, each
 //!   placement through the service's `READ_SQL` and `WRITE_SQL`.

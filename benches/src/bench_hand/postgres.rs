@@ -2,20 +2,20 @@
 //!
 //! - tokio-postgres: [`RESERVE_SQL`] prepared once, one message at a time.
 //! - sqlx, the service's driver, connected with the options of the service's pool as its
-//!   handler connects (TLS as the URL and the server say, READ COMMITTED, its timeouts): one
-//!   message through `RESERVE_SQL`, several through [`RESERVE_BATCH_SQL`], one statement, so
-//!   one commit. Of a batch, a placement whose row says neither what was inserted nor what
-//!   was there, and that no earlier copy in the batch decided (a copy another lane committed
-//!   meanwhile, or stock too short for the whole batch), goes through `RESERVE_SQL` after it,
-//!   as in the service's handler (`natural_pg.rs`). So does the handler's second look,
-//!   [`EXISTING_SQL`], for a copy committed while `RESERVE_SQL` waited.
+//!   handler connects (TLS as the URL and the server say, READ COMMITTED, its timeouts): the
+//!   lane's message or batch through `RESERVE_SQL`, one statement, so one commit. Of a batch,
+//!   a placement whose row says neither what was inserted nor what was there, and that no
+//!   earlier copy in the batch decided (a copy another lane committed meanwhile, or stock too
+//!   short for all the batch wanted of its book), goes through `RESERVE_SQL` alone after it, as
+//!   in the service's handler (`natural_pg.rs`). So does the handler's second look,
+//!   [`EXISTING_SQL`], for a copy committed while the statement waited.
 
 use std::sync::Arc;
 
 use anyhow::{Context as _, Result, ensure};
 use inventory_domain::OrderId;
 use inventory_domain::outbox::partition;
-use inventory_infra::consumers::natural_pg::{EXISTING_SQL, RESERVE_BATCH_SQL, RESERVE_SQL};
+use inventory_infra::consumers::natural_pg::{EXISTING_SQL, RESERVE_SQL};
 use inventory_infra::db::DatabaseConnection;
 use sea_orm::sqlx::postgres::{PgConnectOptions, PgConnection, PgRow};
 use sea_orm::sqlx::{self, ConnectOptions as _, Row as _};
@@ -33,8 +33,8 @@ pub(crate) async fn connect(database_url: &str) -> Result<tokio_postgres::Client
     Ok(client)
 }
 
-/// Runs [`RESERVE_SQL`], prepared as `statement` on `client`, for `placed` with a fresh event
-/// id: the statement's one row.
+/// Runs [`RESERVE_SQL`], prepared as `statement` on `client`, for `placed` alone with a fresh
+/// event id: the statement's one row.
 pub(crate) async fn reserve(
     client: &tokio_postgres::Client,
     statement: &tokio_postgres::Statement,
@@ -44,12 +44,13 @@ pub(crate) async fn reserve(
         .query_one(
             statement,
             &[
-                &placed.order_id,
-                &placed.book_id,
-                &placed.quantity,
-                &placed.message_id,
-                &Uuid::now_v7(),
-                &partition(OrderId::from(placed.order_id)),
+                &[placed.order_id].as_slice(),
+                &[placed.book_id].as_slice(),
+                &[placed.quantity].as_slice(),
+                &[placed.message_id.as_str()].as_slice(),
+                &[0_i32].as_slice(),
+                &[Uuid::now_v7()].as_slice(),
+                &[partition(OrderId::from(placed.order_id))].as_slice(),
             ],
         )
         .await?)
@@ -103,51 +104,52 @@ impl SqlxOptions {
 pub(super) struct SqlxLane(PgConnection);
 
 impl SqlxLane {
-    /// One placement through `RESERVE_SQL`, several through `RESERVE_BATCH_SQL`, as the
-    /// service's lanes hand one message to `handle` and several to `handle_batch`.
-    pub(super) async fn reserve(&mut self, placed: &[Placed]) -> Result<Vec<bool>> {
-        match placed {
-            [one] => Ok(vec![self.reserve_one(one).await?]),
-            batch => self.reserve_batch(batch).await,
+    /// `RESERVE_SQL` for the lane's message or batch, then alone for what it left undecided:
+    /// whether each reserved.
+    pub(super) async fn reserve(&mut self, batch: &[Placed]) -> Result<Vec<bool>> {
+        let rows = self.run(batch).await?;
+        let mut reserved = Vec::with_capacity(batch.len());
+        for (placed, row) in batch.iter().zip(&rows) {
+            let decided = match BatchRow::read(row)? {
+                BatchRow::Inserted => true,
+                BatchRow::Taken => false,
+                BatchRow::Undecided
+                    if batch
+                        .iter()
+                        .zip(&reserved)
+                        .any(|(earlier, reserved)| *reserved && earlier.same_key(placed)) =>
+                {
+                    false
+                }
+                BatchRow::Undecided => self.reserve_alone(placed).await?,
+            };
+            reserved.push(decided);
+        }
+        Ok(reserved)
+    }
+
+    /// `RESERVE_SQL` for `placed` alone, which it always decides unless a copy committed while
+    /// it waited: whether it reserved.
+    async fn reserve_alone(&mut self, placed: &Placed) -> Result<bool> {
+        let rows = self.run(std::slice::from_ref(placed)).await?;
+        match BatchRow::read(&rows[0])? {
+            BatchRow::Inserted => Ok(true),
+            BatchRow::Taken => Ok(false),
+            BatchRow::Undecided => {
+                // A copy committed while the statement waited: a new statement sees it.
+                sqlx::query(EXISTING_SQL)
+                    .bind(placed.order_id)
+                    .bind(placed.book_id)
+                    .fetch_optional(&mut self.0)
+                    .await?
+                    .context("the reservation's key was taken, and its row is not there")?;
+                Ok(false)
+            }
         }
     }
 
-    /// `RESERVE_SQL` for `placed`: whether it reserved.
-    async fn reserve_one(&mut self, placed: &Placed) -> Result<bool> {
-        let row = sqlx::query(RESERVE_SQL)
-            .bind(placed.order_id)
-            .bind(placed.book_id)
-            .bind(placed.quantity)
-            .bind(&placed.message_id)
-            .bind(Uuid::now_v7())
-            .bind(partition(OrderId::from(placed.order_id)))
-            .fetch_one(&mut self.0)
-            .await?;
-        ensure!(
-            row.try_get::<bool, _>("book_found")?,
-            "no stock row for book {}",
-            placed.book_id
-        );
-        if row.try_get::<Option<&str>, _>("inserted_status")?.is_some() {
-            return Ok(true);
-        }
-        if row
-            .try_get::<Option<i32>, _>("existing_quantity")?
-            .is_none()
-        {
-            // A copy committed while the statement waited: a new statement sees it.
-            sqlx::query(EXISTING_SQL)
-                .bind(placed.order_id)
-                .bind(placed.book_id)
-                .fetch_optional(&mut self.0)
-                .await?
-                .context("the reservation's key was taken, and its row is not there")?;
-        }
-        Ok(false)
-    }
-
-    /// `RESERVE_BATCH_SQL` for `batch`, then `RESERVE_SQL` for what it left undecided.
-    async fn reserve_batch(&mut self, batch: &[Placed]) -> Result<Vec<bool>> {
+    /// `RESERVE_SQL` for `batch`: a row for each.
+    async fn run(&mut self, batch: &[Placed]) -> Result<Vec<PgRow>> {
         let mut orders = Vec::with_capacity(batch.len());
         let mut books = Vec::with_capacity(batch.len());
         let mut quantities = Vec::with_capacity(batch.len());
@@ -164,7 +166,7 @@ impl SqlxLane {
             event_ids.push(Uuid::now_v7());
             partitions.push(partition(OrderId::from(placed.order_id)));
         }
-        let rows = sqlx::query(RESERVE_BATCH_SQL)
+        let rows = sqlx::query(RESERVE_SQL)
             .bind(&orders)
             .bind(&books)
             .bind(&quantities)
@@ -180,24 +182,7 @@ impl SqlxLane {
             rows.len(),
             batch.len()
         );
-        let mut reserved = Vec::with_capacity(batch.len());
-        for (placed, row) in batch.iter().zip(&rows) {
-            let decided = match BatchRow::read(row)? {
-                BatchRow::Inserted => true,
-                BatchRow::Taken => false,
-                BatchRow::Undecided
-                    if batch
-                        .iter()
-                        .zip(&reserved)
-                        .any(|(earlier, reserved)| *reserved && earlier.same_key(placed)) =>
-                {
-                    false
-                }
-                BatchRow::Undecided => self.reserve_one(placed).await?,
-            };
-            reserved.push(decided);
-        }
-        Ok(reserved)
+        Ok(rows)
     }
 }
 
@@ -207,7 +192,7 @@ enum BatchRow {
     Inserted,
     /// Its key had a reservation already.
     Taken,
-    /// Neither: an earlier copy in the batch, or left to `RESERVE_SQL`.
+    /// Neither: an earlier copy in the batch, or left to `RESERVE_SQL` alone.
     Undecided,
 }
 

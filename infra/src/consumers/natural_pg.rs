@@ -1,11 +1,12 @@
-//! The natural key on PostgreSQL as one statement per message, on a connection the lane holds.
+//! The natural key on PostgreSQL as one statement per message or per batch, on a connection the
+//! lane holds.
 //!
-//! The same rules as the reference handler in `natural.rs` (reservation key first, a
-//! cancellation that came first wins, a rejection is kept, an unknown book writes nothing), in
-//! one round trip: the statement stops at a reservation already there; else it locks the stock
-//! row, then the order (`lock_order`), decides, inserts the reservation unless its key is taken
-//! meanwhile, and moves stock only if that insert won. Both statements take their locks in the
-//! order `natural.rs` sets down for every path. A cancellation, rarer, is a few statements in
+//! The same rules as the study's sea-orm handler (reservation key first, a cancellation that
+//! came first wins, a rejection is kept, an unknown book writes nothing), in one round trip:
+//! [`RESERVE_SQL`] stops at a reservation already there; else it locks the stock rows, then the
+//! orders (`lock_order`), decides, inserts the reservations unless their keys are taken
+//! meanwhile, and moves stock only where that insert won. It takes its locks in the order every
+//! path takes them: stock rows in book order, then orders. A cancellation, rarer, is a few statements in
 //! one transaction on the same connection ([`LOCK_BOOKS_SQL`] to [`RELEASE_SQL`]).
 //!
 //! It commits on its own, so there is no open transaction between the steps. Each clone opens
@@ -34,9 +35,10 @@ use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
-/// One placement: the steps of the reference handler's `reserve`, in its order, with the
-/// rule of `StockItem::decide_reservation` in `decided`. Comments are `/* */`: the pgbench
-/// script runs this text as one line.
+/// Placements in one statement, so one commit: one message's alone, a lane's batch together.
+/// The steps of the reference handler's `reserve`, in its order, with the rule of
+/// `StockItem::decide_reservation` in `decided`. Comments are `/* */`: the pgbench scripts run
+/// this text as one line.
 ///
 /// Why two copies cannot both move stock (docs/natural-key.md argues it at length): the
 /// connection runs at READ COMMITTED (`db::connect_with` asks for it), so every CTE here reads
@@ -45,120 +47,81 @@ use crate::stock::{DataError, int_column, quantity_column, quantity_from, status
 /// keys committed after the snapshot, and waits for a key another transaction inserted and has
 /// not committed (a conflict if it commits, an insert if it rolls back). Stock moves only when
 /// `inserted` returned a row, so at most one transaction per key moves it, whatever the message
-/// ids. After a wait, `FOR UPDATE` reads the stock row as last committed and `lock_order` the
+/// ids. After a wait, `FOR UPDATE` reads the stock rows as last committed and `lock_order` the
 /// order's state with a new snapshot; under REPEATABLE READ the first fails (40001) and the
 /// second misses a cancellation committed while it waited.
-pub const RESERVE_SQL: &str = "\
-WITH existing AS (
-    /* Before any lock, so that a copy of a decided placement ends here, having read one row
-       and written nothing. */
-    SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2
-), stock AS (
-    /* Every placement of the book queues on this lock. Once granted, FOR UPDATE reads the row
-       as last committed, so available counts what others reserved meanwhile. */
-    SELECT on_hand - reserved AS available
-    FROM stock_items WHERE book_id = $2 AND NOT EXISTS (SELECT 1 FROM existing)
-    FOR UPDATE
-), decided AS (
-    /* lock_order is the order's lock, taken here, after the stock row's: a cancellation of
-       the order in flight finishes first, or waits for this statement. It reads the order's
-       state with a snapshot of its own, taken once the lock is granted, so a cancellation that
-       committed while this statement waited still wins. It writes nothing (an advisory lock).
-       Called here rather than in a CTE of its own, which counts 2% more instructions. */
-    SELECT CASE WHEN lock_order($1) THEN 'released'
-                WHEN stock.available >= $3 THEN 'reserved'
-                ELSE 'rejected' END AS status,
-           stock.available
-    FROM stock
-), inserted AS (
-    /* A copy that committed while this one waited for the stock row holds the key, and
-       existing, read before the wait, cannot see it. Then nothing is inserted, nothing moves,
-       and the caller reads the key again (EXISTING_SQL). */
-    INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
-    SELECT $1, $2, $3, decided.status, $4, now() FROM decided
-    ON CONFLICT (order_id, book_id) DO NOTHING
-    RETURNING status
-), moved AS (
-    UPDATE stock_items SET reserved = reserved + $3
-    WHERE book_id = $2 AND EXISTS (SELECT 1 FROM inserted WHERE status = 'reserved')
-), event AS (
-    /* The decision's event ($5 its id, $6 its relay partition), committed with it: the
-       outbox. Written after decided took the order's lock, so the events of one order are
-       numbered in commit order. A placement after the cancellation (released) decided nothing
-       and writes none. The body is StockEvent::body's, built here; a test holds the two equal
-       (the_statements_write_the_domains_body_for_every_kind). */
-    INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
-    SELECT $5, $6, $1, 'stock.' || inserted.status,
-           jsonb_strip_nulls(jsonb_build_object(
-               'event_id', $5::uuid, 'order_id', $1::uuid, 'book_id', $2::uuid,
-               'quantity', $3::int4, 'occurred_at', now(), 'caused_by', $4::text,
-               'available', CASE WHEN inserted.status = 'rejected' THEN decided.available END
-           ))::text,
-           now()
-    FROM inserted CROSS JOIN decided
-    WHERE inserted.status IN ('reserved', 'rejected')
-)
-SELECT EXISTS (SELECT 1 FROM stock) OR EXISTS (SELECT 1 FROM existing) AS book_found,
-       (SELECT status FROM inserted) AS inserted_status,
-       (SELECT available FROM decided) AS available,
-       (SELECT quantity FROM existing) AS existing_quantity";
-
-/// A batch of placements in one statement, so one commit, under the rule of [`RESERVE_SQL`].
-/// Orders for a book whose stock cannot cover the whole batch's requests are left undecided
-/// here and decided one by one after, so a batch never rejects what one-by-one handling would
-/// have reserved.
+///
+/// A batch decides what one-by-one handling would: a book wanted by several placements that
+/// its stock cannot all cover decides none of them here, and the caller decides each alone.
 ///
 /// A lane's prepared statement may keep a generic plan made while the tables were small (a
 /// fresh database, before the first ANALYZE), with one-row estimates everywhere; the shapes
 /// below stay cheap under such a plan as the tables and the batch grow.
-pub const RESERVE_BATCH_SQL: &str = "\
+pub const RESERVE_SQL: &str = "\
 WITH input AS (
     /* idx is a placement's place in the batch: its result's row, and which copy of a key
        counts. */
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[],
                          $6::uuid[], $7::int2[])
         AS input(order_id, book_id, quantity, message_id, idx, event_id, relay_partition)
-), books AS (
-    /* Locked in book order, as on every path, so that two batches sharing books never wait
-       for each other in a cycle. */
-    SELECT book_id, on_hand - reserved AS available
-    FROM stock_items
-    WHERE book_id IN (SELECT book_id FROM input)
-    ORDER BY book_id
-    FOR UPDATE
-), fresh AS (
-    /* Each key's first placement in the batch, unless the key has a reservation already.
-       That is probed per placement (LATERAL, LIMIT 1, one index lookup each), never joined,
-       since under a plan made on a small table the join hashes all of stock_reservations on
-       every batch. */
-    SELECT DISTINCT ON (input.order_id, input.book_id) input.*
-    FROM input JOIN books USING (book_id)
+), probed AS (
+    /* Each placement's key, looked up before any lock, so that a copy of a decided placement
+       ends here, having read one row and locked nothing. Probed per placement (LATERAL,
+       LIMIT 1, one index lookup each), never joined: under a plan made on a small table the
+       join hashes all of stock_reservations on every batch. */
+    SELECT input.*, existing.quantity AS existing_quantity
+    FROM input
     LEFT JOIN LATERAL (
-        SELECT true AS taken FROM stock_reservations r
+        SELECT r.quantity FROM stock_reservations r
         WHERE r.order_id = input.order_id AND r.book_id = input.book_id
         LIMIT 1
     ) existing ON true
-    WHERE existing.taken IS NULL
-    ORDER BY input.order_id, input.book_id, input.idx
+), books AS (
+    /* Every placement of a book queues on its row's lock, taken in book order, as on every
+       path, so that two batches sharing books never wait for each other in a cycle. Once
+       granted, FOR UPDATE reads the row as last committed, so available counts what others
+       reserved meanwhile. */
+    SELECT book_id, on_hand - reserved AS available
+    FROM stock_items
+    WHERE book_id IN (SELECT book_id FROM probed WHERE existing_quantity IS NULL)
+    ORDER BY book_id
+    FOR UPDATE
+), fresh AS (
+    /* Each key's first placement, unless the key has a reservation already. */
+    SELECT DISTINCT ON (probed.order_id, probed.book_id) probed.*
+    FROM probed JOIN books USING (book_id)
+    WHERE probed.existing_quantity IS NULL
+    ORDER BY probed.order_id, probed.book_id, probed.idx
 ), guard AS (
-    /* RESERVE_SQL's order locks, taken in order_id order. */
+    /* lock_order is the order's lock, taken after its books' rows, in order_id order: a
+       cancellation of the order in flight finishes first, or waits for this statement. It
+       reads the order's state with a snapshot of its own, taken once the lock is granted, so
+       a cancellation that committed while this statement waited still wins. It writes
+       nothing (an advisory lock). */
     SELECT order_id, lock_order(order_id) AS cancelled
     FROM (SELECT DISTINCT order_id FROM fresh ORDER BY order_id OFFSET 0) orders
 ), wanted AS (
-    SELECT fresh.book_id, sum(fresh.quantity) AS copies
+    SELECT fresh.book_id, sum(fresh.quantity) AS copies, count(*) AS placements
     FROM fresh JOIN guard USING (order_id)
     WHERE NOT guard.cancelled
     GROUP BY fresh.book_id
 ), decided AS (
-    /* A book that cannot cover everything wanted of it decides nothing here. A cancelled
-       order's placement is released whatever the stock. */
-    SELECT fresh.*, CASE WHEN guard.cancelled THEN 'released' ELSE 'reserved' END AS status
+    /* A cancelled order's placement is released whatever the stock. A book that covers all
+       that is wanted of it reserves it; one wanted by one placement it cannot cover rejects
+       it, as that placement alone would be; one that cannot cover several decides none. */
+    SELECT fresh.*, books.available,
+           CASE WHEN guard.cancelled THEN 'released'
+                WHEN wanted.copies <= books.available THEN 'reserved'
+                ELSE 'rejected' END AS status
     FROM fresh
     JOIN guard USING (order_id)
     JOIN books USING (book_id)
     LEFT JOIN wanted USING (book_id)
-    WHERE guard.cancelled OR wanted.copies <= books.available
+    WHERE guard.cancelled OR wanted.copies <= books.available OR wanted.placements = 1
 ), inserted AS (
+    /* A copy that committed while this statement waited for a lock holds the key, and
+       probed, read before the wait, cannot see it. Then nothing is inserted, nothing moves,
+       and the caller reads the key again (EXISTING_SQL). */
     INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
     SELECT order_id, book_id, quantity, status, message_id, now() FROM decided
     ON CONFLICT (order_id, book_id) DO NOTHING
@@ -173,39 +136,43 @@ WITH input AS (
     ) won
     WHERE stock_items.book_id = won.book_id
 ), event AS (
-    /* RESERVE_SQL's event for each reservation won, in batch order. A batch reserves or
-       releases; it leaves every rejection to RESERVE_SQL. */
+    /* Each decision's event, committed with it (the outbox), in batch order. Written after
+       guard took the orders' locks, so the events of one order are numbered in commit order.
+       A placement after the cancellation (released) decided nothing and writes none. The body
+       is StockEvent::body's, built here; a test holds the two equal
+       (the_statements_write_the_domains_body_for_every_kind). */
     INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
     SELECT decided.event_id, decided.relay_partition, decided.order_id,
-           'stock.reserved',
-           jsonb_build_object(
+           'stock.' || inserted.status,
+           jsonb_strip_nulls(jsonb_build_object(
                'event_id', decided.event_id, 'order_id', decided.order_id,
                'book_id', decided.book_id, 'quantity', decided.quantity,
-               'occurred_at', now(), 'caused_by', decided.message_id
-           )::text,
+               'occurred_at', now(), 'caused_by', decided.message_id,
+               'available', CASE WHEN inserted.status = 'rejected' THEN decided.available END
+           ))::text,
            now()
     FROM inserted JOIN decided USING (order_id, book_id)
-    WHERE inserted.status = 'reserved'
+    WHERE inserted.status IN ('reserved', 'rejected')
     ORDER BY decided.idx
 ), outcome AS MATERIALIZED (
     /* Computed once. Inlined, the planner may rerun this join for every input row, cheap by
        its one-row estimates and slow at a batch of 64. */
-    SELECT decided.idx, inserted.status
+    SELECT decided.idx, inserted.status, decided.available
     FROM inserted JOIN decided USING (order_id, book_id)
 )
-SELECT input.idx,
-       books.book_id IS NOT NULL AS book_found,
+SELECT probed.idx,
+       books.book_id IS NOT NULL OR probed.existing_quantity IS NOT NULL AS book_found,
        outcome.status AS inserted_status,
-       (SELECT r.quantity FROM stock_reservations r
-        WHERE r.order_id = input.order_id AND r.book_id = input.book_id) AS existing_quantity
-FROM input
+       outcome.available,
+       probed.existing_quantity
+FROM probed
 LEFT JOIN books USING (book_id)
 LEFT JOIN outcome USING (idx)
-ORDER BY input.idx";
+ORDER BY probed.idx";
 
 /// A statement sees only what was committed when it began, so when a copy committed while
-/// [`RESERVE_SQL`] waited for the stock row, that statement's insert finds the key taken but
-/// its `existing` cannot read the row. A new statement can.
+/// [`RESERVE_SQL`] waited for a lock, that statement's insert finds the key taken but its
+/// `probed` cannot read the row. A new statement can.
 pub const EXISTING_SQL: &str =
     "SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2";
 
@@ -298,13 +265,13 @@ impl PgNaturalKey {
         result
     }
 
-    /// One placement, through the single statement.
+    /// One placement, through the statement alone.
     pub(super) async fn place(
         &self,
         key: &str,
         placed: &OrderPlaced,
     ) -> Result<Outcome, HandleError> {
-        self.with_connection(async |connection| decide(connection, key, placed).await)
+        self.with_connection(async |connection| decide_alone(connection, key, placed).await)
             .await
     }
 
@@ -319,41 +286,15 @@ impl PgNaturalKey {
             .await
     }
 
-    /// Placements through the batch statement. `Err`: the statement failed and nothing of the
-    /// batch committed. `Ok`: it committed, with one result per placement in order; a
+    /// Placements through the statement together. `Err`: the statement failed and nothing of
+    /// the batch committed. `Ok`: it committed, with one result per placement in order; a
     /// placement whose row cannot be read fails alone.
     pub(super) async fn place_together(
         &self,
         placements: &[(Cow<'_, str>, &OrderPlaced)],
     ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
         self.with_connection(async |connection| {
-            let mut orders = Vec::with_capacity(placements.len());
-            let mut books = Vec::with_capacity(placements.len());
-            let mut quantities = Vec::with_capacity(placements.len());
-            let mut keys = Vec::with_capacity(placements.len());
-            let mut indexes = Vec::with_capacity(placements.len());
-            let mut event_ids = Vec::with_capacity(placements.len());
-            let mut partitions = Vec::with_capacity(placements.len());
-            for (index, (key, placed)) in placements.iter().enumerate() {
-                orders.push(placed.order_id.as_uuid());
-                books.push(placed.book_id.as_uuid());
-                quantities.push(quantity_column(placed.quantity.get())?);
-                keys.push(key.as_ref());
-                indexes.push(int_column("batch index", index)?);
-                event_ids.push(Uuid::now_v7());
-                partitions.push(partition(placed.order_id));
-            }
-            let rows = sqlx::query(RESERVE_BATCH_SQL)
-                .bind(&orders)
-                .bind(&books)
-                .bind(&quantities)
-                .bind(&keys)
-                .bind(&indexes)
-                .bind(&event_ids)
-                .bind(&partitions)
-                .fetch_all(&mut *connection)
-                .await
-                .map_err(HandleError::from_sqlx)?;
+            let rows = reserve(connection, placements).await?;
             let mut results: Vec<Result<Outcome, HandleError>> =
                 Vec::with_capacity(placements.len());
             for ((key, placed), row) in placements.iter().zip(&rows) {
@@ -366,7 +307,13 @@ impl PgNaturalKey {
                             && result.as_ref().is_ok_and(Outcome::processed)
                     })
                     .map(|((_, other), _)| other.quantity);
-                results.push(batch_outcome(connection, row, key, placed, earlier_in_batch).await);
+                results.push(match decision(row, placed, earlier_in_batch) {
+                    Ok(Some(outcome)) => Ok(outcome),
+                    // Stock too short for all the batch wanted of the book, or a copy another
+                    // lane committed meanwhile: decided alone, exactly as without batching.
+                    Ok(None) => decide_alone(connection, key, placed).await,
+                    Err(error) => Err(error),
+                });
             }
             Ok(results)
         })
@@ -374,35 +321,65 @@ impl PgNaturalKey {
     }
 }
 
-/// What the batch statement's row says of one placement; `earlier_in_batch` is the quantity of
-/// a copy of it earlier in the same batch that the statement decided.
-async fn batch_outcome(
+/// [`RESERVE_SQL`] on `placements`: a row for each, in order.
+async fn reserve(
     connection: &mut PgConnection,
+    placements: &[(Cow<'_, str>, &OrderPlaced)],
+) -> Result<Vec<PgRow>, HandleError> {
+    let mut orders = Vec::with_capacity(placements.len());
+    let mut books = Vec::with_capacity(placements.len());
+    let mut quantities = Vec::with_capacity(placements.len());
+    let mut keys = Vec::with_capacity(placements.len());
+    let mut indexes = Vec::with_capacity(placements.len());
+    let mut event_ids = Vec::with_capacity(placements.len());
+    let mut partitions = Vec::with_capacity(placements.len());
+    for (index, (key, placed)) in placements.iter().enumerate() {
+        orders.push(placed.order_id.as_uuid());
+        books.push(placed.book_id.as_uuid());
+        quantities.push(quantity_column(placed.quantity.get())?);
+        keys.push(key.as_ref());
+        indexes.push(int_column("batch index", index)?);
+        event_ids.push(Uuid::now_v7());
+        partitions.push(partition(placed.order_id));
+    }
+    sqlx::query(RESERVE_SQL)
+        .bind(&orders)
+        .bind(&books)
+        .bind(&quantities)
+        .bind(&keys)
+        .bind(&indexes)
+        .bind(&event_ids)
+        .bind(&partitions)
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(HandleError::from_sqlx)
+}
+
+/// What the statement's row says of one placement; `earlier_in_batch` is the quantity of a copy
+/// of it earlier in the same batch that the statement decided. `None`: it decided nothing of
+/// it.
+fn decision(
     row: &PgRow,
-    key: &str,
     placed: &OrderPlaced,
     earlier_in_batch: Option<Quantity>,
-) -> Result<Outcome, HandleError> {
+) -> Result<Option<Outcome>, HandleError> {
     let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
     let inserted: Option<&str> = row
         .try_get("inserted_status")
         .map_err(HandleError::from_sqlx)?;
+    let available: Option<i32> = row.try_get("available").map_err(HandleError::from_sqlx)?;
     let existing: Option<i32> = row
         .try_get("existing_quantity")
         .map_err(HandleError::from_sqlx)?;
-    if !book_found {
-        Ok(unknown_book(placed.book_id))
+    Ok(if !book_found {
+        Some(unknown_book(placed.book_id))
     } else if let Some(status) = inserted {
-        placement_effect(status, placed, None)
+        Some(placement_effect(status, placed, available)?)
     } else if let Some(existing) = existing {
-        Ok(second_request(quantity_from(existing)?, placed.quantity))
-    } else if let Some(earlier) = earlier_in_batch {
-        Ok(second_request(earlier, placed.quantity))
+        Some(second_request(quantity_from(existing)?, placed.quantity))
     } else {
-        // Stock too short for the whole batch, or a copy another lane committed meanwhile:
-        // decided on its own, exactly as without batching.
-        decide(connection, key, placed).await
-    }
+        earlier_in_batch.map(|earlier| second_request(earlier, placed.quantity))
+    })
 }
 
 fn placement_effect(
@@ -423,49 +400,26 @@ fn placement_effect(
     }))
 }
 
-async fn decide(
+/// One placement alone, which the statement always decides, unless a copy committed while it
+/// waited for a lock: then the key is read again.
+async fn decide_alone(
     connection: &mut PgConnection,
     key: &str,
     placed: &OrderPlaced,
 ) -> Result<Outcome, HandleError> {
-    let order = placed.order_id.as_uuid();
-    let book = placed.book_id.as_uuid();
-    let quantity = quantity_column(placed.quantity.get())?;
-    let row = sqlx::query(RESERVE_SQL)
-        .bind(order)
-        .bind(book)
-        .bind(quantity)
-        .bind(key)
-        .bind(Uuid::now_v7())
-        .bind(partition(placed.order_id))
-        .fetch_one(&mut *connection)
+    let rows = reserve(connection, &[(Cow::Borrowed(key), placed)]).await?;
+    let row = rows
+        .first()
+        .ok_or(HandleError::Internal("the statement returned no row"))?;
+    if let Some(outcome) = decision(row, placed, None)? {
+        return Ok(outcome);
+    }
+    let existing: Option<i32> = sqlx::query_scalar(EXISTING_SQL)
+        .bind(placed.order_id.as_uuid())
+        .bind(placed.book_id.as_uuid())
+        .fetch_optional(&mut *connection)
         .await
         .map_err(HandleError::from_sqlx)?;
-    let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
-    let inserted: Option<&str> = row
-        .try_get("inserted_status")
-        .map_err(HandleError::from_sqlx)?;
-    let available: Option<i32> = row.try_get("available").map_err(HandleError::from_sqlx)?;
-    let mut existing: Option<i32> = row
-        .try_get("existing_quantity")
-        .map_err(HandleError::from_sqlx)?;
-    if !book_found {
-        return Ok(unknown_book(placed.book_id));
-    }
-    if let Some(status) = inserted {
-        return placement_effect(status, placed, available);
-    }
-    if existing.is_none() {
-        existing = sqlx::query(EXISTING_SQL)
-            .bind(order)
-            .bind(book)
-            .fetch_optional(&mut *connection)
-            .await
-            .map_err(HandleError::from_sqlx)?
-            .map(|row| row.try_get("quantity"))
-            .transpose()
-            .map_err(HandleError::from_sqlx)?;
-    }
     let existing = existing.ok_or(DataError::Vanished {
         table: "stock_reservations",
     })?;
