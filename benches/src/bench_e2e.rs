@@ -24,8 +24,8 @@ use inventory_infra::delivery::PullConsumer;
 use inventory_service::args::NatsArgs;
 
 use crate::serve::natural_key_path;
+use inventory_service::consumer::{ConsumerRuntime, Reads, Running, RuntimeSettings};
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Reads, Running, RuntimeSettings};
 use inventory_service::shutdown::Shutdown;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -46,8 +46,7 @@ pub struct EndToEndArgs {
     /// Books the orders spread over (fewer books: more waiting on hot stock rows).
     #[arg(long, default_value_t = 1_000)]
     pub books: usize,
-    /// The natural-key handler: one-statement (the batch statement with --batch-size above 1)
-    /// or orm.
+    /// The natural-key handler: one-statement (on a batch with --batch-size above 1) or orm.
     #[arg(long, default_value = "one-statement", value_parser = natural_key_path())]
     pub handler: NaturalKeyPath,
     /// PostgreSQL server for the fresh database; sqlite:// for a fresh SQLite file.

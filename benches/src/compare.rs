@@ -31,8 +31,8 @@ use inventory_infra::{HandleError, MessageHandler, StockRepository};
 use serde::Serialize;
 
 use inventory_service::args::NatsArgs;
+use inventory_service::consumer::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
 use inventory_service::shutdown::Shutdown;
 
 /// The server `compare` creates its databases on when neither the flag nor `DATABASE_URL` names

@@ -10,8 +10,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::builder::TypedValueParser;
 use inventory_service::args::one_of;
+use inventory_service::consumer::Reads;
 use inventory_service::retention::horizon;
-use inventory_service::runtime::Reads;
 use inventory_service::serve::{Served, Setup};
 
 use crate::consumers::{DetectMode, Handler, HandlerKind, NaturalKeyPath};
@@ -74,7 +74,7 @@ fn detect_mode() -> impl TypedValueParser<Value = DetectMode> {
     one_of(&DetectMode::ALL, DetectMode::as_str)
 }
 
-/// `--natural-handler`: the batch statement is chosen by a batch size, not by name.
+/// `--natural-handler`: the batch path is chosen by a batch size, not by name.
 pub fn natural_key_path() -> impl TypedValueParser<Value = NaturalKeyPath> {
     const ON_THE_COMMAND_LINE: [NaturalKeyPath; 2] =
         [NaturalKeyPath::OneStatement, NaturalKeyPath::Orm];

@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 pub enum CrashPoint {
     /// The dedup check or claim ran; the work has not started.
     AfterDedupCheck,
-    /// The natural key's one statement (or batch statement) on PostgreSQL is about to run. It
+    /// The natural key's statement on PostgreSQL (on a message or a batch) is about to run. It
     /// is the check, the work and the commit at once, so nothing of it is written yet.
     BeforeStatement,
     /// The work ran inside the transaction, which is not committed yet.

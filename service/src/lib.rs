@@ -3,10 +3,10 @@
 //! `compare`, `bench`) live in `inventory-benches`, whose binary [`study`] hands them to.
 //!
 //! # Layout
-//! - [`runtime`]: the consumer runtime: one [`runtime::RuntimeSettings`] value, the streams and
-//!   the durable consumer set up, the lanes, and the path of one message from fetch to ack;
-//!   [`policy`]: what becomes of a delivery (ack, nak after a delay, dead letter), as a pure
-//!   function, and what became of it ([`policy::Disposition`]).
+//! - [`consumer`]: one [`consumer::RuntimeSettings`] value, the streams and the durable consumer
+//!   set up, the lanes, and the path of one message from fetch to ack; [`consumer::policy`]:
+//!   what becomes of a delivery (ack, nak after a delay, dead letter), as a pure function, and
+//!   what became of it ([`consumer::policy::Disposition`]).
 //! - [`serve`]: `inventory serve`: flags to runtime settings, signals, what the lanes run (a
 //!   [`serve::Served`]), Prometheus metrics ([`metrics`]) and the health endpoints
 //!   an orchestrator probes, `/livez` and `/readyz` ([`health`]); [`shutdown`]: how `serve` and
@@ -23,8 +23,8 @@
 //!   `serve` for the study's handlers, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.
 //!
-//! No module imports one that imports it back: [`policy`] depends on no other module,
-//! [`metrics`] on [`policy`], [`runtime`] on those and [`health`], the commands on them.
+//! No module imports one that imports it back: [`consumer::policy`] depends on no other module,
+//! [`metrics`] on it, [`consumer`] on those, [`health`] and [`shutdown`], the commands on them.
 
 /// The commit this binary was built from, in the 12 digits the image tags use too; `unknown`
 /// where it was built without git.
@@ -50,13 +50,12 @@ const fn short_commit(sha: Option<&'static str>) -> &'static str {
 pub mod args;
 pub mod cli;
 pub mod config;
+pub mod consumer;
 pub mod dlq;
 pub mod health;
 pub mod metrics;
-pub mod policy;
 pub mod relay;
 pub mod retention;
-pub mod runtime;
 pub mod serve;
 pub mod shutdown;
 pub mod study;

@@ -15,7 +15,7 @@ use prometheus::{
 
 use inventory_domain::DeadLetterReason;
 
-use crate::policy::{Acked, Disposition};
+use crate::consumer::policy::{Acked, Disposition};
 
 /// The service's metrics, registered in a registry of their own (no process-global state, so
 /// tests in one process do not share counters).
@@ -602,7 +602,7 @@ mod tests {
     use inventory_domain::DeadLetterReason;
 
     use super::Metrics;
-    use crate::policy::{Acked, Disposition};
+    use crate::consumer::policy::{Acked, Disposition};
 
     #[test]
     fn each_disposition_is_counted_under_its_own_outcome() {

@@ -9,8 +9,8 @@ use inventory_domain::{FirstDelivery, Horizon, RedeliveryPolicy};
 use inventory_infra::delivery::ConsumerConfig;
 
 use crate::args::shown;
-use crate::policy::RetryPolicy;
-use crate::runtime::RuntimeSettings;
+use crate::consumer::RuntimeSettings;
+use crate::consumer::policy::RetryPolicy;
 
 /// What the redelivery horizon takes beside the server's settings: shared by `serve` and
 /// `inbox purge`, so that both check the same horizon from the same settings (one file, the

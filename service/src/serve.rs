@@ -1,5 +1,5 @@
 //! `inventory serve`: the JetStream subscriber, wired from its flags. The consumer itself is
-//! [`crate::runtime`]; this module turns the command line into its settings, adds what only a
+//! [`crate::consumer`]; this module turns the command line into its settings, adds what only a
 //! long-running service needs (signals, the relay, metrics, health) and waits. What the lanes
 //! run is a [`Served`]: the natural key here; the study's handlers in the study binary, whose
 //! `serve` is this one with its own.
@@ -18,11 +18,11 @@ use tokio_util::sync::CancellationToken;
 use crate::args::{
     DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, shown,
 };
+use crate::consumer::{ConsumerRuntime, Ending, Reads, RuntimeSettings};
 use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::relay::{RELAY, RelayArgs};
 use crate::retention::HorizonArgs;
-use crate::runtime::{ConsumerRuntime, Ending, Reads, RuntimeSettings};
 use crate::shutdown::{Background, Shutdown};
 
 /// How often the consumer's lag is read for `/metrics`.

@@ -23,8 +23,8 @@ use inventory_domain::{
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{HandleError, MessageHandler};
+use inventory_service::consumer::RuntimeSettings;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::RuntimeSettings;
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed, stock_reserved, workload};
 

@@ -605,7 +605,7 @@ fn batch_settings(
     broker: &inventory_tests::broker::Broker,
     max_deliver: i64,
     batch_size: usize,
-) -> inventory_service::runtime::RuntimeSettings {
+) -> inventory_service::consumer::RuntimeSettings {
     let mut settings = broker.settings(1, max_deliver);
     settings.batch_size = batch_size;
     settings

@@ -10,7 +10,7 @@ use inventory_domain::{Message, Outcome};
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream::dlq_headers;
 use inventory_infra::{HandleError, MessageHandler};
-use inventory_service::runtime::Ending;
+use inventory_service::consumer::Ending;
 use inventory_tests::broker::{Broker, RunningService, eventually, one_order};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::DbErr;

@@ -9,9 +9,9 @@ use inventory_infra::MessageHandler;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
 use inventory_infra::outbox::RelayWake;
+use inventory_service::consumer::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
 use inventory_service::health::Liveness;
 use inventory_service::metrics::ConsumerMetrics;
-use inventory_service::runtime::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
 use inventory_service::shutdown::Shutdown;
 
 /// A test's own streams (removed on drop) on `url`.

@@ -186,7 +186,7 @@ impl SqlxLane {
     }
 }
 
-/// What the batch statement's row says of one placement.
+/// What the statement's row says of one placement.
 enum BatchRow {
     /// The statement inserted its reservation.
     Inserted,

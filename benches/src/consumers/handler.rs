@@ -31,14 +31,14 @@ pub enum NaturalKeyPath {
     /// One transaction per message: on PostgreSQL one statement on a connection each lane
     /// holds; on SQLite the statements on the one writer connection all lanes share.
     OneStatement,
-    /// The placements a lane already holds in one commit: the batch statement on PostgreSQL,
-    /// one `BEGIN IMMEDIATE` transaction on SQLite's writer.
+    /// The placements a lane already holds in one commit: the same statement on all of them on
+    /// PostgreSQL, one `BEGIN IMMEDIATE` transaction on SQLite's writer.
     Batch,
 }
 
 impl NaturalKeyPath {
     /// The path that runs when lanes take up to `batch_size` messages: the one-statement
-    /// path commits a batch through the batch statement.
+    /// path commits a batch at once.
     pub fn with_batch_size(self, batch_size: usize) -> Self {
         match self {
             Self::OneStatement if batch_size > 1 => Self::Batch,
@@ -87,8 +87,8 @@ impl HandlerKind {
         }
     }
 
-    /// The natural key through `path`, where the one statement becomes the batch statement
-    /// when lanes hand over more than one message at a time.
+    /// The natural key through `path`, where the one-statement path commits batches when lanes
+    /// hand over more than one message at a time.
     pub fn natural_key(path: NaturalKeyPath, batch_size: usize) -> Self {
         Self::NaturalKey(path.with_batch_size(batch_size))
     }

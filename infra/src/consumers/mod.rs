@@ -173,7 +173,7 @@ impl NaturalKey {
             .iter()
             .map(|_| {
                 results.next().unwrap_or(Err(HandleError::Internal(
-                    "the batch statement returned fewer rows than placements",
+                    "the statement returned fewer rows than placements",
                 )))
             })
             .collect()
