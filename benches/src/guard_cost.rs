@@ -40,6 +40,9 @@ fn event_cte() -> &'static str {
     cut("), event AS (", "), outcome AS")
 }
 
+/// The key alone: the reservation unless its key is taken, stock moved where it won. Each bound
+/// moves stock in `RESERVE_SQL`'s shape (the copies won per book, joined to the stock row), which
+/// a lane's generic plan runs through the primary key.
 const MINIMAL_CTES: &str = "\
 ), inserted AS (
     INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
@@ -47,8 +50,9 @@ const MINIMAL_CTES: &str = "\
     ON CONFLICT (order_id, book_id) DO NOTHING
     RETURNING book_id, quantity, status
 ), moved AS (
-    UPDATE stock_items SET reserved = stock_items.reserved + inserted.quantity
-    FROM inserted WHERE stock_items.book_id = inserted.book_id
+    UPDATE stock_items SET reserved = stock_items.reserved + won.copies
+    FROM (SELECT book_id, sum(quantity) AS copies FROM inserted GROUP BY book_id) won
+    WHERE stock_items.book_id = won.book_id
 ";
 
 /// The availability rule's CTEs, named as in `RESERVE_SQL` so that its event CTE reads them;
@@ -57,6 +61,7 @@ const AVAILABILITY_CTES: &str = "\
 ), books AS (
     SELECT book_id, on_hand - reserved AS available FROM stock_items
     WHERE book_id IN (SELECT book_id FROM input)
+    ORDER BY book_id
     FOR UPDATE
 ), decided AS (
     SELECT input.*, books.available,
@@ -69,9 +74,14 @@ const AVAILABILITY_CTES: &str = "\
     ON CONFLICT (order_id, book_id) DO NOTHING
     RETURNING order_id, book_id, status
 ), moved AS (
-    UPDATE stock_items SET reserved = stock_items.reserved + decided.quantity
-    FROM inserted JOIN decided USING (order_id, book_id)
-    WHERE inserted.status = 'reserved' AND stock_items.book_id = decided.book_id
+    UPDATE stock_items SET reserved = stock_items.reserved + won.copies
+    FROM (
+        SELECT inserted.book_id, sum(decided.quantity) AS copies
+        FROM inserted JOIN decided USING (order_id, book_id)
+        WHERE inserted.status = 'reserved'
+        GROUP BY inserted.book_id
+    ) won
+    WHERE stock_items.book_id = won.book_id
 ";
 
 /// Closes the last CTE: each inserted placement's status, as `RESERVE_SQL` names it.
