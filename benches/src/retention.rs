@@ -11,6 +11,7 @@ use humantime::format_duration;
 use inventory_domain::{FirstDelivery, Horizon, RetentionTooShort};
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::jetstream;
+use inventory_infra::periodic::Every;
 use inventory_service::args::{DatabaseArgs, NatsArgs, TopologyArgs};
 use inventory_service::cli::COMMAND_POOL;
 use inventory_service::metrics::Metrics;
@@ -133,18 +134,14 @@ pub fn purge_every(
     let retention =
         chrono::Duration::from_std(settings.retention).context("--inbox-retention is too large")?;
     Ok(async move {
-        let mut ticks = tokio::time::interval(settings.interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                _ = ticks.tick() => {}
-            }
+        let mut ticks = Every::new(settings.interval, stop);
+        while ticks.tick().await {
             let cutoff = chrono::Utc::now() - retention;
             let started = std::time::Instant::now();
-            let purged = tokio::select! {
-                () = stop.cancelled() => return,
-                purged = purge_completed(&db, &consumer, cutoff, settings.batch_size.max(1), false) => purged,
+            let batch = settings.batch_size.max(1);
+            let purge = purge_completed(&db, &consumer, cutoff, batch, false);
+            let Some(purged) = ticks.unless_stopped(purge).await else {
+                return;
             };
             match purged {
                 Ok(report) if report.skipped_locked => {

@@ -16,6 +16,7 @@
 //!   and `DeadLetter`, one read back from the dead-letter stream.
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
+//! - [`periodic`]: the loop of the watchers that read a figure now and then.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
 //! - [`entities`]: the sea-orm models of the tables.
 //! - [`faults`]: the handlers' crash points, and `FaultPlan`, what happens there, which only
@@ -28,6 +29,7 @@ pub mod entities;
 pub mod faults;
 pub mod jetstream;
 pub mod outbox;
+pub mod periodic;
 pub mod redact;
 pub mod stock;
 

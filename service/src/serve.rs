@@ -11,6 +11,7 @@ use inventory_domain::ConsumerName;
 use inventory_infra::db::{self, DatabaseConnection, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings};
 use inventory_infra::outbox::{OutboxSource, RelaySettings};
+use inventory_infra::periodic::Every;
 use inventory_infra::redact::redact_url;
 use inventory_infra::{MessageHandler, NaturalKey};
 use tokio_util::sync::CancellationToken;
@@ -246,16 +247,10 @@ async fn watch_dead_letters(
     metrics: Metrics,
     stop: CancellationToken,
 ) {
-    let mut ticks = tokio::time::interval(DEAD_LETTER_INTERVAL);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = ticks.tick() => {}
-        }
-        let read = tokio::select! {
-            () = stop.cancelled() => return,
-            read = letters.waiting(&consumer) => read,
+    let mut ticks = Every::new(DEAD_LETTER_INTERVAL, stop);
+    while ticks.tick().await {
+        let Some(read) = ticks.unless_stopped(letters.waiting(&consumer)).await else {
+            return;
         };
         match read {
             Ok(waiting) => {

@@ -427,13 +427,8 @@ async fn watch_backlog(
     db_timeout: Option<Duration>,
     stop: CancellationToken,
 ) {
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = ticks.tick() => {}
-        }
+    let mut ticks = crate::periodic::Every::new(every, stop);
+    while ticks.tick().await {
         match bounded(db_timeout, source.backlog(&db)).await {
             Ok(backlog) => status.saw(backlog),
             Err(error) => tracing::debug!(%error, "reading the outbox's backlog"),

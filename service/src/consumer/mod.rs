@@ -32,6 +32,7 @@ use inventory_infra::jetstream::{
     Topology,
 };
 use inventory_infra::outbox::RelayWake;
+use inventory_infra::periodic::Every;
 use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 
@@ -342,13 +343,8 @@ impl Running {
         let mut consumer = self.consumer.clone();
         let stop = self.shutdown.graceful.clone();
         async move {
-            let mut ticks = tokio::time::interval(every);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    _ = ticks.tick() => {}
-                }
+            let mut ticks = Every::new(every, stop);
+            while ticks.tick().await {
                 match jetstream::consumer_state(&mut consumer).await {
                     Ok(state) => metrics.record_lag(&state),
                     Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
