@@ -124,7 +124,7 @@ async fn a_flaky_network_under_two_instances() {
     scenario.nats_url = broker.url_for(&nats);
     scenario.serve_args = timeout_flags();
     // A duplicate's ack is logged at DEBUG: the evidence for a commit cut off.
-    scenario.rust_log = "info,sqlx=warn,inventory_service::runtime=debug".into();
+    scenario.rust_log = "info,sqlx=warn,inventory_service::consumer=debug".into();
     let workload = Workload::new(
         &books,
         ORDERS,

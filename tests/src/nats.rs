@@ -330,12 +330,50 @@ impl NatsCluster {
                 }
             }
             match outcome {
-                Ok(()) => return Self { nodes },
+                Ok(()) => {
+                    let cluster = Self { nodes };
+                    cluster.wait_for_placement().await;
+                    return cluster;
+                }
                 Err(StartError::Exited(message)) => failure = message,
                 Err(error) => panic!("{}", error.message()),
             }
         }
         panic!("the nats cluster did not start in {START_ATTEMPTS} attempts: {failure}");
+    }
+
+    /// Waits until the meta leader places a stream on all three nodes. A node's `/healthz` is
+    /// healthy once it is in contact with a meta leader, a moment before that leader counts
+    /// every peer online: a replicated stream created then is refused ("no suitable peers for
+    /// placement, peer offline", 10005), as the instances of a test starting at once found.
+    async fn wait_for_placement(&self) {
+        let client = async_nats::connect(self.urls())
+            .await
+            .expect("connecting to the cluster");
+        let js = async_nats::jetstream::new(client);
+        let probe = async_nats::jetstream::stream::Config {
+            name: "PLACEMENT_PROBE".into(),
+            subjects: vec!["placement.probe".into()],
+            num_replicas: Self::SIZE,
+            ..Default::default()
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            match js.create_stream(probe.clone()).await {
+                Ok(_) => {
+                    js.delete_stream("PLACEMENT_PROBE")
+                        .await
+                        .expect("deleting the placement probe");
+                    return;
+                }
+                Err(error) => assert!(
+                    Instant::now() < deadline,
+                    "the cluster placed no stream on its three nodes within {START_TIMEOUT:?}: \
+                     {error}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Each node's client URL, node 0 first. async-nats takes the list as it is
