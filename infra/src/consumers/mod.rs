@@ -2,9 +2,12 @@
 //! `(order_id, book_id)` refuses a second reservation, whatever the message id. Each backend has
 //! its own path: PostgreSQL's statements on a connection each lane holds ([`natural_pg`]), and
 //! SQLite's one writer connection every lane shares ([`natural_sqlite`]). [`NaturalKey`] runs
-//! the one the database calls for, and decides in one place for both what a message or a batch
-//! comes to: which statements, the one-by-one retry of a refused batch, the crash points. Why a handler failed, and whether that is worth a retry, is in
-//! [`HandleError`].
+//! the one the database calls for, and decides for both what a message or a batch comes to:
+//! placements and cancellations in their order, the one-by-one retry of a batch the database
+//! refused for good, a placement's crash points (a cancellation's are in its transaction, in
+//! each backend's file). PostgreSQL's statement may also leave a placement of a batch
+//! undecided, which its path then decides alone (`natural_pg.rs`). Why a handler failed, and
+//! whether that is worth a retry, is in [`HandleError`].
 //!
 //! The study's handlers (the inbox, the natural key through sea-orm, the email consumer and the
 //! mistaken designs) are in `inventory_benches::consumers`; they run in the same consumer loop

@@ -6,12 +6,13 @@
 //! [`RESERVE_SQL`] stops at a reservation already there; else it locks the stock rows, then the
 //! orders (`lock_order`), decides, inserts the reservations unless their keys are taken
 //! meanwhile, and moves stock only where that insert won. It takes its locks in the order every
-//! path takes them: stock rows in book order, then orders. A cancellation, rarer, is a few statements in
-//! one transaction on the same connection ([`LOCK_BOOKS_SQL`] to [`RELEASE_SQL`]).
+//! path takes them: stock rows in book order, then orders. `RESERVE_SQL` commits on its own, so
+//! no transaction stays open between the steps.
 //!
-//! It commits on its own, so there is no open transaction between the steps. Each clone opens
-//! its own connection, so a consumer lane never borrows one from a pool (sqlx pings a pooled
-//! connection on every return) and prepared statements stay cached.
+//! A cancellation, rarer, is a few statements in one transaction on the same connection
+//! ([`LOCK_BOOKS_SQL`] to [`RELEASE_SQL`]). Each clone opens its own connection, so a consumer
+//! lane never borrows one from a pool (sqlx pings a pooled connection on every return) and
+//! prepared statements stay cached.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -36,9 +37,11 @@ use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
 /// Placements in one statement, so one commit: one message's alone, a lane's batch together.
-/// The steps of the reference handler's `reserve`, in its order, with the rule of
-/// `StockItem::decide_reservation` in `decided`. Comments are `/* */`: the pgbench scripts run
-/// this text as one line.
+/// The steps of the study's sea-orm handler's `reserve` (`benches/src/consumers/natural.rs`), in
+/// its order, with the rule of `StockItem::decide_reservation` in `decided`; `lock_order` is the
+/// order's lock and says whether the order is cancelled (its migration,
+/// `m20261201_000010_create_lock_order.rs`, says how). Comments are `/* */`: the pgbench scripts
+/// run this text as one line.
 ///
 /// Why two copies cannot both move stock (docs/natural-key.md argues it at length): the
 /// connection runs at READ COMMITTED (`db::connect_with` asks for it), so every CTE here reads

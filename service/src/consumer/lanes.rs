@@ -16,9 +16,8 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
-use super::message::{Worker, message_span};
+use super::message::Worker;
 use super::policy::Disposition;
 use super::{Ending, RuntimeError};
 use crate::health::Liveness;
@@ -171,8 +170,9 @@ pub(super) struct Lanes {
 enum LaneError {
     /// The durable consumer no longer exists on the server.
     ConsumerGone,
-    /// A handler broke an invariant of this program (a bug): nothing was sent for the
-    /// messages it held, which come again after their ack wait, to a restarted process.
+    /// A handler broke an invariant of this program (a bug): nothing was sent for the message
+    /// that broke it (the others of its batch were settled first), which comes again after its
+    /// ack wait, to a restarted process.
     Halted(String),
 }
 
@@ -262,8 +262,9 @@ async fn lane<H: MessageHandler>(
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
     loop {
-        // Every lane holds while the database is suspect, not only the first to notice: a lane
-        // that fetched on would burn its messages' deliveries on an outage.
+        // Each lane holds before its next batch while the database is suspect, not only the
+        // first to notice: one that fetched on would burn its messages' deliveries on an outage
+        // (a lane already waiting for a batch still handles the one it is handed).
         if worker.database_suspect.load(Ordering::Relaxed) {
             if !wait_for_database(&db, worker.lanes.work_timeout, &stop).await {
                 return Ok(());
@@ -278,14 +279,8 @@ async fn lane<H: MessageHandler>(
                 None => return Ok(()),
             },
         };
-        let handled = async {
-            match batch.as_slice() {
-                [message] => vec![worker.process(message).instrument(message_span()).await],
-                messages => worker.process_batch(messages).await,
-            }
-        };
         let dispositions = tokio::select! {
-            dispositions = handled => dispositions,
+            dispositions = worker.process_all(&batch) => dispositions,
             () = immediate.cancelled() => {
                 // Whatever committed is acked by now or comes again as a duplicate.
                 nak_now(&batch).await;

@@ -29,7 +29,7 @@ fn wrote_an_event(outcome: &Outcome) -> bool {
     )
 }
 
-pub(super) fn message_span() -> tracing::Span {
+fn message_span() -> tracing::Span {
     tracing::info_span!(
         "message",
         message_id = field::Empty,
@@ -51,7 +51,8 @@ pub(super) struct Worker<H> {
     pub(super) handler: H,
     pub(super) dead_letters: DeadLetters,
     pub(super) lanes: Arc<LaneSettings>,
-    /// Set when a handler hit a database error: the loop checks the database before fetching.
+    /// Set when a handler's transient failure was the database's: each lane checks that the
+    /// database answers before it takes its next batch.
     pub(super) database_suspect: Arc<AtomicBool>,
     pub(super) metrics: ConsumerMetrics,
     /// The outbox relay to wake after a handling that committed an event.
@@ -59,8 +60,17 @@ pub(super) struct Worker<H> {
 }
 
 impl<H: MessageHandler> Worker<H> {
+    /// Handles a lane's deliveries to their end: one alone, several as one batch (the handler
+    /// may commit them together). As many dispositions as deliveries, in order.
+    pub(super) async fn process_all(&self, messages: &[Delivery]) -> Vec<Disposition> {
+        match messages {
+            [message] => vec![self.process(message).instrument(message_span()).await],
+            messages => self.process_batch(messages).await,
+        }
+    }
+
     /// Handles one delivery to its end.
-    pub(super) async fn process(&self, message: &Delivery) -> Disposition {
+    async fn process(&self, message: &Delivery) -> Disposition {
         let started = Instant::now();
         let in_flight = self.metrics.start();
         let disposition = match self.admit(message).await {
@@ -84,7 +94,7 @@ impl<H: MessageHandler> Worker<H> {
 
     /// Handles deliveries as one batch: the handler may commit them in one transaction; each
     /// is then acked, dead-lettered or nak'ed on its own outcome.
-    pub(super) async fn process_batch(&self, messages: &[Delivery]) -> Vec<Disposition> {
+    async fn process_batch(&self, messages: &[Delivery]) -> Vec<Disposition> {
         let started = Instant::now();
         let in_flight: Vec<_> = messages.iter().map(|_| self.metrics.start()).collect();
         let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
@@ -207,6 +217,10 @@ impl<H: MessageHandler> Worker<H> {
             Ok(outcome) => policy::decide(Ok(outcome), origin.deliveries, retry),
             Err(error) => {
                 let kind = self.kind_of(error);
+                if kind == ErrorKind::Transient && error.is_database() {
+                    // The database may be down as a whole: no lane takes more until it answers.
+                    self.database_suspect.store(true, Ordering::Relaxed);
+                }
                 let text = error.to_string();
                 policy::decide(Err((&kind, &text)), origin.deliveries, retry)
             }
@@ -214,19 +228,13 @@ impl<H: MessageHandler> Worker<H> {
         self.perform(message, origin, action).await
     }
 
-    /// What a handler's error means for its delivery, logged; a database error also pauses
-    /// fetching until the database answers.
+    /// What a handler's error means for its delivery, logged.
     fn kind_of(&self, error: &HandleError) -> ErrorKind {
         let kind = error.kind();
         match &kind {
             ErrorKind::Permanent(_) => tracing::warn!(%error, "permanent failure"),
             ErrorKind::Internal => tracing::error!(%error, "broken invariant; stopping"),
-            ErrorKind::Transient => {
-                if error.is_database() {
-                    self.database_suspect.store(true, Ordering::Relaxed);
-                }
-                tracing::warn!(%error, "transient failure");
-            }
+            ErrorKind::Transient => tracing::warn!(%error, "transient failure"),
         }
         kind
     }
@@ -297,6 +305,7 @@ impl<H: MessageHandler> Worker<H> {
         if let Err(error) = published {
             tracing::warn!(%error, reason = reason.as_str(), "dead letter not stored");
             let action = policy::dead_letter_not_stored(origin.deliveries, &self.lanes.retry);
+            // Once at most: that action is a nak or nothing, never another dead letter.
             return Box::pin(self.perform(message, origin, action)).await;
         }
         tracing::warn!(reason = reason.as_str(), detail, "dead-lettered");

@@ -6,12 +6,13 @@
 //! The path of one message, in the order to read it:
 //! 1. `lanes.rs`: the fetcher asks the durable consumer for a batch for each lane that waits and
 //!    hands them out; a lane takes one and handles it to its end;
-//! 2. `message.rs`: a delivery's count read (one past the cap is a dead letter), its body
+//! 2. [`policy`] (`policy.rs`): what becomes of a delivery, from plain values: the words the
+//!    next file is written in (`Action`, `Disposition`);
+//! 3. `message.rs`: a delivery's count read (one past the cap is a dead letter), its body
 //!    decoded (one that cannot be decoded is a dead letter), the handler called, its answer
-//!    settled and performed: ack, nak or dead letter;
-//! 3. the handler: `inventory_infra::NaturalKey` (`infra/src/consumers/mod.rs`), which runs
-//!    `RESERVE_SQL` (`infra/src/consumers/natural_pg.rs`) or SQLite's writer;
-//! 4. [`policy`] (`policy.rs`): what becomes of a delivery, from plain values.
+//!    settled by the policy and performed: ack, nak or dead letter;
+//! 4. the handler: `inventory_infra::NaturalKey` (`infra/src/consumers/mod.rs`), which runs
+//!    `RESERVE_SQL` (`infra/src/consumers/natural_pg.rs`) or SQLite's writer.
 //!
 //! Nothing is acked before its transaction committed.
 
@@ -374,8 +375,8 @@ impl Running {
 pub enum Ending {
     /// Every in-flight message finished.
     Drained,
-    /// Stopped waiting (second signal or timeout): unfinished messages stay unacked and will be
-    /// redelivered; their transactions were never committed.
+    /// Stopped waiting (second signal or timeout): the lanes nak'ed what they held, to come
+    /// again at once; a message whose transaction had committed comes again as a duplicate.
     Abandoned,
 }
 
