@@ -55,8 +55,9 @@ const MINIMAL_CTES: &str = "\
     WHERE stock_items.book_id = won.book_id
 ";
 
-/// The availability rule's CTEs, named as in `RESERVE_SQL` so that its event CTE reads them;
-/// the last one left open, as `RESERVE_SQL`'s CTEs are before `), event AS (`.
+/// The availability rule's CTEs, named as in `RESERVE_SQL` so that its own `inserted` and
+/// `moved`, cut out of it, read them; `RESERVE_SQL`'s lookup first, batch and order locks left
+/// out.
 const AVAILABILITY_CTES: &str = "\
 ), books AS (
     SELECT book_id, on_hand - reserved AS available FROM stock_items
@@ -68,21 +69,13 @@ const AVAILABILITY_CTES: &str = "\
            CASE WHEN books.available >= input.quantity THEN 'reserved' ELSE 'rejected' END
                AS status
     FROM input JOIN books USING (book_id)
-), inserted AS (
-    INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
-    SELECT order_id, book_id, quantity, status, message_id, now() FROM decided
-    ON CONFLICT (order_id, book_id) DO NOTHING
-    RETURNING order_id, book_id, status
-), moved AS (
-    UPDATE stock_items SET reserved = stock_items.reserved + won.copies
-    FROM (
-        SELECT inserted.book_id, sum(decided.quantity) AS copies
-        FROM inserted JOIN decided USING (order_id, book_id)
-        WHERE inserted.status = 'reserved'
-        GROUP BY inserted.book_id
-    ) won
-    WHERE stock_items.book_id = won.book_id
 ";
+
+/// `RESERVE_SQL`'s insert of the reservations and its move of stock where they won, left open
+/// like the CTEs before them.
+fn reservation_ctes() -> &'static str {
+    cut("), inserted AS (", "), event AS (")
+}
 
 /// Closes the last CTE: each inserted placement's status, as `RESERVE_SQL` names it.
 const RESULT: &str = ")\nSELECT status AS inserted_status FROM inserted";
@@ -92,8 +85,12 @@ pub fn statement(name: &str) -> Option<String> {
     let input = input_cte();
     Some(match name {
         "minimal" => format!("{input}{MINIMAL_CTES}{RESULT}"),
-        "availability" => format!("{input}{AVAILABILITY_CTES}{RESULT}"),
-        "availability-event" => format!("{input}{AVAILABILITY_CTES}{}{RESULT}", event_cte()),
+        "availability" => format!("{input}{AVAILABILITY_CTES}{}{RESULT}", reservation_ctes()),
+        "availability-event" => format!(
+            "{input}{AVAILABILITY_CTES}{}{}{RESULT}",
+            reservation_ctes(),
+            event_cte()
+        ),
         "reserve" => RESERVE_SQL.to_owned(),
         _ => return None,
     })
@@ -110,6 +107,10 @@ mod tests {
             assert_eq!(sql.matches('(').count(), sql.matches(')').count(), "{name}");
         }
         assert!(input_cte().contains("unnest($1::uuid[]"));
+        let reservation = reservation_ctes();
+        assert!(
+            reservation.starts_with("), inserted AS (") && reservation.contains("), moved AS (")
+        );
         let event = event_cte();
         assert!(event.starts_with("), event AS (") && event.ends_with("ORDER BY decided.idx\n"));
         assert!(event.contains("INSERT INTO outbox"));
