@@ -28,5 +28,5 @@ pub use message::{
     keyed_placements,
 };
 pub use outbox::{StockEvent, StockEventKind};
-pub use outcome::{DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};
+pub use outcome::{Acked, DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};
 pub use stock::{ReservationDecision, ReservationStatus, StockItem};

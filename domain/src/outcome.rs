@@ -103,13 +103,45 @@ impl Outcome {
         matches!(self, Self::Processed(_))
     }
 
-    pub fn label(&self) -> &'static str {
+    /// How the delivery is acked, or why it is refused instead.
+    pub fn acked(&self) -> Result<Acked, &Refusal> {
         match self {
-            Self::Processed(Effect::Rejected { .. }) => "rejected",
-            Self::Processed(Effect::EmailReconciled) => "reconciled",
-            Self::Processed(_) => "processed",
+            Self::Processed(Effect::Rejected { .. }) => Ok(Acked::Rejected),
+            Self::Processed(Effect::EmailReconciled) => Ok(Acked::Reconciled),
+            Self::Processed(_) => Ok(Acked::Processed),
+            Self::Duplicate => Ok(Acked::Duplicate),
+            Self::Refused(refusal) => Err(refusal),
+        }
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self.acked() {
+            Ok(acked) => acked.label(),
+            Err(refusal) => refusal.reason.as_str(),
+        }
+    }
+}
+
+/// How an acked delivery ended: the outcomes operators count apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Acked {
+    /// Its work was applied.
+    Processed,
+    /// The reservation was refused for want of stock, and that decision recorded.
+    Rejected,
+    /// An interrupted email send found sent and its record completed.
+    Reconciled,
+    /// Already handled: skipped.
+    Duplicate,
+}
+
+impl Acked {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Rejected => "rejected",
+            Self::Reconciled => "reconciled",
             Self::Duplicate => "duplicate",
-            Self::Refused(refusal) => refusal.reason.as_str(),
         }
     }
 }

@@ -13,9 +13,9 @@ use prometheus::{
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use inventory_domain::DeadLetterReason;
+use inventory_domain::{Acked, DeadLetterReason};
 
-use crate::consumer::policy::{Acked, Disposition};
+use crate::consumer::policy::Disposition;
 
 /// The service's metrics, registered in a registry of their own (no process-global state, so
 /// tests in one process do not share counters).
@@ -599,10 +599,10 @@ impl Outcomes {
 mod tests {
     use std::time::Duration;
 
-    use inventory_domain::DeadLetterReason;
+    use inventory_domain::{Acked, DeadLetterReason};
 
     use super::Metrics;
-    use crate::consumer::policy::{Acked, Disposition};
+    use crate::consumer::policy::Disposition;
 
     #[test]
     fn each_disposition_is_counted_under_its_own_outcome() {

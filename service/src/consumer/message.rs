@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use inventory_domain::{DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome};
+use inventory_domain::{Acked, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome};
 use inventory_infra::db::{self, NoAnswer};
 use inventory_infra::delivery::{self, Delivery};
 use inventory_infra::jetstream::{DeadLetters, Origin};
@@ -15,7 +15,7 @@ use inventory_infra::{HandleError, MessageHandler};
 use tracing::{Instrument, field};
 
 use super::LaneSettings;
-use super::policy::{self, Acked, Action, Disposition};
+use super::policy::{self, Action, Disposition};
 use crate::metrics::ConsumerMetrics;
 
 /// Whether a handling that came to `outcome` committed an outbox event: every decision of

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use inventory_domain::{DeadLetterReason, Effect, ErrorKind, Outcome};
+use inventory_domain::{Acked, DeadLetterReason, ErrorKind, Outcome};
 
 /// How often a message is tried, and how long between tries.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,30 +50,6 @@ impl RetryPolicy {
     }
 }
 
-/// How an acked delivery ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Acked {
-    /// Its work was applied.
-    Processed,
-    /// The reservation was refused for want of stock, and that decision recorded.
-    Rejected,
-    /// An interrupted email send found sent and its record completed.
-    Reconciled,
-    /// Already handled: skipped.
-    Duplicate,
-}
-
-impl Acked {
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Processed => "processed",
-            Self::Rejected => "rejected",
-            Self::Reconciled => "reconciled",
-            Self::Duplicate => "duplicate",
-        }
-    }
-}
-
 /// What the loop does with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -115,13 +91,12 @@ pub fn decide(
     retry: &RetryPolicy,
 ) -> Action {
     match handled {
-        Ok(Outcome::Processed(Effect::Rejected { .. })) => Action::Ack(Acked::Rejected),
-        Ok(Outcome::Processed(Effect::EmailReconciled)) => Action::Ack(Acked::Reconciled),
-        Ok(Outcome::Processed(_)) => Action::Ack(Acked::Processed),
-        Ok(Outcome::Duplicate) => Action::Ack(Acked::Duplicate),
-        Ok(Outcome::Refused(refusal)) => Action::DeadLetter {
-            reason: refusal.reason,
-            detail: refusal.detail.clone(),
+        Ok(outcome) => match outcome.acked() {
+            Ok(acked) => Action::Ack(acked),
+            Err(refusal) => Action::DeadLetter {
+                reason: refusal.reason,
+                detail: refusal.detail.clone(),
+            },
         },
         Err((ErrorKind::Permanent(refusal), _)) => Action::DeadLetter {
             reason: refusal.reason,
@@ -167,7 +142,7 @@ pub enum Disposition {
 
 #[cfg(test)]
 mod tests {
-    use inventory_domain::{Quantity, Refusal};
+    use inventory_domain::{Effect, Quantity, Refusal};
 
     use super::*;
 
