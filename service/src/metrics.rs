@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use inventory_infra::jetstream::ConsumerState;
 use inventory_infra::outbox::RelayStatus;
 use prometheus::{
-    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder as _, GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Registry, TextEncoder, histogram_opts, register_gauge_vec_with_registry,
+    register_histogram_vec_with_registry, register_int_counter_vec_with_registry,
+    register_int_gauge_vec_with_registry,
 };
 
 use inventory_domain::{Acked, DeadLetterReason};
@@ -69,22 +71,18 @@ impl OutboxMetrics {
     fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
         let label = &["outbox"];
         Ok(Self {
-            oldest_pending: registered(
+            oldest_pending: register_gauge_vec_with_registry!(
+                "inventory_outbox_oldest_pending_age_seconds",
+                "Age of the oldest outbox row waiting to be published; 0 when none waits.",
+                label,
                 registry,
-                GaugeVec::new(
-                    Opts::new(
-                        "inventory_outbox_oldest_pending_age_seconds",
-                        "Age of the oldest outbox row waiting to be published; 0 when none waits.",
-                    ),
-                    label,
-                )?,
             )?,
-            failing: gauges(
-                registry,
+            failing: register_int_gauge_vec_with_registry!(
                 "inventory_outbox_relay_failing",
                 "1 while this relay has failed for longer than --relay-unhealthy-after to \
                  publish rows that wait (as /healthz's \"relay\": \"failing\"), else 0.",
                 label,
+                registry,
             )?,
         })
     }
@@ -104,33 +102,6 @@ impl OutboxMetrics {
     }
 }
 
-/// Registers `collector` in `registry` and hands it back.
-fn registered<C: prometheus::core::Collector + Clone + 'static>(
-    registry: &Registry,
-    collector: C,
-) -> Result<C, prometheus::Error> {
-    registry.register(Box::new(collector.clone()))?;
-    Ok(collector)
-}
-
-fn gauges(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> Result<IntGaugeVec, prometheus::Error> {
-    registered(registry, IntGaugeVec::new(Opts::new(name, help), labels)?)
-}
-
-fn counters(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> Result<IntCounterVec, prometheus::Error> {
-    registered(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
-}
-
 /// The tasks `inventory_task_failures_total` shows from the start, at 0; a background task
 /// appears at its first failure.
 const TASKS: [&str; 2] = ["lane", "relay"];
@@ -148,124 +119,114 @@ impl Metrics {
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
-        let build_info = gauges(
-            &registry,
+        let build_info = register_int_gauge_vec_with_registry!(
             "inventory_build_info",
             "1, labelled with the release and the commit this process was built from.",
             &["version", "commit"],
+            registry,
         )?;
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION"), crate::COMMIT])
             .set(1);
-        let dependency_up = gauges(
-            &registry,
+        let dependency_up = register_int_gauge_vec_with_registry!(
             "inventory_dependency_up",
             "1 while a dependency answers as /readyz sees it (database: a ping within 2 s; nats: \
              connected; relay: publishing), 0 while it does not; read at each scrape once the \
              set-up is done.",
             &["dependency"],
+            registry,
         )?;
-        let messages = counters(
-            &registry,
+        let messages = register_int_counter_vec_with_registry!(
             "inventory_messages_total",
             "Deliveries handled, by consumer and outcome (processed, duplicate, rejected, \
              reconciled, dead_lettered, retried, left_for_redelivery).",
             &["consumer", "outcome"],
+            registry,
         )?;
-        let dead_letters = counters(
-            &registry,
+        let dead_letters = register_int_counter_vec_with_registry!(
             "inventory_dead_letters_total",
             "Messages dead-lettered, by consumer and Dlq-Reason.",
             &["consumer", "reason"],
+            registry,
         )?;
-        let handling = registered(
-            &registry,
-            HistogramVec::new(
-                HistogramOpts::new(
-                    "inventory_message_handling_seconds",
-                    "Time from a delivery's arrival to its ack, nak or dead letter.",
-                )
-                .buckets(HANDLING_BUCKETS.to_vec()),
-                &["consumer"],
-            )?,
+        let handling = register_histogram_vec_with_registry!(
+            histogram_opts!(
+                "inventory_message_handling_seconds",
+                "Time from a delivery's arrival to its ack, nak or dead letter.",
+                HANDLING_BUCKETS.to_vec()
+            ),
+            &["consumer"],
+            registry,
         )?;
-        let in_flight = gauges(
-            &registry,
+        let in_flight = register_int_gauge_vec_with_registry!(
             "inventory_messages_in_flight",
             "Deliveries being handled now.",
             &["consumer"],
+            registry,
         )?;
-        let oldest_in_flight = registered(
-            &registry,
-            GaugeVec::new(
-                Opts::new(
-                    "inventory_oldest_in_flight_seconds",
-                    "How long the oldest delivery being handled now has been in its lane (0 \
-                     when none): a lane stuck on one message shows here.",
-                ),
-                &["consumer"],
-            )?,
+        let oldest_in_flight = register_gauge_vec_with_registry!(
+            "inventory_oldest_in_flight_seconds",
+            "How long the oldest delivery being handled now has been in its lane (0 \
+                             when none): a lane stuck on one message shows here.",
+            &["consumer"],
+            registry,
         )?;
-        let pending = gauges(
-            &registry,
+        let pending = register_int_gauge_vec_with_registry!(
             "inventory_consumer_pending_messages",
             "Messages of the stream the durable consumer has not delivered yet (its lag), as \
              the server counted at the last look (every 10 s).",
             &["consumer"],
+            registry,
         )?;
-        let ack_pending = gauges(
-            &registry,
+        let ack_pending = register_int_gauge_vec_with_registry!(
             "inventory_consumer_ack_pending_messages",
             "Messages delivered to the durable consumer and not acked yet, by any instance, at \
              the last look.",
             &["consumer"],
+            registry,
         )?;
-        let max_ack_pending = gauges(
-            &registry,
+        let max_ack_pending = register_int_gauge_vec_with_registry!(
             "inventory_consumer_max_ack_pending",
             "The durable consumer's max_ack_pending as the server has it: past it the server \
              delivers nothing more until acks come.",
             &["consumer"],
+            registry,
         )?;
-        let lanes = gauges(
-            &registry,
+        let lanes = register_int_gauge_vec_with_registry!(
             "inventory_lanes",
             "Lanes of this process: messages (or batches) it handles at once.",
             &["consumer"],
+            registry,
         )?;
-        let dead_letters_waiting = gauges(
-            &registry,
+        let dead_letters_waiting = register_int_gauge_vec_with_registry!(
             "inventory_dead_letters_waiting",
             "Dead letters of the consumer waiting in the dead-letter stream at the last look \
              (every 30 s): they stay until replayed or deleted. `inventory dlq list` says why \
              each is there.",
             &["consumer"],
+            registry,
         )?;
-        let dead_letters_oldest = registered(
-            &registry,
-            GaugeVec::new(
-                Opts::new(
-                    "inventory_dead_letters_oldest_age_seconds",
-                    "Age of the oldest dead letter of the consumer waiting; 0 when none.",
-                ),
-                &["consumer"],
-            )?,
+        let dead_letters_oldest = register_gauge_vec_with_registry!(
+            "inventory_dead_letters_oldest_age_seconds",
+            "Age of the oldest dead letter of the consumer waiting; 0 when none.",
+            &["consumer"],
+            registry,
         )?;
-        let dead_letters_past_allowance = gauges(
-            &registry,
+        let dead_letters_past_allowance = register_int_gauge_vec_with_registry!(
             "inventory_dead_letters_past_replay_allowance",
             "1 when the oldest dead letter of the consumer waiting is older than \
              --replay-allowance: a replay may find its inbox row purged and apply it twice; \
              else 0.",
             &["consumer"],
+            registry,
         )?;
-        let task_failures = counters(
-            &registry,
+        let task_failures = register_int_counter_vec_with_registry!(
             "inventory_task_failures_total",
             "Tasks of the process that ended while the service ran (a lane whose handler \
              panicked, the relay, a background task by its name): the process then stops, with \
              an error, for its supervisor to restart it.",
             &["task"],
+            registry,
         )?;
         for task in TASKS {
             task_failures.with_label_values(&[task]);
