@@ -65,24 +65,8 @@ impl fmt::Display for MissingPrivilege {
 
 /// Every migration applied, none pending.
 pub(super) async fn check_current(db: &DatabaseConnection) -> Result<(), SchemaError> {
-    let backend = db.get_database_backend();
-    let exists = match backend {
-        DbBackend::Postgres => {
-            "SELECT to_regclass('seaql_migrations') IS NOT NULL AS present, \
-             to_regclass('seaql_migrations') IS NULL \
-             OR has_table_privilege('seaql_migrations', 'SELECT') AS readable"
-        }
-        _ => {
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master \
-             WHERE type = 'table' AND name = 'seaql_migrations') AS present, true AS readable"
-        }
-    };
-    let row = db
-        .query_one_raw(Statement::from_string(backend, exists))
-        .await?
-        .ok_or_else(|| DbErr::RecordNotFound("the migrations table's check".into()))?;
-    let present: bool = row.try_get("", "present")?;
-    if !row.try_get::<bool>("", "readable")? {
+    let (present, readable) = migrations_table(db).await?;
+    if !readable {
         return Err(SchemaError::MissingPrivileges {
             role: current_role(db).await?,
             missing: vec![MissingPrivilege {
@@ -108,6 +92,28 @@ pub(super) async fn check_current(db: &DatabaseConnection) -> Result<(), SchemaE
     }
 }
 
+/// Whether the migrations table exists, and whether this role may read it (SQLite has no
+/// privileges).
+async fn migrations_table(conn: &impl ConnectionTrait) -> Result<(bool, bool), DbErr> {
+    let backend = conn.get_database_backend();
+    let sql = match backend {
+        DbBackend::Postgres => {
+            "SELECT to_regclass($1) IS NOT NULL AS present, \
+             to_regclass($1) IS NULL OR has_table_privilege($1, 'SELECT') AS readable"
+        }
+        _ => {
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?) \
+             AS present, true AS readable"
+        }
+    };
+    let table = Statement::from_sql_and_values(backend, sql, [grants::MIGRATIONS_TABLE.into()]);
+    let row = conn
+        .query_one_raw(table)
+        .await?
+        .ok_or_else(|| DbErr::RecordNotFound("the migrations table's check".into()))?;
+    Ok((row.try_get("", "present")?, row.try_get("", "readable")?))
+}
+
 /// The migrations recorded as applied. The table must exist.
 async fn applied_versions(conn: &impl ConnectionTrait) -> Result<HashSet<String>, DbErr> {
     let versions = Query::select()
@@ -120,19 +126,8 @@ async fn applied_versions(conn: &impl ConnectionTrait) -> Result<HashSet<String>
 /// The migrations recorded as applied that this binary does not know, in order; none where
 /// nothing was ever migrated.
 pub(super) async fn unknown_migrations(conn: &impl ConnectionTrait) -> Result<Vec<String>, DbErr> {
-    let backend = conn.get_database_backend();
-    let present = match backend {
-        DbBackend::Postgres => "SELECT to_regclass('seaql_migrations') IS NOT NULL AS present",
-        _ => {
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master \
-             WHERE type = 'table' AND name = 'seaql_migrations') AS present"
-        }
-    };
-    let row = conn
-        .query_one_raw(Statement::from_string(backend, present))
-        .await?
-        .ok_or_else(|| DbErr::RecordNotFound("the migrations table's check".into()))?;
-    if !row.try_get::<bool>("", "present")? {
+    let (present, _) = migrations_table(conn).await?;
+    if !present {
         return Ok(Vec::new());
     }
     let known: HashSet<String> = Migrator::migrations()
