@@ -195,6 +195,18 @@ async fn a_role_missing_a_grant_or_a_migration_is_refused_at_start_naming_it() {
     role.execute(&run, "GRANT USAGE ON SEQUENCE outbox_seq_seq TO {role}")
         .await;
 
+    // The migrations table itself: without reading it the check cannot say what is applied.
+    role.execute(&run, "REVOKE SELECT ON seaql_migrations FROM {role}")
+        .await;
+    let (status, output) = ended(serve(&run));
+    assert_eq!(status.code(), Some(1), "{output}");
+    assert!(
+        output.contains("lacks SELECT on table seaql_migrations"),
+        "{output}"
+    );
+    role.execute(&run, "GRANT SELECT ON seaql_migrations TO {role}")
+        .await;
+
     let last = Migrator::migrations()
         .last()
         .map(|migration| migration.name().to_owned())
