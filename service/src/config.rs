@@ -152,10 +152,25 @@ pub fn parse_program<P: CommandFactory + FromArgMatches>(
     Ok(Parsed::Run(Box::new(P::from_arg_matches(&matches)?)))
 }
 
-/// The value of setting `long` as the layers give it, the command line first (`--long VALUE`
-/// or `--long=VALUE`), then the environment, then the configuration file; read before clap
-/// parses, to tell which program a command line is for.
-pub fn setting(args: &[OsString], long: &str) -> Option<String> {
+/// The values of the settings `longs` as the layers give them, each from the command line first
+/// (`--long VALUE` or `--long=VALUE`), then the environment, then the configuration file (read
+/// once); read before clap parses, to tell which program a command line is for.
+pub fn settings<const N: usize>(args: &[OsString], longs: [&str; N]) -> [Option<String>; N] {
+    let file: Option<BTreeMap<String, Value>> =
+        config_file(args).and_then(|path| Figment::from(Toml::file_exact(path)).extract().ok());
+    longs.map(|long| {
+        given(args, long)
+            .or_else(|| {
+                std::env::var_os(env_name(long))
+                    .filter(|value| !value.is_empty())
+                    .map(|value| value.to_string_lossy().into_owned())
+            })
+            .or_else(|| file.as_ref()?.get(long).and_then(scalar))
+    })
+}
+
+/// `--long VALUE` or `--long=VALUE` on the command line.
+fn given(args: &[OsString], long: &str) -> Option<String> {
     let flag = format!("--{long}");
     let mut given = args.iter().skip(1).map(|arg| arg.to_string_lossy());
     while let Some(arg) = given.next() {
@@ -169,13 +184,7 @@ pub fn setting(args: &[OsString], long: &str) -> Option<String> {
             return Some(value.to_owned());
         }
     }
-    if let Some(value) = std::env::var_os(env_name(long)).filter(|value| !value.is_empty()) {
-        return Some(value.to_string_lossy().into_owned());
-    }
-    let table: BTreeMap<String, Value> = Figment::from(Toml::file_exact(config_file(args)?))
-        .extract()
-        .ok()?;
-    table.get(long).and_then(scalar)
+    None
 }
 
 /// `--config FILE` (or `--config=FILE`) on the command line, else `INVENTORY_CONFIG`: looked up

@@ -45,9 +45,8 @@ pub fn serves_the_study(args: &[OsString]) -> bool {
     if subcommand(args) != Some("serve") {
         return false;
     }
-    let strategy = config::setting(args, "strategy");
-    matches!(strategy.as_deref(), Some("inbox" | "email"))
-        || config::setting(args, "natural-handler").is_some()
+    let [strategy, natural_handler] = config::settings(args, ["strategy", "natural-handler"]);
+    matches!(strategy.as_deref(), Some("inbox" | "email")) || natural_handler.is_some()
 }
 
 /// `inventory <args>` as `inventory-study <args>`, as [`forward`] does.
