@@ -395,22 +395,24 @@ impl std::fmt::Display for ConfigDrift {
     }
 }
 
-fn compare<T: std::fmt::Debug + PartialEq>(
-    drifts: &mut Vec<ConfigDrift>,
-    object: &str,
-    setting: &'static str,
-    existing: &T,
-    wanted: &T,
-) {
-    if existing != wanted {
-        drifts.push(ConfigDrift {
-            object: object.to_owned(),
-            setting,
-            existing: format!("{existing:?}"),
-            wanted: format!("{wanted:?}"),
-            kept: true,
-        });
-    }
+/// The drifts of `object`: each listed setting whose `existing` value differs from the
+/// `wanted` one, kept as it is.
+macro_rules! drifts {
+    ($object:expr, $existing:expr, $wanted:expr, [$($setting:ident),+ $(,)?]) => {{
+        let mut drifts = Vec::new();
+        $(
+            if $existing.$setting != $wanted.$setting {
+                drifts.push(ConfigDrift {
+                    object: $object.to_owned(),
+                    setting: stringify!($setting),
+                    existing: format!("{:?}", $existing.$setting),
+                    wanted: format!("{:?}", $wanted.$setting),
+                    kept: true,
+                });
+            }
+        )+
+        drifts
+    }};
 }
 
 /// How long setting up a stream or a consumer keeps asking while JetStream does not answer.
@@ -471,37 +473,13 @@ async fn ensure_stream_once(
         }
         Err(error) => return Err(nats_error(doing)(error)),
     };
-    let mut drifts = Vec::new();
     // As the lookup just read it.
     let existing = &stream.cached_info().config;
-    let object = format!("stream {}", wanted.name);
-    compare(
-        &mut drifts,
-        &object,
-        "subjects",
-        &existing.subjects,
-        &wanted.subjects,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "storage",
-        &existing.storage,
-        &wanted.storage,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "duplicate_window",
-        &existing.duplicate_window,
-        &wanted.duplicate_window,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "num_replicas",
-        &existing.num_replicas,
-        &wanted.num_replicas,
+    let drifts = drifts!(
+        format!("stream {}", wanted.name),
+        existing,
+        wanted,
+        [subjects, storage, duplicate_window, num_replicas]
     );
     Ok((stream, drifts))
 }
@@ -616,49 +594,18 @@ async fn ensure_consumer_once(
         Err(error) => return Err(nats_error(doing)(error)),
     };
     let existing = &info.config;
-    let object = format!("consumer {}", settings.durable_name);
-    let mut drifts = Vec::new();
-    compare(
-        &mut drifts,
-        &object,
-        "filter_subject",
-        &existing.filter_subject,
-        &wanted.filter_subject,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "ack_policy",
-        &existing.ack_policy,
-        &wanted.ack_policy,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "ack_wait",
-        &existing.ack_wait,
-        &wanted.ack_wait,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "max_deliver",
-        &existing.max_deliver,
-        &wanted.max_deliver,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "backoff",
-        &existing.backoff,
-        &wanted.backoff,
-    );
-    compare(
-        &mut drifts,
-        &object,
-        "max_ack_pending",
-        &existing.max_ack_pending,
-        &wanted.max_ack_pending,
+    let mut drifts = drifts!(
+        format!("consumer {}", settings.durable_name),
+        existing,
+        wanted,
+        [
+            filter_subject,
+            ack_policy,
+            ack_wait,
+            max_deliver,
+            backoff,
+            max_ack_pending
+        ]
     );
     if update && !drifts.is_empty() {
         let updated = stream
