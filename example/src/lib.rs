@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS stock_reservations (
 // is taken, and stock moves only if that insert won, so record and effect commit together or
 // not at all. A copy running at once waits on the key until the first commits, then inserts
 // nothing.
-// Production adds an availability check, a lock order and an outbox row: docs/natural-key.md.
+// Production adds an availability check, a lock order and an outbox row: docs/statement.md.
 const RESERVE: &str = "
 WITH inserted AS (
     INSERT INTO stock_reservations (order_id, book_id, quantity, message_id)

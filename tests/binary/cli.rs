@@ -114,9 +114,9 @@ fn demo_exits_zero_on_embedded_sqlite() {
     let stdout = String::from_utf8(output.stdout).unwrap();
     assert!(output.status.success(), "{stdout}");
     assert_eq!(
-        readme_demo_output(),
+        documented_demo_output(),
         stdout,
-        "README.md's demo output is not the binary's: update it"
+        "docs/study.md's demo output is not the binary's: update it"
     );
     let natural_row = stdout
         .lines()
@@ -128,14 +128,14 @@ fn demo_exits_zero_on_embedded_sqlite() {
     assert_eq!(cells, ["2", "2", "2", "2"], "{stdout}");
 }
 
-/// The block README.md shows as the output of `inventory demo`: the first `text` block after
-/// the line that says so.
-fn readme_demo_output() -> String {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
-    let (_, after) = readme
+/// The block docs/study.md shows as the output of `inventory demo`: the first `text` block
+/// after the line that says so.
+fn documented_demo_output() -> String {
+    let study = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/study.md"))
+        .expect("docs/study.md");
+    let (_, after) = study
         .split_once("Output of `target/release/inventory demo`")
-        .expect("README.md shows the demo's output");
+        .expect("docs/study.md shows the demo's output");
     let (_, block) = after.split_once("```text\n").expect("a text block");
     let (output, _) = block.split_once("```").expect("the block ends");
     output.to_owned()
