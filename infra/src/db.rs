@@ -185,7 +185,7 @@ pub async fn connect_with(
                 .foreign_keys(true)
         });
     if postgres {
-        // The placement statement is written for READ COMMITTED (docs/natural-key.md, "The
+        // The placement statement is written for READ COMMITTED (docs/statement.md, "The
         // isolation level"): under REPEATABLE READ it would miss a cancellation that committed
         // while it waited for the order's lock. Asked for here, so a database or role whose
         // default is another level does not change it.

@@ -43,7 +43,7 @@ use crate::stock::{DataError, int_column, quantity_column, quantity_from, status
 /// `m20261201_000010_create_lock_order.rs`, says how). Comments are `/* */`: the pgbench scripts
 /// run this text as one line.
 ///
-/// Why two copies cannot both move stock (docs/natural-key.md argues it at length): the
+/// Why two copies cannot both move stock (docs/natural-key.md, docs/statement.md): the
 /// connection runs at READ COMMITTED (`db::connect_with` asks for it), so every CTE here reads
 /// one snapshot, taken when the statement began, and the data-modifying CTEs see one another
 /// only through `RETURNING`. `ON CONFLICT` checks the unique index, not that snapshot: it sees
