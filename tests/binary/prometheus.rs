@@ -186,15 +186,15 @@ async fn a_real_prometheus_fires_the_same_key_alarm_at_once_and_inventory_down_w
 }
 
 /// The rules follow the conventions of kube-prometheus's mixins: each alert has a severity of
-/// `critical` or `warning`, a `runbook_url` whose anchor is a heading of docs/operating.md, and
+/// `critical` or `warning`, a `runbook_url` whose anchor is a heading of docs/runbooks.md, and
 /// every aggregation keeps `cluster`, `namespace` and `job`.
 #[test]
 fn every_alert_has_a_severity_a_runbook_that_exists_and_keeps_its_environment_labels() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let rules = std::fs::read_to_string(root.join("deploy/prometheus/alerts.yml")).unwrap();
-    let operating = std::fs::read_to_string(root.join("docs/operating.md")).unwrap();
+    let runbooks = std::fs::read_to_string(root.join("docs/runbooks.md")).unwrap();
     // GitHub's anchors: the heading lowercased, punctuation dropped, spaces to hyphens.
-    let anchors: Vec<String> = operating
+    let anchors: Vec<String> = runbooks
         .lines()
         .filter_map(|line| {
             line.trim_start_matches('#')
@@ -227,7 +227,7 @@ fn every_alert_has_a_severity_a_runbook_that_exists_and_keeps_its_environment_la
         );
         let runbook = field("runbook_url:");
         let anchor = runbook
-            .strip_prefix("docs/operating.md#")
+            .strip_prefix("docs/runbooks.md#")
             .unwrap_or_else(|| panic!("{name}: {runbook}"));
         assert_eq!(anchor, name.to_lowercase(), "{name}: its own section");
         assert!(
