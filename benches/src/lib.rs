@@ -22,6 +22,8 @@
 //!   that is not.
 //! - [`consumers`]: the study's handlers: the inbox, the natural key through sea-orm, the
 //!   two-phase email consumer; [`consumers::HandlerKind`], the one list of the handlers it runs.
+//! - [`entities`]: the sea-orm models of the tables only the study writes through sea-orm (the
+//!   inbox, the reservations and their log, the cancellations, the orders producer's tables).
 //! - [`mailbox`]: `FileMailbox`, the email consumer's durable provider for `serve` (sent mail as
 //!   JSON lines in a local file, looked up by idempotency key).
 //! - [`fresh`]: a database of its own per run, created and dropped.
@@ -64,6 +66,7 @@ pub mod cli;
 pub mod compare;
 pub mod consumers;
 pub mod demo;
+pub mod entities;
 pub mod faults;
 pub mod fresh;
 pub mod guard_cost;

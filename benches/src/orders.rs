@@ -17,8 +17,8 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
+use crate::entities::{order_lines, orders};
 use inventory_infra::db::{self, begin_write};
-use inventory_infra::entities::{order_lines, orders};
 use inventory_infra::outbox::{self, OutboxTable};
 use inventory_infra::stock::{DataError, quantity_column, quantity_from};
 use inventory_service::args::OrdersDatabaseArgs;

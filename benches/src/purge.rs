@@ -10,7 +10,7 @@ use sea_orm::{
     PaginatorTrait, QueryFilter, QueryOrder, QuerySelect, Statement,
 };
 
-use inventory_infra::entities::inbox;
+use crate::entities::inbox;
 
 /// What a purge did (or, dry, would do).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

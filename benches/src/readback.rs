@@ -5,9 +5,10 @@
 use std::collections::HashMap;
 use std::future::Future;
 
+use crate::entities::{inbox, reservation_log, stock_reservations};
 use inventory_domain::{BookId, OrderId, Quantity, ReservationStatus};
 use inventory_infra::StockRepository;
-use inventory_infra::entities::{inbox, reservation_log, stock_items, stock_reservations};
+use inventory_infra::entities::stock_items;
 use inventory_infra::stock::{quantity_from, status_from};
 use sea_orm::sea_query::ExprTrait;
 use sea_orm::{

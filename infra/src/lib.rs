@@ -1,6 +1,6 @@
 //! Infrastructure of the inventory service: the database (sea-orm over PostgreSQL or SQLite),
 //! the natural key that runs against it, and JetStream. The repositories speak in domain types;
-//! the sea-orm models are public for the study's handlers.
+//! the stock's sea-orm model is public for the study's handlers, whose other models are theirs.
 //!
 //! # Layout
 //! - [`db`]: connecting with consumer-friendly settings, applying migrations; what a database
@@ -18,7 +18,7 @@
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`periodic`]: the loop of the watchers that read a figure now and then.
 //! - [`redact`]: masking credentials in URLs before they reach a log.
-//! - [`entities`]: the sea-orm models of the tables.
+//! - [`entities`]: the sea-orm model of the stock table.
 //! - [`faults`]: the handlers' crash points, and `FaultPlan`, what happens there, which only
 //!   the study and the tests provide.
 

@@ -23,8 +23,8 @@ use inventory_domain::{
 use sea_orm::sea_query::Expr;
 use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
 
+use crate::entities::inbox;
 use crate::readback::find_inbox_entry;
-use inventory_infra::entities::inbox;
 use inventory_infra::{CrashPoint, Faults, HandleError};
 
 use super::compare_payload;

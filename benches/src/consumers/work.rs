@@ -9,9 +9,10 @@ use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::{ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QuerySelect, Set};
 use uuid::Uuid;
 
+use crate::entities::reservation_log;
 use inventory_infra::HandleError;
 use inventory_infra::consumers::{not_an_order_event, unknown_book};
-use inventory_infra::entities::{reservation_log, stock_items};
+use inventory_infra::entities::stock_items;
 use inventory_infra::stock::{int_column, quantity_column, quantity_from, stock_item_from};
 
 /// Applies `event` through `conn`: inside the caller's transaction, or (in the study of a

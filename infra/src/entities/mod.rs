@@ -1,10 +1,5 @@
-//! sea-orm models of the tables: the repositories here map them to domain types, and the
-//! study's sea-orm handlers (`inventory_benches::consumers`) write through them.
+//! sea-orm models of the tables the serving path reads through sea-orm: the repositories here
+//! map them to domain types. The study's models of the other tables are in
+//! `inventory_benches::entities`.
 
-pub mod inbox;
-pub mod order_lines;
-pub mod order_states;
-pub mod orders;
-pub mod reservation_log;
 pub mod stock_items;
-pub mod stock_reservations;
