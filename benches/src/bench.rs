@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use crate::bench_hand::Driver;
 use crate::chart::{self, Labels};
 use crate::consumers::HandlerKind;
+use crate::db::connect;
 use crate::fresh::FreshDatabase;
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
 use crate::{bench_e2e, bench_pg_bound, bench_prefilter, bench_relay, bench_sqlite, guard_cost};
@@ -516,7 +517,7 @@ async fn costs(args: CostsArgs) -> Result<()> {
         ),
         None => workload::DEFAULT_POSTGRES_SERVER.to_owned(),
     };
-    let observer = db::connect(&server, 1).await.with_context(|| {
+    let observer = connect(&server, 1).await.with_context(|| {
         format!(
             "connecting to {}",
             inventory_infra::redact::redact_url(&server)
@@ -657,7 +658,7 @@ async fn measure(
     fresh.conn.close_by_ref().await?;
 
     let before = mark(observer, name, version_num, log).await?;
-    let work = db::connect(&fresh.url, 1).await?;
+    let work = connect(&fresh.url, 1).await?;
     let handler = workload::handler(mode, &work)?;
     let started = Instant::now();
     for delivery in &deliveries {
@@ -674,7 +675,7 @@ async fn measure(
     work.close().await?;
     let after = mark(observer, name, version_num, log).await?;
 
-    let reader = db::connect(&fresh.url, 1).await?;
+    let reader = connect(&fresh.url, 1).await?;
     let (dead_tuples_made, dead_tuples_left) = dead_tuples(&reader).await?;
     reader.close().await?;
 

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::consumers::{DetectMode, HandlerKind, NaturalKeyPath};
+use crate::db::connect;
 use crate::fresh::FreshDatabase;
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
@@ -964,7 +965,7 @@ impl Run {
             let (pool, conn) = match instance {
                 0 => (fresh.conn.clone(), None),
                 _ => {
-                    let conn = db::connect(&fresh.url, self.settings.concurrency).await?;
+                    let conn = connect(&fresh.url, self.settings.concurrency).await?;
                     (conn.clone(), Some(conn))
                 }
             };

@@ -1,5 +1,6 @@
 //! A database of its own for each run of the study, a benchmark or a test.
 
+use crate::db::{connect, connect_and_migrate};
 use inventory_infra::db::{self, DatabaseConnection, DbErr, SchemaError};
 use sea_orm::ConnectionTrait as _;
 
@@ -27,7 +28,7 @@ impl FreshDatabase {
         let name = format!("{label}_{}", uuid::Uuid::new_v4().simple());
         let (url, place) = match base_url {
             Some(base) if db::is_postgres(base) => {
-                let server = db::connect(base, 1).await?;
+                let server = connect(base, 1).await?;
                 server
                     .execute_unprepared(&format!("CREATE DATABASE \"{name}\""))
                     .await?;
@@ -45,7 +46,7 @@ impl FreshDatabase {
                 (url, Place::SqliteFile(path))
             }
         };
-        let conn = db::connect_and_migrate(&url, max_connections).await?;
+        let conn = connect_and_migrate(&url, max_connections).await?;
         Ok(Self { url, conn, place })
     }
 
@@ -61,7 +62,7 @@ impl FreshDatabase {
                 }
             }
             Place::Postgres { server_url, name } => {
-                let server = db::connect(&server_url, 1).await?;
+                let server = connect(&server_url, 1).await?;
                 server
                     .execute_unprepared(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                     .await?;

@@ -26,7 +26,9 @@
 //!   inbox, the reservations and their log, the cancellations, the orders producer's tables).
 //! - [`mailbox`]: `FileMailbox`, the email consumer's durable provider for `serve` (sent mail as
 //!   JSON lines in a local file, looked up by idempotency key).
-//! - [`fresh`]: a database of its own per run, created and dropped.
+//! - [`fresh`]: a database of its own per run, created and dropped; [`mod@db`]: connecting as
+//!   the study and the tests do (statements unbounded) and the sea-orm handlers' write
+//!   transaction.
 //! - [`mail`]: the email provider of the demo and the tests, in memory, with or without a
 //!   lookup by idempotency key.
 //! - [`mistakes`]: naive, check-then-process and the other designs the study shows failing,
@@ -65,6 +67,7 @@ pub mod chart;
 pub mod cli;
 pub mod compare;
 pub mod consumers;
+pub mod db;
 pub mod demo;
 pub mod entities;
 pub mod faults;

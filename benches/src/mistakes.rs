@@ -9,8 +9,8 @@ use crate::consumers::{BuildError, DetectMode, Handler, HandlerKind};
 use crate::consumers::{
     apply_logged, claim_on_conflict, finish, judge_lost_claim, recorded_outcome,
 };
+use crate::db::begin_write;
 use inventory_domain::{ConsumerName, Event, Message, Outcome};
-use inventory_infra::db::begin_write;
 use inventory_infra::{CrashPoint, Faults, HandleError, MessageHandler};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, TransactionTrait};

@@ -17,8 +17,9 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
+use crate::db::begin_write;
 use crate::entities::{order_lines, orders};
-use inventory_infra::db::{self, begin_write};
+use inventory_infra::db;
 use inventory_infra::outbox::{self, OutboxTable};
 use inventory_infra::stock::{DataError, quantity_column, quantity_from};
 use inventory_service::args::OrdersDatabaseArgs;

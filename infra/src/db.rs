@@ -19,8 +19,7 @@ pub use probe::{Probe, ProbeError};
 pub use schema::{MissingPrivilege, SchemaError, SchemaPolicy};
 use sea_orm::sqlx::sqlite::SqliteJournalMode;
 use sea_orm::{
-    ConnectOptions, ConnectionTrait, DatabaseTransaction, SqliteTransactionMode, Statement,
-    StatementBuilder, TransactionOptions, TransactionTrait, TryGetable,
+    ConnectOptions, ConnectionTrait, Statement, StatementBuilder, TransactionTrait, TryGetable,
 };
 pub use sea_orm::{DatabaseConnection, DbBackend, DbErr};
 
@@ -120,23 +119,6 @@ pub fn within<F: Future>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("no answer from the database within {0:?}; abandoned")]
 pub struct NoAnswer(pub Duration);
-
-/// Begins a transaction that will write. On SQLite it takes the write lock at `BEGIN`
-/// (`IMMEDIATE`): a deferred transaction that reads first cannot upgrade once another writer
-/// committed, and fails with "database is locked" instead of waiting its turn.
-pub async fn begin_write(db: &DatabaseConnection) -> Result<DatabaseTransaction, DbErr> {
-    db.begin_with_options(TransactionOptions {
-        sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-        ..TransactionOptions::default()
-    })
-    .await
-}
-
-/// Opens a pool of at most `max_connections` whose statements are not bounded: for the tools,
-/// benchmarks and tests. The commands take their [`DbTimeouts`] from their flags.
-pub async fn connect(url: &str, max_connections: u32) -> Result<DatabaseConnection, DbErr> {
-    connect_with(url, max_connections, DbTimeouts::unbounded_statements()).await
-}
 
 /// Opens a pool of at most `max_connections`.
 ///
@@ -271,17 +253,6 @@ async fn refuse_newer_schema(conn: &impl ConnectionTrait) -> Result<(), SchemaEr
         return Ok(());
     }
     Err(SchemaError::Newer { unknown })
-}
-
-/// [`connect_with`] then [`migrate`], statements unbounded: for `inventory migrate` and the
-/// tools and tests that make a database of their own.
-pub async fn connect_and_migrate(
-    url: &str,
-    max_connections: u32,
-) -> Result<DatabaseConnection, SchemaError> {
-    let db = connect_with(url, max_connections, DbTimeouts::unbounded_statements()).await?;
-    migrate(&db).await?;
-    Ok(db)
 }
 
 /// [`connect_with`], then the schema as `policy` says: the migrations applied, or (run by a

@@ -526,7 +526,7 @@ async fn secrets_never_reach_the_logs_or_help() {
     }
     // The role's grants live in the test's database: drop that first.
     drop(setup);
-    let admin = inventory_infra::db::connect(&inventory_tests::postgres::server_url().await, 1)
+    let admin = inventory_benches::db::connect(&inventory_tests::postgres::server_url().await, 1)
         .await
         .unwrap();
     admin

@@ -34,7 +34,7 @@ on_both_backends!(migrations_roll_back_and_apply_again);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_starting_together_on_an_empty_database_all_start() {
     let server = inventory_tests::postgres::server_url().await;
-    let admin = db::connect(&server, 1).await.unwrap();
+    let admin = inventory_benches::db::connect(&server, 1).await.unwrap();
     let name = format!("inventory_empty_{}", uuid::Uuid::new_v4().simple());
     admin
         .execute_unprepared(&format!("CREATE DATABASE \"{name}\""))

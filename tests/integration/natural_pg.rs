@@ -349,7 +349,7 @@ async fn placements_run_at_read_committed_whatever_the_database_default() {
         ))
         .await
         .unwrap();
-    let conn = inventory_infra::db::connect(&db.url, 4).await.unwrap();
+    let conn = inventory_benches::db::connect(&db.url, 4).await.unwrap();
     let level = conn
         .query_one_raw(Statement::from_string(
             DbBackend::Postgres,

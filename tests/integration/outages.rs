@@ -57,9 +57,10 @@ impl Cut {
             .await
             .unwrap()
             .unwrap();
-        let admin = inventory_infra::db::connect(&inventory_tests::postgres::server_url().await, 1)
-            .await
-            .unwrap();
+        let admin =
+            inventory_benches::db::connect(&inventory_tests::postgres::server_url().await, 1)
+                .await
+                .unwrap();
         Self {
             admin,
             name: row.try_get("", "name").unwrap(),

@@ -1,14 +1,14 @@
 //! Secure connections: NATS with a token, with a user and password, over TLS with a client
 //! certificate; PostgreSQL over TLS through the URL. Each against a server of the test's own.
 
-use inventory_infra::db;
+use inventory_benches::db;
 use inventory_infra::jetstream::{self, NatsSecurity, Topology};
 use inventory_tests::nats::{NatsServer, unique_names};
 use inventory_tests::pg_server::PostgresServer;
 use inventory_tests::tls::TestCerts;
 use std::os::unix::fs::PermissionsExt as _;
 
-use sea_orm::{ConnectionTrait, DbBackend, Statement};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 
 /// Connects with `security` and creates streams: the whole path serve takes at start-up.
 async fn jetstream_works(url: &str, security: &NatsSecurity) -> Result<(), String> {
@@ -115,7 +115,7 @@ async fn nats_over_tls_with_a_client_certificate() {
     jetstream_works(&server.url(), &full).await.unwrap();
 }
 
-async fn uses_tls(conn: &db::DatabaseConnection) -> bool {
+async fn uses_tls(conn: &DatabaseConnection) -> bool {
     let row = conn
         .query_one_raw(Statement::from_string(
             DbBackend::Postgres,

@@ -35,7 +35,7 @@ async fn the_statement_bound_reaches_the_server() {
         show(&pool, "idle_in_transaction_session_timeout").await,
         "2s"
     );
-    let unbounded = db::connect(&db.url, 1).await.unwrap();
+    let unbounded = inventory_benches::db::connect(&db.url, 1).await.unwrap();
     assert_eq!(show(&unbounded, "statement_timeout").await, "0");
 }
 

@@ -296,7 +296,7 @@ impl PostgresServer {
 
     /// One connection to this server's `postgres` database.
     async fn connect(&self) -> DatabaseConnection {
-        inventory_infra::db::connect(&self.url(), 1)
+        inventory_benches::db::connect(&self.url(), 1)
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", self.url()))
     }

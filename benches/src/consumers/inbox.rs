@@ -4,9 +4,9 @@ use chrono::Utc;
 use inventory_domain::{ConsumerName, Message, Outcome, PayloadHash};
 use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult};
 
+use crate::db::begin_write;
 use crate::entities::inbox;
 use crate::readback::find_inbox_entry;
-use inventory_infra::db::begin_write;
 use inventory_infra::{CrashPoint, HandleError};
 
 use super::{DetectMode, StockConsumer, compare_payload, finish, work};

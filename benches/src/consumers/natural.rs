@@ -44,9 +44,9 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
+use crate::db::begin_write;
 use crate::entities::{order_states, stock_reservations};
 use inventory_infra::consumers::{not_an_order_event, unknown_book};
-use inventory_infra::db::begin_write;
 use inventory_infra::entities::stock_items;
 use inventory_infra::outbox;
 use inventory_infra::stock::{DataError, quantity_column, quantity_from};
