@@ -44,6 +44,8 @@
 //! - [`publish`]: `inventory publish`, the producer without an outbox; [`orders`]: `inventory
 //!   orders place|cancel`, the safe producer, an order and its message in one transaction.
 //! - [`readback`]: what the consumers recorded, read back for the study's tables and the tests.
+//! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
+//!   the guard against a shorter retention.
 //! - [`retention`]: the inbox's purge, in the background of the study's `serve` and by hand
 //!   (`inventory inbox purge`), each checked against the redelivery horizon; [`purge`]: its
 //!   statements, in bounded batches.
@@ -73,6 +75,7 @@ pub mod entities;
 pub mod faults;
 pub mod fresh;
 pub mod guard_cost;
+pub mod horizon;
 pub mod latency;
 pub mod mail;
 pub mod mailbox;

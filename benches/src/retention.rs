@@ -1,6 +1,6 @@
 //! The inbox's retention: its completed rows are purged once no copy of their message can come
-//! any more, past the redelivery horizon the service computes
-//! (`inventory_service::retention::horizon`). The study's `serve` purges in the background and
+//! any more, past the redelivery horizon ([`horizon`], from the service's flags). The study's
+//! `serve` purges in the background and
 //! refuses a retention shorter than the horizon; `inventory inbox purge` purges by hand. The
 //! natural key keeps no inbox rows: its rows are the business record.
 
@@ -8,17 +8,19 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use humantime::format_duration;
-use inventory_domain::{FirstDelivery, Horizon, RetentionTooShort};
 use inventory_infra::db::{self, DatabaseConnection};
+use inventory_infra::delivery::ConsumerConfig;
 use inventory_infra::jetstream;
 use inventory_infra::periodic::Every;
 use inventory_service::args::{DatabaseArgs, NatsArgs, TopologyArgs};
 use inventory_service::cli::COMMAND_POOL;
+use inventory_service::consumer::policy::RetryPolicy;
 use inventory_service::metrics::Metrics;
-use inventory_service::retention::{HorizonArgs, horizon};
+use inventory_service::retention::HorizonArgs;
 use prometheus::{IntCounter, IntGaugeVec, Opts};
 use tokio_util::sync::CancellationToken;
 
+use crate::horizon::{FirstDelivery, Horizon, RedeliveryPolicy, RetentionTooShort};
 use crate::purge::{self, PurgeReport, purge_completed};
 
 /// Rows per purge batch, each batch one short transaction: `serve`'s background purge and
@@ -53,6 +55,27 @@ pub const PURGE_FLAGS: GuardFlags = GuardFlags {
     retention: "--older-than",
     overriding: "--force",
 };
+
+/// The horizon of `consumer` as the server has it and its stream (`duplicate_window`,
+/// `max_age`, zero for none), with the consuming service's cap, retry and allowances.
+pub fn horizon(
+    consumer: &ConsumerConfig,
+    duplicate_window: Duration,
+    max_age: Duration,
+    settings: &HorizonArgs,
+) -> Horizon {
+    Horizon::new(
+        &RedeliveryPolicy {
+            ack_wait: consumer.ack_wait,
+            backoff: consumer.backoff.clone(),
+            max_deliver: RetryPolicy::effective_cap(settings.max_deliver, consumer.max_deliver),
+            longest_nak_delay: settings.max_retry_delay,
+        },
+        duplicate_window,
+        FirstDelivery::new(max_age, settings.lag_allowance),
+        settings.replay_allowance,
+    )
+}
 
 /// The guard's answer to a retention shorter than the horizon, naming both durations.
 pub fn refusal_message(

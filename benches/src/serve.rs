@@ -11,7 +11,6 @@ use anyhow::Context as _;
 use clap::builder::TypedValueParser;
 use inventory_service::args::one_of;
 use inventory_service::consumer::Reads;
-use inventory_service::retention::horizon;
 use inventory_service::serve::{Served, Setup};
 
 use crate::consumers::{DetectMode, Handler, HandlerKind, NaturalKeyPath};
@@ -133,7 +132,7 @@ impl Served for StudyServed {
         if self.kind.writes_inbox_rows() && !self.args.purge_interval.is_zero() {
             let consumer = setup.consumer.as_str().to_owned();
             // The server's values rule, whatever this process would have set.
-            let horizon = horizon(
+            let horizon = retention::horizon(
                 setup.runtime.server_consumer(),
                 setup.runtime.duplicate_window(),
                 setup.runtime.stream_max_age(),

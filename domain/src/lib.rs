@@ -11,17 +11,13 @@
 //!   (retry or dead-letter), and the contract's dead-letter reasons.
 //! - [`outbox`]: the events out of Inventory, one per reservation decision, and the outbox
 //!   partition of an order.
-//! - [`horizon`]: how long a dedup record must be kept: the redelivery horizon of a consumer,
-//!   the guard against a shorter retention.
 
-pub mod horizon;
 pub mod ids;
 pub mod message;
 pub mod outbox;
 pub mod outcome;
 pub mod stock;
 
-pub use horizon::{FirstDelivery, Horizon, RedeliveryPolicy, RetentionTooShort};
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
 pub use message::{
     DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,

@@ -17,8 +17,8 @@
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
 //! - [`dlq`]: listing, replaying and deleting dead letters.
-//! - [`retention`]: the redelivery horizon and the inbox's purge, which `inbox purge` and the
-//!   study's `serve` run.
+//! - [`retention`]: the flags of the redelivery horizon, shared by `serve` and `inbox purge`,
+//!   which the study's inbox purge checks its retention against.
 //! - [`study`]: `inventory demo|compare|bench`, the producers `publish` and `orders`, and
 //!   `serve` for the study's handlers, run by the study binary.
 //! - [`telemetry`]: the tracing subscriber.

@@ -1,16 +1,14 @@
-//! The redelivery horizon: how long after its first delivery a copy of a message may still
-//! come, from the consumer and its stream as the server has them and the service's own cap,
-//! retry and allowances. What keeps per-message records (the study's inbox) must keep each
-//! that long; the study's `serve` and `inventory inbox purge` check their retention against it.
+//! The settings of the redelivery horizon: how long after its first delivery a copy of a
+//! message may still come, from the consumer and its stream as the server has them and the
+//! service's own cap, retry and allowances. What keeps per-message records (the study's inbox)
+//! must keep each that long; the study's `serve` and `inventory inbox purge` compute the
+//! horizon from these flags (`inventory_benches::retention::horizon`) and check their retention
+//! against it.
 
 use std::time::Duration;
 
-use inventory_domain::{FirstDelivery, Horizon, RedeliveryPolicy};
-use inventory_infra::delivery::ConsumerConfig;
-
 use crate::args::shown;
 use crate::consumer::RuntimeSettings;
-use crate::consumer::policy::RetryPolicy;
 
 /// What the redelivery horizon takes beside the server's settings: shared by `serve` and
 /// `inbox purge`, so that both check the same horizon from the same settings (one file, the
@@ -36,25 +34,4 @@ pub struct HorizonArgs {
     /// max_age takes its place.
     #[arg(long, default_value = "1day", value_parser = humantime::parse_duration)]
     pub lag_allowance: Duration,
-}
-
-/// The horizon of `consumer` as the server has it and its stream (`duplicate_window`,
-/// `max_age`, zero for none), with the consuming service's cap, retry and allowances.
-pub fn horizon(
-    consumer: &ConsumerConfig,
-    duplicate_window: Duration,
-    max_age: Duration,
-    settings: &HorizonArgs,
-) -> Horizon {
-    Horizon::new(
-        &RedeliveryPolicy {
-            ack_wait: consumer.ack_wait,
-            backoff: consumer.backoff.clone(),
-            max_deliver: RetryPolicy::effective_cap(settings.max_deliver, consumer.max_deliver),
-            longest_nak_delay: settings.max_retry_delay,
-        },
-        duplicate_window,
-        FirstDelivery::new(max_age, settings.lag_allowance),
-        settings.replay_allowance,
-    )
 }
