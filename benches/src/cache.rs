@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use crate::mistakes::CacheClaim;
+use crate::payload_hash::PayloadHash;
 use inventory_domain::{Message, Outcome};
 use inventory_infra::{HandleError, MessageHandler};
 use redis::aio::MultiplexedConnection;
@@ -52,7 +53,7 @@ impl DedupCache {
             .query_async(&mut self.connection.clone())
             .await;
         match stored {
-            Ok(stored) => stored.as_deref() == Some(message.payload_hash().as_str()),
+            Ok(stored) => stored.as_deref() == Some(PayloadHash::of(message).as_str()),
             Err(error) => {
                 tracing::warn!(%error, "dedup cache unavailable: asking the database");
                 false
@@ -65,7 +66,7 @@ impl DedupCache {
     pub async fn remember(&self, message: &Message) {
         let written: redis::RedisResult<()> = redis::cmd("SET")
             .arg(self.key(message))
-            .arg(message.payload_hash().as_str())
+            .arg(PayloadHash::of(message).as_str())
             .arg("EX")
             .arg(KEY_TTL.as_secs())
             .query_async(&mut self.connection.clone())
@@ -97,7 +98,7 @@ impl CacheClaim for DedupCache {
     async fn claim(&self, message: &Message) -> bool {
         redis::cmd("SET")
             .arg(self.key(message))
-            .arg(message.payload_hash().as_str())
+            .arg(PayloadHash::of(message).as_str())
             .arg("NX")
             .arg("EX")
             .arg(KEY_TTL.as_secs())

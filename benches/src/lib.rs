@@ -18,6 +18,8 @@
 //!   it saves per duplicate and costs per fresh message.
 //! - [`faults`]: the crashes, holds and panics the demo and the tests inject at the handlers'
 //!   crash points.
+//! - [`payload_hash`]: the hash of a message's content that the inbox and the cache store, so
+//!   that a message id reused for other content is not taken for a duplicate.
 //! - [`cache`]: a dedup cache on Redis, as the pre-filter that is safe and as the arbiter
 //!   that is not.
 //! - [`consumers`]: the study's handlers: the inbox, the natural key through sea-orm, the
@@ -81,6 +83,7 @@ pub mod mail;
 pub mod mailbox;
 pub mod mistakes;
 pub mod orders;
+pub mod payload_hash;
 pub mod publish;
 pub mod purge;
 pub mod readback;

@@ -10,6 +10,7 @@ use crate::consumers::{
     apply_logged, claim_on_conflict, finish, judge_lost_claim, recorded_outcome,
 };
 use crate::db::begin_write;
+use crate::payload_hash::PayloadHash;
 use inventory_domain::{ConsumerName, Event, Message, Outcome};
 use inventory_infra::{CrashPoint, Faults, HandleError, MessageHandler};
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
@@ -156,7 +157,7 @@ pub struct OwnTransaction {
 impl OwnTransaction {
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let hash = message.payload_hash();
+        let hash = PayloadHash::of(message);
         if self.inbox_around
             && let Some(outcome) = recorded_outcome(&self.db, &key, &self.consumer, &hash).await?
         {
@@ -224,7 +225,7 @@ impl MistakenConsumer {
         message: &Message,
     ) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let hash = message.payload_hash();
+        let hash = PayloadHash::of(message);
         if !claim_on_conflict(&self.db, &key, &self.consumer, &hash, true).await? {
             return Ok(judge_lost_claim(&self.db, &key, &self.consumer, &hash).await?);
         }
@@ -256,7 +257,7 @@ impl MistakenConsumer {
         message: &Message,
     ) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let hash = message.payload_hash();
+        let hash = PayloadHash::of(message);
         // Deferred, as a plain `begin()` is: an immediate one would hold SQLite's write lock
         // and the second connection would wait for it forever.
         let txn = self.db.begin().await?;
@@ -278,7 +279,7 @@ impl MistakenConsumer {
     /// rolls back, but it locked and wrote the stock row before it lost.
     pub async fn claim_last(&self, message: &Message) -> Result<ClaimLastResult, HandleError> {
         let key = message.key.storage_key();
-        let hash = message.payload_hash();
+        let hash = PayloadHash::of(message);
         let txn = begin_write(&self.db).await?;
         let book = match &message.event {
             Event::Placed(placed) => Some(placed.book_id.as_uuid()),

@@ -5,7 +5,7 @@
 //! # Layout
 //! - [`ids`]: newtypes that can only be built valid (`MessageId`, `Quantity`, `OrderId`,
 //!   `BookId`, `ConsumerName`) and the `DedupKey` derived from a message.
-//! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`, the payload hash.
+//! - [`message`]: decoding plain JSON and CloudEvents bodies into a `Message`.
 //! - [`stock`]: `StockItem` and the reservation decision; the natural key's second-request rule.
 //! - [`outcome`]: what handling a message came to, what a failure means for its delivery
 //!   (retry or dead-letter), and the contract's dead-letter reasons.
@@ -20,8 +20,7 @@ pub mod stock;
 
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
 pub use message::{
-    DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, PayloadHash,
-    keyed_placements,
+    DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, keyed_placements,
 };
 pub use outbox::{StockEvent, StockEventKind};
 pub use outcome::{Acked, DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};

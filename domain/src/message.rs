@@ -6,7 +6,6 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 use serde::de::IgnoredAny;
-use sha2::{Digest, Sha256};
 
 use crate::ids::{BookId, DedupKey, FieldError, MessageId, OrderId, Quantity};
 use crate::outbox::{StockEvent, StockEventKind};
@@ -93,21 +92,6 @@ impl Event {
             Self::Cancelled(cancelled) => cancelled.order_id,
             Self::StockReserved(reserved) => reserved.order_id,
         }
-    }
-}
-
-/// A hex SHA-256 of a message's business content, stored with its inbox row so that the same
-/// message id arriving with other content is caught instead of being skipped as a duplicate.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct PayloadHash(String);
-
-impl PayloadHash {
-    pub fn from_stored(value: String) -> Self {
-        Self(value)
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
     }
 }
 
@@ -368,22 +352,6 @@ impl Message {
         event.data.into_message(key, kind)
     }
 
-    /// The hash of what the message asks for, independent of field order and envelope.
-    pub fn payload_hash(&self) -> PayloadHash {
-        let canonical = match &self.event {
-            Event::Placed(placed) => format!(
-                "placed|{}|{}|{}",
-                placed.order_id, placed.book_id, placed.quantity
-            ),
-            Event::Cancelled(cancelled) => format!("cancelled|{}", cancelled.order_id),
-            Event::StockReserved(reserved) => format!(
-                "stock-reserved|{}|{}|{}",
-                reserved.order_id, reserved.book_id, reserved.quantity
-            ),
-        };
-        PayloadHash(hex::encode(Sha256::digest(canonical.as_bytes())))
-    }
-
     /// The plain JSON body a producer publishes for this message, or `None` for a CloudEvent
     /// key, which has no `message_id` field to carry it, and for a StockReserved, which
     /// Inventory's relay publishes as its event body.
@@ -619,21 +587,6 @@ mod tests {
             let error = Message::decode(EventKind::Placed, body.as_bytes()).expect_err("invalid");
             assert_eq!(error.reason(), DeadLetterReason::Invalid, "{body}");
         }
-    }
-
-    #[test]
-    fn payload_hash_follows_content_not_field_order() {
-        let a = Message::decode(EventKind::Placed, &placed_body("")).expect("valid");
-        let reordered = format!(
-            r#"{{"quantity":2,"book_id":"{BOOK}","order_id":"{ORDER}","message_id":"m-1"}}"#
-        );
-        let b = Message::decode(EventKind::Placed, reordered.as_bytes()).expect("valid");
-        let other = format!(
-            r#"{{"quantity":3,"book_id":"{BOOK}","order_id":"{ORDER}","message_id":"m-1"}}"#
-        );
-        let c = Message::decode(EventKind::Placed, other.as_bytes()).expect("valid");
-        assert_eq!(a.payload_hash(), b.payload_hash());
-        assert_ne!(a.payload_hash(), c.payload_hash());
     }
 
     #[test]

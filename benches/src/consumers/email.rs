@@ -17,13 +17,12 @@
 
 use super::{EmailProvider, SentLookup, StockReservedEmail};
 use chrono::Utc;
-use inventory_domain::{
-    ConsumerName, DeadLetterReason, Effect, Event, Message, Outcome, PayloadHash,
-};
+use inventory_domain::{ConsumerName, DeadLetterReason, Effect, Event, Message, Outcome};
 use sea_orm::sea_query::Expr;
 use sea_orm::{ColumnTrait, DatabaseConnection, DbErr, EntityTrait, QueryFilter};
 
 use crate::entities::inbox;
+use crate::payload_hash::PayloadHash;
 use crate::readback::find_inbox_entry;
 use inventory_infra::{CrashPoint, Faults, HandleError};
 
@@ -72,7 +71,7 @@ impl<P: EmailProvider + Clone> EmailConsumer<P> {
         };
         // The event's id: its two-phase record's key and the provider's idempotency key.
         let key = message.key.storage_key();
-        let hash = message.payload_hash();
+        let hash = PayloadHash::of(message);
         let email = StockReservedEmail {
             order_id: reserved.order_id,
             book_id: reserved.book_id,

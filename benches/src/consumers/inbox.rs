@@ -1,11 +1,12 @@
 //! The inbox: a `(message_id, consumer)` row claimed first, in the work's own transaction.
 
 use chrono::Utc;
-use inventory_domain::{ConsumerName, Message, Outcome, PayloadHash};
+use inventory_domain::{ConsumerName, Message, Outcome};
 use sea_orm::{ConnectionTrait, DbErr, EntityTrait, Set, SqlErr, TryInsertResult};
 
 use crate::db::begin_write;
 use crate::entities::inbox;
+use crate::payload_hash::PayloadHash;
 use crate::readback::find_inbox_entry;
 use inventory_infra::{CrashPoint, HandleError};
 
@@ -100,7 +101,7 @@ impl StockConsumer {
         mode: DetectMode,
     ) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
-        let hash = message.payload_hash();
+        let hash = PayloadHash::of(message);
         if mode == DetectMode::PreCheck
             && let Some(outcome) = recorded_outcome(&self.db, &key, &self.consumer, &hash).await?
         {

@@ -23,9 +23,11 @@ mod work;
 
 use std::future::Future;
 
-use inventory_domain::{ConsumerName, DeadLetterReason, Message, Outcome, PayloadHash};
+use inventory_domain::{ConsumerName, DeadLetterReason, Message, Outcome};
 use inventory_infra::{CrashPoint, Faults, HandleError, MessageHandler};
 use sea_orm::{DatabaseConnection, DatabaseTransaction};
+
+use crate::payload_hash::PayloadHash;
 
 pub use email::{EMAIL_CONSUMER, EmailConsumer};
 pub use email_provider::{EmailProvider, ProviderError, SentLookup, StockReservedEmail};
