@@ -10,7 +10,7 @@ use inventory_benches::consumers::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_domain::OrderId;
 use inventory_infra::CrashPoint;
 use inventory_infra::jetstream;
-use inventory_infra::outbox::{OutboxSource, Relay, RelaySettings, Retry};
+use inventory_infra::outbox::{OutboxSource, Relay, RelayError, RelaySettings, Retry};
 use inventory_service::health::{self, Liveness, Readiness};
 use inventory_service::metrics::Metrics;
 use inventory_tests::broker::{Broker, RunningService, eventually};
@@ -371,23 +371,26 @@ inventory_tests::on_both_backends!(the_relay_publishes_another_outbox_table_to_i
 async fn a_relay_without_its_table_refuses_to_start() {
     let db = TestDb::new(Backend::Sqlite).await;
     let broker = Broker::new().await;
-    let source = OutboxSource::new(
-        "no_such_outbox",
-        &broker.topology.events_stream,
-        &broker.topology.events_subject_prefix,
-    )
-    .unwrap();
+    // The orders producer's outbox, gone from this database.
+    db.conn
+        .execute_unprepared("DROP TABLE orders_outbox")
+        .await
+        .unwrap();
     let refused = Relay::prepare(
         &broker.js,
         db.conn.clone(),
-        source,
-        &broker.topology.events_stream(),
+        OutboxSource::orders(&broker.topology),
+        &broker.topology.orders_stream(),
         fast_settings(),
     )
     .await
     .err()
     .expect("no such table");
-    assert!(refused.to_string().contains("no_such_outbox"), "{refused}");
+    assert!(
+        matches!(refused, RelayError::MissingTable { .. }),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("orders_outbox"), "{refused}");
 }
 
 /// A lease as long as the duplicate window is refused: a takeover could republish an event

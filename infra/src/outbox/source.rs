@@ -26,31 +26,7 @@ pub struct OutboxSource {
     subject_prefix: String,
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("{0:?} is not a table name this relay reads (lowercase letters, digits and _)")]
-pub struct InvalidTable(String);
-
 impl OutboxSource {
-    /// Rows of `table` go to `stream` under `<subject_prefix>.<row's subject>`. Only plain
-    /// lowercase names are taken, as the migrations create them: a mistyped or quoted one is
-    /// refused here, naming it, rather than by every statement.
-    pub fn new(table: &str, stream: &str, subject_prefix: &str) -> Result<Self, InvalidTable> {
-        let plain = !table.is_empty()
-            && table.len() <= 63
-            && table.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-            && table
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if !plain {
-            return Err(InvalidTable(table.to_owned()));
-        }
-        Ok(Self {
-            table: table.to_owned(),
-            stream: stream.to_owned(),
-            subject_prefix: subject_prefix.to_owned(),
-        })
-    }
-
     /// Inventory's events: `outbox` to the events stream (`INVENTORY`, `inventory.>`).
     pub fn inventory(topology: &Topology) -> Self {
         Self {
@@ -336,24 +312,6 @@ pub struct Backlog {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_plain_table_names_are_taken() {
-        for good in ["outbox", "orders_outbox", "_x1"] {
-            assert!(OutboxSource::new(good, "S", "p").is_ok(), "{good}");
-        }
-        for bad in [
-            "",
-            "Outbox",
-            "1outbox",
-            "out box",
-            "outbox;drop",
-            "a.b",
-            "\"x\"",
-        ] {
-            assert!(OutboxSource::new(bad, "S", "p").is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn subjects_go_below_the_prefix() {
