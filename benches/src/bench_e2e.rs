@@ -25,7 +25,6 @@ use inventory_service::args::NatsArgs;
 
 use crate::serve::natural_key_path;
 use inventory_service::consumer::{ConsumerRuntime, Reads, Running, RuntimeSettings};
-use inventory_service::metrics::ConsumerMetrics;
 use inventory_service::shutdown::Shutdown;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -360,7 +359,7 @@ impl Prepared {
             Self::Service(runtime, kind) => {
                 let handler = kind.build(&fresh.conn, runtime.consumer_name()?, None)?;
                 let metrics =
-                    ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
+                    crate::workload::unexported_metrics(&runtime.settings().consumer.durable_name)?;
                 Consuming::Service(match clock {
                     Some(clock) => runtime.start(
                         Timed { handler, clock },

@@ -984,7 +984,7 @@ impl Run {
             .into_iter()
             .map(|(runtime, handler, conn)| {
                 let metrics =
-                    ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name)?;
+                    crate::workload::unexported_metrics(&runtime.settings().consumer.durable_name)?;
                 Ok(Instance {
                     running: runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT)),
                     conn,

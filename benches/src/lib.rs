@@ -39,8 +39,9 @@
 //!   runs at a steady rate of `bench_e2e` and `bench_hand`.
 //! - [`system_cpu`]: the machine's CPU during a run by process (this one, nats-server,
 //!   PostgreSQL, the rest), from /proc.
-//! - [`workload`]: the handlers per mode, stock that never runs out, and a deterministic stream
-//!   of fresh messages and copies of already-handled ones.
+//! - [`workload`]: the handlers per mode, stock that never runs out, the metrics of a runtime
+//!   that exports none, and a deterministic stream of fresh messages and copies of
+//!   already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
 //! - [`publish`]: `inventory publish`, the producer without an outbox; [`orders`]: `inventory

@@ -8,8 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::builder::TypedValueParser;
-use inventory_service::args::one_of;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use inventory_service::consumer::Reads;
 use inventory_service::serve::{Served, Setup};
 
@@ -182,4 +181,17 @@ pub async fn start(args: StudyServeArgs) -> anyhow::Result<bool> {
         args: args.clone(),
     };
     inventory_service::serve::start_with(args.serve, served).await
+}
+
+/// A flag whose values are the labels of `all`.
+fn one_of<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    label: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(all.iter().map(|value| label(*value))).try_map(move |given| {
+        all.iter()
+            .copied()
+            .find(|value| label(*value) == given)
+            .ok_or("not one of the possible values")
+    })
 }

@@ -13,6 +13,7 @@ use inventory_domain::{
 };
 use inventory_infra::StockRepository;
 use inventory_infra::db::{self, DatabaseConnection};
+use inventory_service::metrics::{ConsumerMetrics, Metrics};
 use sea_orm::DbErr;
 
 /// The server when `DATABASE_URL` names none: the local one the tests use too.
@@ -234,6 +235,12 @@ impl SplitMix64 {
             items.swap(i, j);
         }
     }
+}
+
+/// `consumer`'s metrics in a registry of their own, for a runtime that serves none (tests,
+/// benchmarks, the study): its counts are still read from them.
+pub fn unexported_metrics(consumer: &str) -> Result<ConsumerMetrics, prometheus::Error> {
+    Ok(Metrics::new()?.consumer(consumer))
 }
 
 #[cfg(test)]

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::builder::{PossibleValuesParser, TypedValueParser};
 use inventory_infra::db::{DEFAULT_DATABASE_URL, DbTimeouts, SchemaPolicy};
 use inventory_infra::jetstream::{self, NatsSecurity, NatsTimeouts, Topology};
 use secrecy::{ExposeSecret as _, SecretString};
@@ -290,19 +289,6 @@ pub struct StopArgs {
     /// redelivery or for the next relay, and the process exits 1.
     #[arg(long, default_value = shown(Shutdown::TIMEOUT), value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
-}
-
-/// A flag whose values are the labels of `all`.
-pub fn one_of<T: Copy + Send + Sync + 'static>(
-    all: &'static [T],
-    label: fn(T) -> &'static str,
-) -> impl TypedValueParser<Value = T> {
-    PossibleValuesParser::new(all.iter().map(|value| label(*value))).try_map(move |given| {
-        all.iter()
-            .copied()
-            .find(|value| label(*value) == given)
-            .ok_or("not one of the possible values")
-    })
 }
 
 /// Where `/metrics` and the health endpoints listen: an address, or `off`.

@@ -284,16 +284,6 @@ pub struct ReplayReport {
     pub dry_run: bool,
 }
 
-/// Replays the selected dead letters, oldest first, checked against the default replay
-/// allowance ([`default_replay_allowance`]), not forced.
-pub async fn replay_selected(
-    js: &Context,
-    topology: &Topology,
-    selection: &Selection,
-) -> anyhow::Result<ReplayReport> {
-    replay(js, topology, selection, ReplayOptions::default()).await
-}
-
 /// Replays the selected dead letters, oldest first, once [`plan_replay`] accepted them all;
 /// on a dry run only plans. A refusal is a [`ReplayRefused`] error.
 pub async fn replay(

@@ -435,12 +435,6 @@ impl Drop for InFlight {
 }
 
 impl ConsumerMetrics {
-    /// `consumer`'s metrics in a registry of their own, for a runtime that serves none (tests,
-    /// benchmarks, the study): its counts are still read from them.
-    pub fn unexported(consumer: &str) -> Result<Self, prometheus::Error> {
-        Ok(Metrics::new()?.consumer(consumer))
-    }
-
     /// Deliveries since start acked, and not as a duplicate: `inventory_messages_total` as
     /// tests, benchmarks and the study read it.
     pub fn acked(&self) -> u64 {

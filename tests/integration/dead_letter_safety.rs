@@ -9,7 +9,7 @@ use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_domain::{BookId, DeadLetterReason, EventKind};
 use inventory_infra::delivery;
 use inventory_infra::jetstream::{self, dlq_headers};
-use inventory_service::dlq::{self, Selection};
+use inventory_service::dlq::{self, ReplayOptions, Selection};
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::{Backend, TestDb, placed};
 
@@ -146,10 +146,11 @@ async fn a_replay_that_died_between_its_publish_and_its_delete_is_stored_once() 
         .await
         .unwrap();
 
-    let report = dlq::replay_selected(
+    let report = dlq::replay(
         &broker.js,
         &broker.topology,
         &Selection::Sequences(vec![letters[0].seq]),
+        ReplayOptions::default(),
     )
     .await
     .unwrap();
@@ -196,9 +197,14 @@ async fn a_replay_the_orders_stream_cannot_store_keeps_its_dead_letter() {
     let letters = dlq::list(&broker.js, &broker.topology, None).await.unwrap();
     let selection = Selection::Sequences(vec![letters[0].seq]);
     assert!(
-        dlq::replay_selected(&broker.js, &broker.topology, &selection)
-            .await
-            .is_err(),
+        dlq::replay(
+            &broker.js,
+            &broker.topology,
+            &selection,
+            ReplayOptions::default()
+        )
+        .await
+        .is_err(),
         "a replay nothing stored"
     );
     assert_eq!(
@@ -214,9 +220,14 @@ async fn a_replay_the_orders_stream_cannot_store_keeps_its_dead_letter() {
     jetstream::ensure_streams(&broker.js, &broker.topology)
         .await
         .unwrap();
-    let report = dlq::replay_selected(&broker.js, &broker.topology, &selection)
-        .await
-        .unwrap();
+    let report = dlq::replay(
+        &broker.js,
+        &broker.topology,
+        &selection,
+        ReplayOptions::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(report.replayed.len(), 1);
     assert_eq!(broker.stream_messages(&broker.topology.stream).await, 1);
     assert!(

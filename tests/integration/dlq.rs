@@ -85,10 +85,11 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
         .put(&StockItem::new(unknown, "Arrakis", 5).unwrap())
         .await
         .unwrap();
-    let report = dlq::replay_selected(
+    let report = dlq::replay(
         &broker.js,
         &broker.topology,
         &Selection::Reason("unknown-book".into()),
+        ReplayOptions::default(),
     )
     .await
     .unwrap();
@@ -135,10 +136,11 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
         .await
         .unwrap()
         .remove(0);
-    let report = dlq::replay_selected(
+    let report = dlq::replay(
         &broker.js,
         &broker.topology,
         &Selection::Sequences(vec![handled_letter.seq, 9_999]),
+        ReplayOptions::default(),
     )
     .await
     .unwrap();
@@ -152,10 +154,11 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     assert_eq!(service.metrics.acked(), 2);
 
     // Replayed once: it is gone from the DLQ, so a second replay finds nothing.
-    let again = dlq::replay_selected(
+    let again = dlq::replay(
         &broker.js,
         &broker.topology,
         &Selection::Sequences(vec![handled_letter.seq]),
+        ReplayOptions::default(),
     )
     .await
     .unwrap();

@@ -239,8 +239,10 @@ impl RunningService {
         }
         let liveness = Liveness::default();
         runtime.report_failures_to(liveness.clone());
-        let metrics =
-            ConsumerMetrics::unexported(&runtime.settings().consumer.durable_name).unwrap();
+        let metrics = inventory_benches::workload::unexported_metrics(
+            &runtime.settings().consumer.durable_name,
+        )
+        .unwrap();
         let running = runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT));
         Self {
             metrics: running.metrics.clone(),
