@@ -16,6 +16,7 @@
     reason = "a test or benchmark fails by panicking"
 )]
 
+use inventory_benches::produce::Produce as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

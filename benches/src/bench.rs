@@ -28,6 +28,7 @@
 //! too. Transaction ids, WAL and the file's growth are the whole server's, so other sessions on
 //! it inflate them; the other figures are the run's own.
 
+use crate::produce::Produce as _;
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::PathBuf;

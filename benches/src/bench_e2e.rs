@@ -2,6 +2,7 @@
 //! service loop into PostgreSQL or SQLite, acked after commit; messages per second from the
 //! first fetch to the last ack.
 
+use crate::produce::Produce as _;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};

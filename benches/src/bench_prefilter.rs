@@ -5,6 +5,7 @@
 //! slows down slows all four. A duplicate is a copy of a message handled earlier in the run
 //! through the same path, so the pre-filtered copies find their keys in the cache.
 
+use crate::produce::Produce as _;
 use std::time::Instant;
 
 use crate::consumers::{HandlerKind, NaturalKeyPath};

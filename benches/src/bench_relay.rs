@@ -10,6 +10,7 @@
 //!   commit) to the event's arrival on a subscription of the events stream's subjects, which
 //!   the server sends once the stream stored it (the PubAck leaves at the same moment).
 
+use crate::produce::Produce as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

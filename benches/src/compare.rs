@@ -11,6 +11,7 @@
 
 use crate::faults;
 use crate::mistakes::{Strategy, StudyHandler};
+use crate::produce::Produce as _;
 use crate::readback::Readback as _;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;

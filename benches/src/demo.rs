@@ -6,6 +6,7 @@
 
 use crate::faults;
 use crate::mail::InMemoryEmailProvider;
+use crate::produce::Produce as _;
 use crate::readback::Readback as _;
 use std::time::Duration;
 

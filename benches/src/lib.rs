@@ -44,6 +44,8 @@
 //!   already-handled ones.
 //! - [`chart`]: reads criterion's estimates (`target/criterion/<group>/<function>/<parameter>`)
 //!   and draws the median per-message cost against the parameter as an SVG line chart.
+//! - [`produce`]: the messages a producer sends (a new order, its cancellation, a resend under a
+//!   new id), which the service only decodes.
 //! - [`publish`]: `inventory publish`, the producer without an outbox; [`orders`]: `inventory
 //!   orders place|cancel`, the safe producer, an order and its message in one transaction.
 //! - [`readback`]: what the consumers recorded, read back for the study's tables and the tests.
@@ -85,6 +87,7 @@ pub mod mailbox;
 pub mod mistakes;
 pub mod orders;
 pub mod payload_hash;
+pub mod produce;
 pub mod publish;
 pub mod purge;
 pub mod readback;

@@ -8,6 +8,7 @@
 //! Place and cancel of one order both lock the order's `orders` row before writing their
 //! outbox row, so an order's messages are numbered in the order their transactions commit.
 
+use crate::produce::Produce as _;
 use anyhow::Context as _;
 use chrono::Utc;
 use inventory_domain::{BookId, Message, MessageId, OrderId, Quantity};

@@ -8,6 +8,7 @@
 
 use crate::consumers::{BuildError, DetectMode, HandlerKind, NaturalKeyPath};
 use crate::mistakes::{Strategy, StudyHandler};
+use crate::produce::Produce as _;
 use inventory_domain::{
     BookId, ConsumerName, Effect, FieldError, Message, OrderId, Outcome, Quantity, StockItem,
 };

@@ -221,52 +221,6 @@ impl EventFields<'_> {
 }
 
 impl Message {
-    /// A new OrderPlaced under a new message id.
-    pub fn placed(order_id: OrderId, book_id: BookId, quantity: Quantity) -> Self {
-        Self::new(Event::Placed(OrderPlaced {
-            order_id,
-            book_id,
-            quantity,
-        }))
-    }
-
-    /// A new OrderCancelled of `order_id` under a new message id.
-    pub fn cancelled(order_id: OrderId) -> Self {
-        Self::new(Event::Cancelled(OrderCancelled { order_id }))
-    }
-
-    /// The cancellation of this message's order, in the same conversation (correlation id).
-    pub fn cancellation(&self) -> Self {
-        Self {
-            correlation_id: self.correlation_id.clone(),
-            ..Self::cancelled(self.event.order_id())
-        }
-    }
-
-    /// What a faulty producer sends on retry: the same event under a new message id, which no
-    /// inbox can tell from a new order. (The same message again, id included, is a `clone`.)
-    pub fn resent_with_new_id(&self) -> Self {
-        self.resent_as(MessageId::generate())
-    }
-
-    /// The same event under `id`: a resend whose new id is chosen (a seeded workload's), or the
-    /// first send of a message whose id the producer made.
-    pub fn resent_as(&self, id: MessageId) -> Self {
-        Self {
-            key: DedupKey::MessageId(id),
-            ..self.clone()
-        }
-    }
-
-    fn new(event: Event) -> Self {
-        Self {
-            key: DedupKey::MessageId(MessageId::generate()),
-            correlation_id: None,
-            occurred_at: None,
-            event,
-        }
-    }
-
     /// Decodes a body that arrived on a subject of `kind`. Unknown fields are ignored; a field
     /// given twice is malformed, since which copy a reader honours would be a guess.
     pub fn decode(kind: EventKind, body: &[u8]) -> Result<Self, DecodeError> {
@@ -401,42 +355,6 @@ mod tests {
 
     const ORDER: &str = "0190f5c4-3c2e-7b4a-9d3e-1f2a3b4c5d6e";
     const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
-
-    #[test]
-    fn a_resend_keeps_the_event_and_takes_a_new_id_a_cancellation_keeps_the_order() {
-        let order = OrderId::new_v7();
-        let placed = Message {
-            correlation_id: Some("checkout-1".into()),
-            ..Message::placed(
-                order,
-                BookId::new_v7(),
-                Quantity::new(2).expect("a valid quantity"),
-            )
-        };
-        let resent = placed.resent_with_new_id();
-        assert_eq!(resent.event, placed.event);
-        assert_ne!(resent.key, placed.key);
-        let chosen = placed.resent_as(MessageId::parse("order-7-resent").expect("a valid id"));
-        assert_eq!(chosen.key.storage_key(), "order-7-resent");
-        assert_eq!(chosen.event, placed.event);
-        let cancellation = placed.cancellation();
-        assert_eq!(
-            cancellation.event,
-            Event::Cancelled(OrderCancelled { order_id: order })
-        );
-        assert_eq!(cancellation.correlation_id.as_deref(), Some("checkout-1"));
-        assert_ne!(cancellation.key, placed.key);
-        assert_ne!(
-            Message::placed(
-                order,
-                BookId::new_v7(),
-                Quantity::new(1).expect("a valid quantity")
-            )
-            .key,
-            Message::cancelled(order).key,
-            "every new message gets an id of its own"
-        );
-    }
 
     fn placed_body(extra: &str) -> Vec<u8> {
         format!(

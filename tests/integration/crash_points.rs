@@ -11,6 +11,7 @@
 use inventory_benches::faults;
 use inventory_benches::mail::InMemoryEmailProvider;
 use inventory_benches::mistakes::Strategy;
+use inventory_benches::produce::Produce as _;
 use inventory_benches::readback::Readback as _;
 use std::sync::{Arc, Mutex};
 

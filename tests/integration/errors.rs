@@ -1,5 +1,6 @@
 //! Real PostgreSQL errors, through each path a handler takes: the codes survive and decide.
 
+use inventory_benches::produce::Produce as _;
 use inventory_domain::{
     BookId, ConsumerName, Effect, Message, OrderId, Outcome, Quantity, StockItem,
 };

@@ -2,6 +2,7 @@
 
 use inventory_benches::consumers::{DetectMode, Handler, HandlerKind};
 use inventory_benches::payload_hash::PayloadHash;
+use inventory_benches::produce::Produce as _;
 use inventory_benches::readback::Readback as _;
 use inventory_domain::Message;
 use inventory_domain::{DeadLetterReason, Effect, Event, Outcome, Quantity};

@@ -3,6 +3,7 @@
 
 use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
 use inventory_benches::faults;
+use inventory_benches::produce::Produce as _;
 use inventory_domain::{Message, OrderId, Outcome};
 use inventory_infra::CrashPoint;
 use inventory_infra::MessageHandler;

@@ -2,6 +2,7 @@
 
 use inventory_benches::consumers::{Handler, HandlerKind, NaturalKeyPath};
 use inventory_benches::faults;
+use inventory_benches::produce::Produce as _;
 use inventory_benches::readback::Readback as _;
 use inventory_domain::Message;
 use inventory_domain::{

@@ -3,6 +3,7 @@
 //! `crash_points.rs`; hostile input in `corpus.rs`.
 
 use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
+use inventory_benches::produce::Produce as _;
 use inventory_benches::readback::Readback as _;
 use inventory_domain::{Effect, Message, OrderId, Outcome, Quantity, ReservationStatus};
 use inventory_infra::MessageHandler;

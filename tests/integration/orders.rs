@@ -2,6 +2,7 @@
 //! of a command writes nothing new and reports the message made the first time, id and all.
 
 use inventory_benches::orders::{Cancellation, OrdersError, OrdersRepository, Placement};
+use inventory_benches::produce::Produce as _;
 use inventory_domain::{Event, EventKind, Message, OrderId, Quantity};
 use inventory_tests::{Backend, TestDb};
 use sea_orm::{ConnectionTrait, Statement, TransactionTrait};

@@ -1,5 +1,6 @@
 //! The service survives its database and its broker going away mid-stream.
 
+use inventory_benches::produce::Produce as _;
 use std::time::Duration;
 
 use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};

@@ -6,6 +6,7 @@
 //! domain's model too.
 
 use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
+use inventory_benches::produce::Produce as _;
 use inventory_domain::{Event, Message, OrderId, StockEvent, StockEventKind};
 use inventory_infra::CrashPoint;
 use inventory_infra::MessageHandler;

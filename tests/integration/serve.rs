@@ -1,6 +1,7 @@
 //! The JetStream subscriber, in-process, against a real NATS server and a real database.
 
 use inventory_benches::faults;
+use inventory_benches::produce::Produce as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -41,6 +41,7 @@ pub mod tls;
 pub mod workload;
 
 use inventory_benches::faults;
+use inventory_benches::produce::Produce as _;
 use inventory_benches::readback::Readback as _;
 use std::time::Duration;
 

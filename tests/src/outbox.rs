@@ -1,6 +1,7 @@
 //! The outbox as the relay tests see it: the rows in the table, the events in the stream, and
 //! the check that each event reached the stream once and in its order's order.
 
+use inventory_benches::produce::Produce as _;
 use std::collections::HashMap;
 use std::time::Duration;
 

@@ -7,6 +7,7 @@
 //! quantity, `reserved` the sum of the distinct orders' quantities, and every stream message
 //! accounted for.
 
+use inventory_benches::produce::Produce as _;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
