@@ -9,12 +9,13 @@ use std::time::{Duration, Instant};
 
 use crate::consumers::{HandlerKind, NaturalKeyPath};
 use crate::fresh::FreshDatabase;
+use crate::publish::OrderPublisher;
 use crate::system_cpu::{CpuSnapshot, CpuSplit};
 use anyhow::{Context as _, Result, ensure};
 use futures::StreamExt;
 use inventory_domain::{BookId, Message, OrderId, Outcome, Quantity, StockItem};
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
+use inventory_infra::jetstream::{self, Context, Topology};
 use inventory_infra::{HandleError, MessageHandler, StockRepository};
 use sea_orm::{ConnectionTrait as _, Statement};
 use serde::Serialize;

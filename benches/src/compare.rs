@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use crate::consumers::{DetectMode, HandlerKind, NaturalKeyPath};
 use crate::db::connect;
 use crate::fresh::FreshDatabase;
+use crate::publish::OrderPublisher;
 use crate::workload::SplitMix64;
 use anyhow::{Context as _, Result, bail, ensure};
 use inventory_domain::{
@@ -28,7 +29,7 @@ use inventory_domain::{
 };
 use inventory_infra::CrashPoint;
 use inventory_infra::db::{self, DatabaseConnection};
-use inventory_infra::jetstream::{self, Context, OrderPublisher, Topology};
+use inventory_infra::jetstream::{self, Context, Topology};
 use inventory_infra::{HandleError, MessageHandler, StockRepository};
 use serde::Serialize;
 

@@ -1,19 +1,120 @@
 //! `inventory publish`: the producer. Each message's id is made once and kept across every
 //! retry of its publish, as `Nats-Msg-Id`, so the stream drops a retry it already stored.
 //! `--resend-with-new-id` plays the faulty producer that the inbox cannot see through.
+//! [`OrderPublisher`], that producer's publish, is what the study, the benchmarks and the tests
+//! publish orders with.
+
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
+use async_nats::jetstream::context::PublishError;
+use async_nats::jetstream::message::PublishMessage;
+use backon::{ExponentialBuilder, Retryable as _};
+use bytes::Bytes;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use inventory_domain::{
     BookId, DedupKey, Event, Message, MessageId, OrderCancelled, OrderId, OrderPlaced, Quantity,
+    StockEvent,
 };
-use inventory_infra::jetstream::{self, OrderPublisher, PublishReceipt};
+use inventory_infra::jetstream::{self, Context, PublishReceipt, Topology};
 
 use inventory_service::args::{NatsArgs, TopologyArgs};
 
 /// Publishes in flight at once in a bulk run.
 const IN_FLIGHT: usize = 64;
+
+/// Five tries of a publish: 100 ms, doubling up to 2 s, between them.
+const PUBLISH_PAUSES: ExponentialBuilder = ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(100))
+    .with_max_delay(Duration::from_secs(2))
+    .with_max_times(4);
+
+/// A publish that failed: the message has no body a producer publishes, or the stream did not
+/// store it within the retries (`source`'s kind says why: no stream holds the subject, a
+/// timeout, …).
+#[derive(Debug, thiserror::Error)]
+pub enum PublishFailed {
+    #[error("publishing {0}: a CloudEvent key has no plain JSON body")]
+    NoPlainBody(String),
+    #[error("publishing {message_id} to {subject}: {source}")]
+    Nats {
+        message_id: String,
+        subject: String,
+        #[source]
+        source: PublishError,
+    },
+}
+
+/// The producer: publishes a message under its own id as `Nats-Msg-Id`, and retries with that
+/// same id, so a retry after a lost acknowledgement is dropped by the stream.
+#[derive(Clone)]
+pub struct OrderPublisher {
+    js: Context,
+    topology: Topology,
+}
+
+impl OrderPublisher {
+    pub fn new(js: Context, topology: Topology) -> Self {
+        Self { js, topology }
+    }
+
+    pub async fn publish(&self, message: &Message) -> Result<PublishReceipt, PublishFailed> {
+        let key = message.key.storage_key();
+        let body = message
+            .to_plain_json()
+            .ok_or_else(|| PublishFailed::NoPlainBody(key.to_string()))?;
+        let subject = self.topology.subject(message.event.kind());
+        self.publish_raw(&subject, &key, Bytes::from(body)).await
+    }
+
+    /// Publishes Inventory's `event` to the events stream, its id as `Nats-Msg-Id`: what the
+    /// relay does with an outbox row, for tests and the study that feed the email notifier
+    /// without a relay.
+    pub async fn publish_event(&self, event: &StockEvent) -> Result<PublishReceipt, PublishFailed> {
+        let subject = format!(
+            "{}.{}",
+            self.topology.events_subject_prefix,
+            event.subject_token()
+        );
+        let id = event.event_id.to_string();
+        self.publish_raw(&subject, &id, Bytes::from(event.body()))
+            .await
+    }
+
+    /// Publishes `body` to `subject` with `message_id`, retrying with the same id.
+    pub async fn publish_raw(
+        &self,
+        subject: &str,
+        message_id: &str,
+        body: Bytes,
+    ) -> Result<PublishReceipt, PublishFailed> {
+        let publish = || async {
+            let publish = PublishMessage::build()
+                .message_id(message_id)
+                .payload(body.clone());
+            self.js
+                .send_publish(subject.to_owned(), publish)
+                .await?
+                .await
+        };
+        let ack = publish
+            .retry(PUBLISH_PAUSES)
+            .notify(|error, _| {
+                tracing::warn!(%error, message_id, "publish failed; retrying with the same message id");
+            })
+            .await
+            .map_err(|source| PublishFailed::Nats {
+                message_id: message_id.to_owned(),
+                subject: subject.to_owned(),
+                source,
+            })?;
+        Ok(PublishReceipt {
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+}
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PublishArgs {

@@ -1,5 +1,5 @@
-//! NATS JetStream adapters: the streams and durable consumers of the contract, the producer
-//! that keeps its message id across retries, the dead letters (their format, writer and
+//! NATS JetStream adapters: the streams and durable consumers of the contract, what the stream
+//! said to a publish ([`PublishReceipt`]), the dead letters (their format, writer and
 //! reader in `dead_letter`), and the backstop that dead-letters what a consumer's own delivery
 //! cap made the server give up on (`backstop`).
 
@@ -18,7 +18,6 @@ use async_nats::jetstream::context::{
     GetStreamError, GetStreamErrorKind, PublishError, PublishErrorKind, RequestError,
     RequestErrorKind,
 };
-use async_nats::jetstream::message::PublishMessage as Publish;
 use async_nats::jetstream::stream::{
     ConsumerCreateStrictError, ConsumerCreateStrictErrorKind, ConsumerError, ConsumerErrorKind,
     ConsumerUpdateError, ConsumerUpdateErrorKind,
@@ -26,8 +25,7 @@ use async_nats::jetstream::stream::{
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use async_nats::{ConnectError, HeaderMap};
 use backon::{ExponentialBuilder, Retryable as _};
-use bytes::Bytes;
-use inventory_domain::{EventKind, Message, StockEvent};
+use inventory_domain::EventKind;
 use secrecy::{ExposeSecret as _, SecretString};
 
 pub use backstop::{Backstop, advisories_stream};
@@ -640,80 +638,6 @@ pub struct PublishReceipt {
     pub sequence: u64,
     /// The stream had seen this `Nats-Msg-Id` inside its duplicate window and dropped the copy.
     pub duplicate: bool,
-}
-
-/// Five tries of a publish: 100 ms, doubling up to 2 s, between them.
-const PUBLISH_PAUSES: ExponentialBuilder = ExponentialBuilder::new()
-    .with_min_delay(Duration::from_millis(100))
-    .with_max_delay(Duration::from_secs(2))
-    .with_max_times(4);
-
-/// The producer: publishes a message under its own id as `Nats-Msg-Id`, and retries with that
-/// same id, so a retry after a lost acknowledgement is dropped by the stream.
-#[derive(Clone)]
-pub struct OrderPublisher {
-    js: Context,
-    topology: Topology,
-}
-
-impl OrderPublisher {
-    pub fn new(js: Context, topology: Topology) -> Self {
-        Self { js, topology }
-    }
-
-    pub async fn publish(&self, message: &Message) -> Result<PublishReceipt, NatsError> {
-        let key = message.key.storage_key();
-        let body = message.to_plain_json().ok_or_else(|| NatsError {
-            doing: format!("publishing {key}"),
-            kind: NatsErrorKind::Other,
-            source: "a CloudEvent key has no plain JSON body".into(),
-        })?;
-        let subject = self.topology.subject(message.event.kind());
-        self.publish_raw(&subject, &key, Bytes::from(body)).await
-    }
-
-    /// Publishes Inventory's `event` to the events stream, its id as `Nats-Msg-Id`: what the
-    /// relay does with an outbox row, for tests and the study that feed the email notifier
-    /// without a relay.
-    pub async fn publish_event(&self, event: &StockEvent) -> Result<PublishReceipt, NatsError> {
-        let subject = format!(
-            "{}.{}",
-            self.topology.events_subject_prefix,
-            event.subject_token()
-        );
-        let id = event.event_id.to_string();
-        self.publish_raw(&subject, &id, Bytes::from(event.body()))
-            .await
-    }
-
-    /// Publishes `body` to `subject` with `message_id`, retrying with the same id.
-    pub async fn publish_raw(
-        &self,
-        subject: &str,
-        message_id: &str,
-        body: Bytes,
-    ) -> Result<PublishReceipt, NatsError> {
-        let publish = || async {
-            let publish = Publish::build()
-                .message_id(message_id)
-                .payload(body.clone());
-            self.js
-                .send_publish(subject.to_owned(), publish)
-                .await?
-                .await
-        };
-        let ack = publish
-            .retry(PUBLISH_PAUSES)
-            .notify(|error, _| {
-                tracing::warn!(%error, message_id, "publish failed; retrying with the same message id");
-            })
-            .await
-            .map_err(nats_error(format!("publishing {message_id} to {subject}")))?;
-        Ok(PublishReceipt {
-            sequence: ack.sequence,
-            duplicate: ack.duplicate,
-        })
-    }
 }
 
 /// Counts of a consumer's state, for tests and operators.

@@ -4,9 +4,10 @@ use inventory_benches::produce::Produce as _;
 use std::time::Duration;
 
 use inventory_benches::consumers::{HandlerKind, NaturalKeyPath};
+use inventory_benches::publish::OrderPublisher;
 use inventory_domain::{BookId, Message};
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::{self, OrderPublisher};
+use inventory_infra::jetstream;
 use inventory_tests::broker::{Broker, RunningService, eventually};
 use inventory_tests::nats::NatsServer;
 use inventory_tests::{Backend, TestDb, placed};

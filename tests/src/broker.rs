@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self as js, context::Context};
+use inventory_benches::publish::OrderPublisher;
 use inventory_infra::MessageHandler;
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, OrderPublisher, Topology};
+use inventory_infra::jetstream::{self, ConsumerState, DeadLetters, Topology};
 use inventory_infra::outbox::RelayWake;
 use inventory_service::consumer::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
 use inventory_service::health::Liveness;

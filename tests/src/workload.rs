@@ -15,10 +15,11 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::PublishMessage;
 use futures::StreamExt;
+use inventory_benches::publish::OrderPublisher;
 use inventory_benches::workload::SplitMix64;
 use inventory_domain::{BookId, Event, EventKind, Message, OrderId, StockEvent, StockEventKind};
 use inventory_infra::db::DatabaseConnection;
-use inventory_infra::jetstream::{DeadLetterStream, OrderPublisher, Topology};
+use inventory_infra::jetstream::{DeadLetterStream, Topology};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 use crate::placed;
