@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer;
 
-use crate::jetstream::{NatsError, Origin, boxed_nats_error, nats_error};
+use crate::jetstream::{NatsError, Origin, nats_error};
 
 /// One delivery of a stored message.
 pub type Delivery = async_nats::jetstream::Message;
@@ -78,7 +78,7 @@ pub async fn fetch(
             next = request.next() => match next {
                 Some(Ok(message)) => fetched.messages.push(message),
                 Some(Err(error)) => {
-                    fetched.error = Some(boxed_nats_error("fetching from the consumer")(error));
+                    fetched.error = Some(nats_error("fetching from the consumer")(error));
                     break;
                 }
                 None => {
@@ -119,7 +119,7 @@ pub fn origin(delivery: &Delivery) -> Option<Origin<'_>> {
 
 /// Done with it: JetStream will not deliver it again.
 pub async fn ack(delivery: &Delivery) -> Result<(), NatsError> {
-    delivery.ack().await.map_err(boxed_nats_error("acking"))
+    delivery.ack().await.map_err(nats_error("acking"))
 }
 
 /// Not now: JetStream delivers it again after `delay`.
@@ -127,7 +127,7 @@ pub async fn nak(delivery: &Delivery, delay: Duration) -> Result<(), NatsError> 
     delivery
         .ack_with(AckKind::Nak(Some(delay)))
         .await
-        .map_err(boxed_nats_error("nak"))
+        .map_err(nats_error("nak"))
 }
 
 /// Never again (it was dead-lettered): JetStream stops delivering it.
@@ -135,5 +135,5 @@ pub async fn terminate(delivery: &Delivery) -> Result<(), NatsError> {
     delivery
         .ack_with(AckKind::Term)
         .await
-        .map_err(boxed_nats_error("terminating"))
+        .map_err(nats_error("terminating"))
 }

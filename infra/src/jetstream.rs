@@ -11,19 +11,18 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use async_nats::Client;
+use async_nats::HeaderMap;
 pub use async_nats::jetstream::Context;
 use async_nats::jetstream::consumer::FromConsumer as _;
 use async_nats::jetstream::context::{
     ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
-    GetStreamError, GetStreamErrorKind, PublishError, PublishErrorKind, RequestError,
-    RequestErrorKind,
+    GetStreamError, GetStreamErrorKind, RequestError, RequestErrorKind,
 };
 use async_nats::jetstream::stream::{
-    ConsumerCreateStrictError, ConsumerCreateStrictErrorKind, ConsumerError, ConsumerErrorKind,
-    ConsumerUpdateError, ConsumerUpdateErrorKind,
+    ConsumerCreateStrictError, ConsumerCreateStrictErrorKind, ConsumerUpdateError,
+    ConsumerUpdateErrorKind,
 };
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
-use async_nats::{ConnectError, HeaderMap};
 use backon::{ExponentialBuilder, Retryable as _};
 use inventory_domain::EventKind;
 use secrecy::{ExposeSecret as _, SecretString};
@@ -36,37 +35,20 @@ pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, Waiting
 #[error("{doing}: {source}")]
 pub struct NatsError {
     doing: String,
-    kind: NatsErrorKind,
     #[source]
     source: async_nats::Error,
 }
 
-impl NatsError {
-    pub fn kind(&self) -> NatsErrorKind {
-        self.kind
+/// Wraps an async-nats error with what was being done.
+pub(crate) fn nats_error<E>(doing: impl Into<String>) -> impl FnOnce(E) -> NatsError
+where
+    E: Into<async_nats::Error>,
+{
+    let doing = doing.into();
+    move |error| NatsError {
+        doing,
+        source: error.into(),
     }
-}
-
-/// What kind of failure a NATS call met, for callers to branch on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NatsErrorKind {
-    /// Connecting failed: a URL or credentials file that does not read, a server that cannot
-    /// be reached or that refuses the client.
-    Connect,
-    /// The server did not answer in time.
-    TimedOut,
-    /// The stream named, or the one that should hold the subject published to, does not exist.
-    StreamNotFound,
-    /// The server could not write a new stream or consumer to its store: a full disk, or a
-    /// race in its storage directory (nats-server 2.9 removes an account's empty `streams`
-    /// directory while another create needs it).
-    StoreFailed,
-    Other,
-}
-
-/// The async-nats errors this module meets, each knowing its [`NatsErrorKind`].
-pub(crate) trait Classified: std::error::Error + Send + Sync + 'static {
-    fn nats_kind(&self) -> NatsErrorKind;
 }
 
 fn is_stream_not_found(error: &jetstream::Error) -> bool {
@@ -78,175 +60,47 @@ fn is_missing_stream(error: &GetStreamError) -> bool {
     matches!(error.kind(), GetStreamErrorKind::JetStream(ref js) if is_stream_not_found(js))
 }
 
-impl Classified for PublishError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            PublishErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            PublishErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
-            _ => NatsErrorKind::Other,
-        }
+/// Whether a set-up request that failed is worth asking again: the server did not answer in
+/// time (a cluster electing the stream's or the consumer's leader answers nothing, or that it
+/// is not available yet), or could not store the stream or consumer it was creating (a full
+/// disk, or a race in its storage directory: nats-server 2.9 removes an account's empty
+/// `streams` directory while another create needs it). Anything else is the answer.
+fn worth_asking_again(error: &NatsError) -> bool {
+    let source = error.source.as_ref();
+    let refused = |error: &jetstream::Error, code: ErrorCode| error.error_code() == code;
+    if let Some(error) = source.downcast_ref::<GetStreamError>() {
+        // The request's own error says whether it timed out.
+        return std::error::Error::source(error)
+            .and_then(|source| source.downcast_ref::<RequestError>())
+            .is_some_and(|request| request.kind() == RequestErrorKind::TimedOut);
     }
-}
-
-impl Classified for RequestError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            RequestErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            _ => NatsErrorKind::Other,
-        }
+    if let Some(error) = source.downcast_ref::<CreateStreamError>() {
+        return match error.kind() {
+            CreateStreamErrorKind::TimedOut => true,
+            CreateStreamErrorKind::JetStream(js) => refused(&js, ErrorCode::STREAM_STORE_FAILED),
+            _ => false,
+        };
     }
-}
-
-impl Classified for GetStreamError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            GetStreamErrorKind::JetStream(error) if is_stream_not_found(&error) => {
-                NatsErrorKind::StreamNotFound
+    if let Some(error) = source.downcast_ref::<ConsumerInfoError>() {
+        return match error.kind() {
+            ConsumerInfoErrorKind::TimedOut | ConsumerInfoErrorKind::Offline => true,
+            ConsumerInfoErrorKind::JetStream(js) => refused(&js, ErrorCode::CLUSTER_NOT_AVAILABLE),
+            _ => false,
+        };
+    }
+    if let Some(error) = source.downcast_ref::<ConsumerCreateStrictError>() {
+        return match error.kind() {
+            ConsumerCreateStrictErrorKind::TimedOut => true,
+            ConsumerCreateStrictErrorKind::JetStream(js) => {
+                refused(&js, ErrorCode::CONSUMER_STORE_FAILED)
             }
-            // The request's own error says whether it timed out.
-            GetStreamErrorKind::Request => std::error::Error::source(self)
-                .and_then(|source| source.downcast_ref::<RequestError>())
-                .map_or(NatsErrorKind::Other, Classified::nats_kind),
-            _ => NatsErrorKind::Other,
-        }
+            _ => false,
+        };
     }
-}
-
-impl Classified for CreateStreamError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            CreateStreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            CreateStreamErrorKind::JetStream(error)
-                if error.error_code() == ErrorCode::STREAM_STORE_FAILED =>
-            {
-                NatsErrorKind::StoreFailed
-            }
-            _ => NatsErrorKind::Other,
-        }
+    if let Some(error) = source.downcast_ref::<ConsumerUpdateError>() {
+        return error.kind() == ConsumerUpdateErrorKind::TimedOut;
     }
-}
-
-impl Classified for ConsumerError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            ConsumerErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            ConsumerErrorKind::JetStream(error) if is_stream_not_found(&error) => {
-                NatsErrorKind::StreamNotFound
-            }
-            ConsumerErrorKind::JetStream(error)
-                if error.error_code() == ErrorCode::CONSUMER_STORE_FAILED =>
-            {
-                NatsErrorKind::StoreFailed
-            }
-            _ => NatsErrorKind::Other,
-        }
-    }
-}
-
-impl Classified for ConsumerInfoError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            // A cluster electing the consumer's or the stream's leader answers nothing, or
-            // that it is not available yet.
-            ConsumerInfoErrorKind::TimedOut | ConsumerInfoErrorKind::Offline => {
-                NatsErrorKind::TimedOut
-            }
-            ConsumerInfoErrorKind::JetStream(error)
-                if error.error_code() == ErrorCode::CLUSTER_NOT_AVAILABLE =>
-            {
-                NatsErrorKind::TimedOut
-            }
-            ConsumerInfoErrorKind::StreamNotFound => NatsErrorKind::StreamNotFound,
-            _ => NatsErrorKind::Other,
-        }
-    }
-}
-
-impl Classified for ConsumerCreateStrictError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            ConsumerCreateStrictErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            ConsumerCreateStrictErrorKind::JetStream(error)
-                if error.error_code() == ErrorCode::CONSUMER_STORE_FAILED =>
-            {
-                NatsErrorKind::StoreFailed
-            }
-            _ => NatsErrorKind::Other,
-        }
-    }
-}
-
-impl Classified for ConsumerUpdateError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            ConsumerUpdateErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            _ => NatsErrorKind::Other,
-        }
-    }
-}
-
-impl Classified for ConnectError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        NatsErrorKind::Connect
-    }
-}
-
-/// Wraps an async-nats error with what was being done and its kind.
-pub(crate) fn nats_error<E: Classified>(doing: impl Into<String>) -> impl FnOnce(E) -> NatsError {
-    let doing = doing.into();
-    move |error| NatsError {
-        doing,
-        kind: error.nats_kind(),
-        source: Box::new(error),
-    }
-}
-
-impl Classified for consumer::pull::BatchError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        NatsErrorKind::Other
-    }
-}
-
-impl Classified for consumer::StreamError {
-    fn nats_kind(&self) -> NatsErrorKind {
-        match self.kind() {
-            consumer::StreamErrorKind::TimedOut => NatsErrorKind::TimedOut,
-            _ => NatsErrorKind::Other,
-        }
-    }
-}
-
-/// For an error that says nothing of its kind.
-fn unclassified<E>(doing: String) -> impl FnOnce(E) -> NatsError
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    move |error| NatsError {
-        doing,
-        kind: NatsErrorKind::Other,
-        source: Box::new(error),
-    }
-}
-
-/// For a call that boxes its error and says nothing of its kind (an ack, a nak, a term).
-pub(crate) fn boxed_nats_error(doing: &str) -> impl FnOnce(async_nats::Error) -> NatsError {
-    move |error| NatsError {
-        doing: doing.to_owned(),
-        kind: NatsErrorKind::Other,
-        source: error,
-    }
-}
-
-/// A failure to read what connecting needs: the URL, the credentials file.
-fn connect_setup_error<E>(doing: String) -> impl FnOnce(E) -> NatsError
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    move |error| NatsError {
-        doing,
-        kind: NatsErrorKind::Connect,
-        source: Box::new(error),
-    }
+    false
 }
 
 /// Names of the streams and subjects, the contract's by default; tests use their own.
@@ -433,12 +287,7 @@ where
 {
     let started = std::time::Instant::now();
     step.retry(SET_UP_PAUSES)
-        .when(|error| {
-            matches!(
-                error.kind,
-                NatsErrorKind::TimedOut | NatsErrorKind::StoreFailed
-            ) && started.elapsed() < SET_UP_PATIENCE
-        })
+        .when(|error| worth_asking_again(error) && started.elapsed() < SET_UP_PATIENCE)
         .notify(|error, pause| tracing::warn!(retry_in = ?pause, "{error}; asking again"))
         .await
 }
@@ -615,14 +464,9 @@ async fn ensure_consumer_once(
         }
         return Ok((updated, drifts));
     }
-    let config =
-        consumer::pull::Config::try_from_consumer_config(info.config.clone()).map_err(|error| {
-            NatsError {
-                doing: format!("reading consumer {}", settings.durable_name),
-                kind: NatsErrorKind::Other,
-                source: error,
-            }
-        })?;
+    let config = consumer::pull::Config::try_from_consumer_config(info.config.clone()).map_err(
+        nats_error(format!("reading consumer {}", settings.durable_name)),
+    )?;
     Ok((consumer::Consumer::new(config, info, js.clone()), drifts))
 }
 
@@ -739,7 +583,7 @@ pub async fn connect_with(
         .filter(|server| !server.is_empty())
         .map(str::parse)
         .collect::<Result<_, _>>()
-        .map_err(connect_setup_error(reading_url()))?;
+        .map_err(nats_error(reading_url()))?;
     // Credentials in a URL move into the options: async-nats logs the server addresses it
     // dials at debug, password and all.
     let mut url_credentials = None;
@@ -758,7 +602,7 @@ pub async fn connect_with(
             async_nats::ServerAddr::from_url(bare)
         })
         .collect::<Result<_, _>>()
-        .map_err(connect_setup_error(reading_url()))?;
+        .map_err(nats_error(reading_url()))?;
     let mut options = async_nats::ConnectOptions::new();
     match url_credentials {
         Some((user, Some(password))) => options = options.user_and_password(user, password),
@@ -770,7 +614,7 @@ pub async fn connect_with(
         options = options
             .credentials_file(path)
             .await
-            .map_err(connect_setup_error(format!(
+            .map_err(nats_error(format!(
                 "reading the NATS credentials file {}",
                 path.display()
             )))?;
@@ -833,12 +677,18 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn a_connection_that_cannot_be_made_is_a_connect_error() {
-        for url in ["nats://127.0.0.1:1", "nats://exa mple:4222"] {
+    async fn a_connection_that_cannot_be_made_says_what_was_being_done() {
+        for (url, doing) in [
+            (
+                "nats://127.0.0.1:1",
+                "connecting to NATS at nats://127.0.0.1:1",
+            ),
+            ("nats://exa mple:4222", "reading the NATS URL"),
+        ] {
             let error = connect(url, "kind test")
                 .await
                 .expect_err("nothing to connect to");
-            assert_eq!(error.kind(), NatsErrorKind::Connect, "{error}");
+            assert!(error.to_string().starts_with(doing), "{error}");
         }
     }
 
@@ -849,37 +699,45 @@ mod tests {
         .expect("the server's error as it sends it")
     }
 
-    /// nats-server 2.9 says 10077 when a stream's directory cannot be made (a race with the
-    /// deletion of the last stream, or a full disk): set-up asks again. Other refusals of a
-    /// create are final.
-    #[test]
-    fn a_stream_the_server_could_not_store_is_a_store_failure_and_other_refusals_are_not() {
-        let store = CreateStreamError::from(refused(10077, "could not create storage directory"));
-        assert_eq!(store.nats_kind(), NatsErrorKind::StoreFailed);
-        let config = CreateStreamError::from(refused(10058, "stream name already in use"));
-        assert_eq!(config.nats_kind(), NatsErrorKind::Other);
+    fn creating(error: CreateStreamError) -> NatsError {
+        nats_error("setting up")(error)
     }
 
-    fn failure(kind: NatsErrorKind) -> NatsError {
-        NatsError {
-            doing: "setting up".into(),
-            kind,
-            source: "refused".into(),
-        }
+    fn timed_out() -> NatsError {
+        creating(CreateStreamError::new(CreateStreamErrorKind::TimedOut))
+    }
+
+    /// nats-server 2.9 says 10077 when a stream's directory cannot be made (a race with the
+    /// deletion of the last stream, or a full disk): set-up asks again.
+    fn store_failed() -> NatsError {
+        creating(refused(10077, "could not create storage directory").into())
+    }
+
+    /// Other refusals of a create are final.
+    fn name_in_use() -> NatsError {
+        creating(refused(10058, "stream name already in use").into())
+    }
+
+    #[test]
+    fn a_timeout_or_a_store_failure_is_worth_asking_again_and_other_refusals_are_not() {
+        assert!(worth_asking_again(&timed_out()));
+        assert!(worth_asking_again(&store_failed()));
+        assert!(!worth_asking_again(&name_in_use()));
+        assert!(!worth_asking_again(&nats_error("acking")(
+            async_nats::Error::from("refused")
+        )));
     }
 
     #[tokio::test]
     async fn set_up_asks_again_after_a_timeout_or_a_store_failure_and_stops_at_anything_else() {
-        let mut answers = vec![
-            Ok("created"),
-            Err(NatsErrorKind::StoreFailed),
-            Err(NatsErrorKind::TimedOut),
-        ];
+        type Failure = fn() -> NatsError;
+        let mut answers: Vec<Result<&str, Failure>> =
+            vec![Ok("created"), Err(store_failed), Err(timed_out)];
         let mut asked = 0;
         let result = patiently(|| {
             asked += 1;
             let answer = answers.pop().expect("asked no more than answered");
-            async move { answer.map_err(failure) }
+            async move { answer.map_err(|failure| failure()) }
         })
         .await;
         assert_eq!(
@@ -890,12 +748,11 @@ mod tests {
         let mut asked = 0;
         let result: Result<(), _> = patiently(|| {
             asked += 1;
-            async { Err(failure(NatsErrorKind::Other)) }
+            async { Err(name_in_use()) }
         })
         .await;
-        assert_eq!(
-            (result.expect_err("refused for good").kind(), asked),
-            (NatsErrorKind::Other, 1)
-        );
+        let error = result.expect_err("refused for good");
+        assert!(error.to_string().contains("already in use"), "{error}");
+        assert_eq!(asked, 1);
     }
 }

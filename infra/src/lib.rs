@@ -11,8 +11,8 @@
 //! - [`consumers`]: the natural key, the handler `serve` runs, on PostgreSQL and on SQLite;
 //!   [`MessageHandler`], what the consumer loop needs of any handler; and `HandleError`, whose
 //!   kind says whether a failed delivery is retried or dead-lettered.
-//! - [`jetstream`]: the streams and durable consumers, what kind of failure a NATS
-//!   call met (`NatsErrorKind`), and the dead-letter format: its headers and ids, the publisher,
+//! - [`jetstream`]: the streams and durable consumers, which failed set-up request is worth
+//!   asking again, and the dead-letter format: its headers and ids, the publisher,
 //!   and `DeadLetter`, one read back from the dead-letter stream.
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     ConfigDrift, ConsumerSettings, Context, DeadLetters, NatsError, Origin, ensure_consumer,
-    ensure_stream, unclassified,
+    ensure_stream, nats_error,
 };
 use crate::delivery::{self, PullConsumer};
 
@@ -152,7 +152,7 @@ impl Backstop {
                 return Ok(());
             }
             Err(error) => {
-                return Err(unclassified(format!(
+                return Err(nats_error(format!(
                     "reading message {seq} of {}",
                     notice.stream
                 ))(error));

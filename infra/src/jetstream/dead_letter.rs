@@ -16,7 +16,7 @@ use bytes::Bytes;
 use inventory_domain::DeadLetterReason;
 use serde::Serialize;
 
-use super::{NatsError, PublishReceipt, Topology, header_map, nats_error, unclassified};
+use super::{NatsError, PublishReceipt, Topology, header_map, nats_error};
 
 /// Dead-letter headers of the contract.
 pub mod dlq_headers {
@@ -280,12 +280,12 @@ impl DeadLetterStream {
         let mut subjects = stream
             .info_with_subjects(&subject)
             .await
-            .map_err(unclassified(doing.clone()))?;
+            .map_err(nats_error(doing.clone()))?;
         // The filter is one subject: the first page holds its count, if any; asking on would
         // be a request for an empty second page.
         let count = match subjects.next().await {
             Some(entry) => {
-                let (name, messages) = entry.map_err(unclassified(doing))?;
+                let (name, messages) = entry.map_err(nats_error(doing))?;
                 if name == subject {
                     u64::try_from(messages).unwrap_or(u64::MAX)
                 } else {
@@ -302,7 +302,7 @@ impl DeadLetterStream {
             // Deleted since it was counted.
             Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => None,
             Err(error) => {
-                return Err(unclassified(format!(
+                return Err(nats_error(format!(
                     "reading the oldest dead letter on {subject}"
                 ))(error));
             }
@@ -332,7 +332,7 @@ impl DeadLetterStream {
                 // Replayed (deleted) ones leave gaps in the sequence.
                 Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => {}
                 Err(error) => {
-                    return Err(unclassified(format!("reading dead letter {seq}"))(error));
+                    return Err(nats_error(format!("reading dead letter {seq}"))(error));
                 }
             }
         }
@@ -350,7 +350,7 @@ impl DeadLetterStream {
             // which by the error's code, not its text.
             Err(error) => match stream.get_raw_message(seq).await {
                 Err(gone) if gone.kind() == RawMessageErrorKind::NoMessageFound => Ok(false),
-                _ => Err(unclassified(doing)(error)),
+                _ => Err(nats_error(doing)(error)),
             },
         }
     }
