@@ -51,7 +51,8 @@ pub struct ProgramArgs {
 #[command(next_help_heading = "Database")]
 pub struct DatabaseUrlArgs {
     /// Database URL: postgres://… or sqlite://…. Unset: an embedded SQLite file, inventory.db
-    /// in the working directory, which is this process's own.
+    /// in the working directory, which is this process's own. Or INVENTORY_DATABASE_URL_FILE:
+    /// a file that holds it (a mounted secret).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_parser = secret)]
     pub database_url: Option<SecretString>,
     /// Refuses to run unless the database is named (DATABASE_URL), rather than use the
@@ -139,7 +140,8 @@ impl DatabaseArgs {
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Database")]
 pub struct OrdersDatabaseArgs {
-    /// The orders database URL: postgres://… or sqlite://…; DATABASE_URL's by default.
+    /// The orders database URL: postgres://… or sqlite://…; DATABASE_URL's by default. Or
+    /// INVENTORY_ORDERS_DATABASE_URL_FILE: a file that holds it.
     #[arg(long, env = "ORDERS_DATABASE_URL", hide_env_values = true, value_parser = secret)]
     pub orders_database_url: Option<SecretString>,
     #[command(flatten)]
@@ -158,7 +160,8 @@ impl OrdersDatabaseArgs {
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "NATS")]
 pub struct NatsArgs {
-    /// NATS server URL; several servers of a cluster, comma separated.
+    /// NATS server URL; several servers of a cluster, comma separated. Or
+    /// INVENTORY_NATS_URL_FILE: a file that holds it.
     #[arg(
         long,
         env = "NATS_URL",
@@ -173,11 +176,12 @@ pub struct NatsArgs {
     /// NATS user, with --nats-password.
     #[arg(long)]
     pub nats_user: Option<String>,
-    /// NATS password; prefer the environment variable or its file to the flag, which `ps`
-    /// shows.
+    /// NATS password; prefer the environment variable or its file (INVENTORY_NATS_PASSWORD_FILE)
+    /// to the flag, which `ps` shows.
     #[arg(long, requires = "nats_user", value_parser = secret)]
     pub nats_password: Option<SecretString>,
-    /// NATS token; prefer the environment variable or its file to the flag, which `ps` shows.
+    /// NATS token; prefer the environment variable or its file (INVENTORY_NATS_TOKEN_FILE) to
+    /// the flag, which `ps` shows.
     #[arg(long, value_parser = secret)]
     pub nats_token: Option<SecretString>,
     /// PEM file of the CA that signed the NATS server's certificate.

@@ -96,10 +96,11 @@ pub enum Command {
 /// Which dead letters `dlq replay` and `dlq delete` take.
 #[derive(Debug, clap::Args)]
 pub struct Chosen {
-    /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable.
+    /// The dead letter's sequence in the DLQ, as `dlq list` shows it; repeatable. Not with
+    /// --reason.
     #[arg(long, required_unless_present = "reason", conflicts_with = "reason")]
     seq: Vec<u64>,
-    /// Every dead letter with this Dlq-Reason.
+    /// Every dead letter with this Dlq-Reason. Not with --seq.
     #[arg(long)]
     reason: Option<String>,
 }
@@ -150,8 +151,9 @@ pub enum DlqCommand {
         #[command(flatten)]
         topology: TopologyArgs,
     },
-    /// Deletes dead letters from the DLQ without replaying them: those that must never be
-    /// replayed (malformed, invalid), once understood.
+    /// Deletes dead letters from the DLQ without replaying them, once understood: those that
+    /// must never be replayed (malformed, invalid, conflicting-reservation, payload-mismatch),
+    /// and those settled by hand (needs-reconciliation).
     Delete {
         #[command(flatten)]
         chosen: Chosen,

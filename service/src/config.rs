@@ -62,15 +62,19 @@ const CONFIGURED: [&[&str]; 5] = [
 const SERVICES: [&[&str]; 2] = [&["serve"], &["relay"]];
 
 /// Flags that are not settings: they say what to do with the settings, or decide one run of an
-/// operator's command (`--force`, `--dry-run`), which a variable left in the environment or a
-/// line of a shared file must never decide for every run.
-const NOT_SETTINGS: [&str; 6] = [
+/// operator's command (`--force`, `--dry-run`, which dead letters `--seq` and `--reason` take,
+/// `--json` output), which a variable left in the environment or a line of a shared file must
+/// never decide for every run.
+const NOT_SETTINGS: [&str; 9] = [
     "config",
     "print-config",
     "help",
     "version",
     "force",
     "dry-run",
+    "seq",
+    "reason",
+    "json",
 ];
 
 /// The settings whose environment variables keep the names every tool of their kind reads.

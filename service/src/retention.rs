@@ -17,7 +17,7 @@ use crate::consumer::RuntimeSettings;
 #[command(next_help_heading = "Retention and the redelivery horizon")]
 pub struct HorizonArgs {
     /// Deliveries of one message this service handles: the last failing is a max-deliveries
-    /// dead letter, a later one is dead-lettered unhandled; -1 for unlimited. The consumer it
+    /// dead letter, a later one is dead-lettered unhandled; -1 (any value below 1) for unlimited. The consumer it
     /// creates has no cap of its own, so the server never drops a message; an existing
     /// consumer's lower cap lowers this one. Part of the horizon.
     #[arg(long, default_value_t = RuntimeSettings::MAX_DELIVER, allow_negative_numbers = true, help_heading = "Consumer")]

@@ -68,7 +68,7 @@ pub struct ServeArgs {
     /// Messages a lane hands the handler at once, of those already fetched (a batch never
     /// waits for more). The natural key commits each run of placements in a batch together (a
     /// cancellation between them is handled in its place) and acks each message after the
-    /// commit; the study's other handlers take them one by one.
+    /// commit; the study's other handlers take them one by one. 1 to 1000.
     #[arg(long, default_value_t = BATCH_SIZE, value_parser = clap::value_parser!(u16).range(1..=1000), help_heading = "Consumer")]
     pub batch_size: u16,
     /// Messages (or batches) handled at once; by default the pool size on PostgreSQL, 2 on

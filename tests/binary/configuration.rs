@@ -56,7 +56,17 @@ fn options_and_variables(help: &str) -> Vec<(String, Option<String>)> {
     }
     // What decides one run is no setting: never from the environment (service/src/config.rs).
     options.retain(|(flag, _)| {
-        !["help", "version", "print-config", "force", "dry-run"].contains(&flag.as_str())
+        ![
+            "help",
+            "version",
+            "print-config",
+            "force",
+            "dry-run",
+            "seq",
+            "reason",
+            "json",
+        ]
+        .contains(&flag.as_str())
     });
     options
 }
@@ -139,6 +149,22 @@ fn print_config_masks_every_form_of_secret() {
         setting(&printed, "nats-token").ends_with("# command line"),
         "{printed}"
     );
+}
+
+/// Which dead letters a replay or a delete takes is the command line's alone: a variable left in
+/// the environment must not choose them for every run, as it must not force or dry-run them.
+#[test]
+fn the_dead_letters_a_command_takes_are_never_read_from_the_environment() {
+    for (command, variable) in [
+        ("replay", ("INVENTORY_REASON", "malformed")),
+        ("delete", ("INVENTORY_REASON", "malformed")),
+        ("delete", ("INVENTORY_SEQ", "7")),
+    ] {
+        let output = run(&["dlq", command, "--dry-run"], &[variable]);
+        assert_eq!(output.status.code(), Some(2), "{output:?}");
+        let error = String::from_utf8_lossy(&output.stderr);
+        assert!(error.contains("--seq"), "{error}");
+    }
 }
 
 /// The names some flags read before the prefix was the rule were never in a release: they are
