@@ -103,12 +103,18 @@ pub struct Chosen {
     /// Every dead letter with this Dlq-Reason. Not with --seq.
     #[arg(long)]
     reason: Option<String>,
+    /// With --reason: only its dead letters older than this (7d, 36h).
+    #[arg(long, requires = "reason", value_parser = humantime::parse_duration)]
+    older_than: Option<std::time::Duration>,
 }
 
 impl Chosen {
     fn selection(self) -> dlq::Selection {
         match self.reason {
-            Some(reason) => dlq::Selection::Reason(reason),
+            Some(reason) => dlq::Selection::Reason {
+                reason,
+                older_than: self.older_than,
+            },
             None => dlq::Selection::Sequences(self.seq),
         }
     }

@@ -62,10 +62,10 @@ const CONFIGURED: [&[&str]; 5] = [
 const SERVICES: [&[&str]; 2] = [&["serve"], &["relay"]];
 
 /// Flags that are not settings: they say what to do with the settings, or decide one run of an
-/// operator's command (`--force`, `--dry-run`, which dead letters `--seq` and `--reason` take,
-/// `--json` output), which a variable left in the environment or a line of a shared file must
-/// never decide for every run.
-const NOT_SETTINGS: [&str; 9] = [
+/// operator's command (`--force`, `--dry-run`, which dead letters `--seq`, `--reason` and
+/// `--older-than` take or which inbox rows a purge deletes, `--json` output), which a variable
+/// left in the environment or a line of a shared file must never decide for every run.
+const NOT_SETTINGS: [&str; 10] = [
     "config",
     "print-config",
     "help",
@@ -74,6 +74,7 @@ const NOT_SETTINGS: [&str; 9] = [
     "dry-run",
     "seq",
     "reason",
+    "older-than",
     "json",
 ];
 

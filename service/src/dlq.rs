@@ -47,7 +47,11 @@ pub async fn list(
 #[derive(Debug, Clone)]
 pub enum Selection {
     Sequences(Vec<u64>),
-    Reason(String),
+    /// Those with this Dlq-Reason; only those older than `older_than`, if given.
+    Reason {
+        reason: String,
+        older_than: Option<Duration>,
+    },
 }
 
 /// What a selection found: its dead letters, oldest first, and the sequences asked for that are
@@ -65,8 +69,12 @@ pub async fn select(
     selection: &Selection,
 ) -> anyhow::Result<Selected> {
     Ok(match selection {
-        Selection::Reason(reason) => Selected {
-            letters: list(js, topology, Some(reason)).await?,
+        Selection::Reason { reason, older_than } => Selected {
+            letters: list(js, topology, Some(reason))
+                .await?
+                .into_iter()
+                .filter(|letter| older_than.is_none_or(|age| is_older(letter, age)))
+                .collect(),
             missing: Vec::new(),
         },
         Selection::Sequences(wanted) => {
@@ -115,9 +123,10 @@ impl Default for ReplayOptions {
     }
 }
 
-/// Whether `letter` is older than `allowance`, so that its message's inbox row may be purged.
-pub fn past_allowance(letter: &DeadLetter, allowance: Duration) -> bool {
-    Duration::from_secs(u64::try_from(letter.age_seconds).unwrap_or(0)) > allowance
+/// Whether `letter` is older than `age`: past the replay allowance, its message's inbox row may
+/// be purged.
+pub fn is_older(letter: &DeadLetter, age: Duration) -> bool {
+    Duration::from_secs(u64::try_from(letter.age_seconds).unwrap_or(0)) > age
 }
 
 /// A dead letter a replay takes: where it goes, and whether only `--force` let it through.
@@ -237,7 +246,7 @@ pub fn plan_replay(
     }
     let too_old: Vec<Named> = letters
         .iter()
-        .filter(|letter| past_allowance(letter, allowance))
+        .filter(|letter| is_older(letter, allowance))
         .map(Named::of)
         .collect();
     if !too_old.is_empty() && !force {
@@ -249,7 +258,7 @@ pub fn plan_replay(
     Ok(letters
         .into_iter()
         .map(|letter| Planned {
-            forced: past_allowance(&letter, allowance),
+            forced: is_older(&letter, allowance),
             subject: letter.original_subject.clone().unwrap_or_default(),
             letter,
         })

@@ -64,6 +64,7 @@ fn options_and_variables(help: &str) -> Vec<(String, Option<String>)> {
             "dry-run",
             "seq",
             "reason",
+            "older-than",
             "json",
         ]
         .contains(&flag.as_str())

@@ -88,7 +88,10 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     let report = dlq::replay(
         &broker.js,
         &broker.topology,
-        &Selection::Reason("unknown-book".into()),
+        &Selection::Reason {
+            reason: "unknown-book".into(),
+            older_than: None,
+        },
         ReplayOptions::default(),
     )
     .await
@@ -212,6 +215,24 @@ fn seqs(letters: &[inventory_service::dlq::DeadLetter]) -> Vec<u64> {
     letters.iter().map(|letter| letter.seq).collect()
 }
 
+/// `dlq delete --reason malformed --older-than 1s`: the reason's older dead letters only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reason_with_an_age_takes_only_its_older_dead_letters() {
+    let broker = Broker::new().await;
+    let old = dead_letter(&broker, DeadLetterReason::Malformed, 1).await;
+    tokio::time::sleep(std::time::Duration::from_millis(2_100)).await;
+    let young = dead_letter(&broker, DeadLetterReason::Malformed, 2).await;
+    let older = Selection::Reason {
+        reason: "malformed".into(),
+        older_than: Some(std::time::Duration::from_secs(1)),
+    };
+    let report = dlq::delete(&broker.js, &broker.topology, &older, false)
+        .await
+        .unwrap();
+    assert_eq!(seqs(&report.deleted), [old]);
+    assert_eq!(dlq_seqs(&broker).await, [young]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_deleted_by_seq_and_by_reason_and_a_dry_run_deletes_nothing() {
     let broker = Broker::new().await;
@@ -224,7 +245,10 @@ async fn dead_letters_are_deleted_by_seq_and_by_reason_and_a_dry_run_deletes_not
     let orders_before = broker.stream_messages(&broker.topology.stream).await;
 
     // A dry run selects as the delete would, and deletes nothing.
-    let by_reason = Selection::Reason("malformed".into());
+    let by_reason = Selection::Reason {
+        reason: "malformed".into(),
+        older_than: None,
+    };
     let dry = dlq::delete(&broker.js, &broker.topology, &by_reason, true)
         .await
         .unwrap();
@@ -292,7 +316,10 @@ async fn a_replay_dry_run_publishes_and_deletes_nothing() {
     let report = dlq::replay(
         &broker.js,
         &broker.topology,
-        &Selection::Reason("unknown-book".into()),
+        &Selection::Reason {
+            reason: "unknown-book".into(),
+            older_than: None,
+        },
         options,
     )
     .await
@@ -340,7 +367,10 @@ async fn a_dead_letter_older_than_the_replay_allowance_is_refused_unless_forced(
     let fresh = dead_letter(&broker, DeadLetterReason::UnknownBook, 2).await;
     let orders_before = broker.stream_messages(&broker.topology.stream).await;
     let allowance = std::time::Duration::from_secs(3);
-    let both = Selection::Reason("unknown-book".into());
+    let both = Selection::Reason {
+        reason: "unknown-book".into(),
+        older_than: None,
+    };
     let guarded = ReplayOptions {
         allowance,
         force: false,
