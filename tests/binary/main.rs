@@ -11,6 +11,7 @@ mod cli;
 mod configuration;
 mod deploy;
 mod dlq_operator;
+mod documents;
 mod least_privilege;
 mod logs;
 mod nats_permissions;
