@@ -48,7 +48,8 @@ pub enum StrategyArg {
 /// `inventory serve`'s command line.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeCommand {
-    /// Which handler runs (`inbox` and `email` are the study's: see above).
+    /// Which handler runs: the natural key. `inbox` and `email` are the study's: given, they
+    /// start the study binary (inventory-study) in this one's place, with the same arguments.
     #[arg(long, value_enum, default_value = "natural")]
     pub strategy: StrategyArg,
     #[command(flatten)]
