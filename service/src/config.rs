@@ -165,6 +165,7 @@ pub fn settings<const N: usize>(args: &[OsString], longs: [&str; N]) -> [Option<
         config_file(args).and_then(|path| Figment::from(Toml::file_exact(path)).extract().ok());
     longs.map(|long| {
         given(args, long)
+            .map(|value| value.to_string_lossy().into_owned())
             .or_else(|| {
                 std::env::var_os(env_name(long))
                     .filter(|value| !value.is_empty())
@@ -175,18 +176,21 @@ pub fn settings<const N: usize>(args: &[OsString], longs: [&str; N]) -> [Option<
 }
 
 /// `--long VALUE` or `--long=VALUE` on the command line.
-fn given(args: &[OsString], long: &str) -> Option<String> {
+fn given(args: &[OsString], long: &str) -> Option<OsString> {
     let flag = format!("--{long}");
-    let mut given = args.iter().skip(1).map(|arg| arg.to_string_lossy());
-    while let Some(arg) = given.next() {
+    let mut args = args.iter().skip(1);
+    while let Some(arg) = args.next() {
         if arg == "--" {
             break;
         }
-        if arg == flag {
-            return given.next().map(|value| value.into_owned());
+        if *arg == *flag {
+            return args.next().cloned();
         }
-        if let Some(value) = arg.strip_prefix(&format!("{flag}=")) {
-            return Some(value.to_owned());
+        if let Some(value) = arg
+            .to_str()
+            .and_then(|arg| arg.strip_prefix(&format!("{flag}=")))
+        {
+            return Some(value.into());
         }
     }
     None
@@ -195,20 +199,8 @@ fn given(args: &[OsString], long: &str) -> Option<String> {
 /// `--config FILE` (or `--config=FILE`) on the command line, else `INVENTORY_CONFIG`: looked up
 /// before clap parses, since the file's values are the defaults clap parses with.
 fn config_file(args: &[OsString]) -> Option<PathBuf> {
-    let mut args = args.iter().skip(1);
-    while let Some(arg) = args.next() {
-        if arg == "--" {
-            break;
-        }
-        if arg == "--config" {
-            return args.next().map(PathBuf::from);
-        }
-        if let Some(path) = arg.to_str().and_then(|arg| arg.strip_prefix("--config=")) {
-            return Some(PathBuf::from(path));
-        }
-    }
-    std::env::var_os("INVENTORY_CONFIG")
-        .filter(|path| !path.is_empty())
+    given(args, "config")
+        .or_else(|| std::env::var_os("INVENTORY_CONFIG").filter(|path| !path.is_empty()))
         .map(PathBuf::from)
 }
 
