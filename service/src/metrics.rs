@@ -420,16 +420,17 @@ impl InFlightSince {
     }
 }
 
-/// Counts a delivery in flight until dropped, so a handler that panics is not counted forever.
+/// Counts deliveries in flight until dropped, so a handler that panics is not counted forever.
 pub struct InFlight {
     gauge: IntGauge,
+    deliveries: i64,
     since: InFlightSince,
     key: (Instant, u64),
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.gauge.dec();
+        self.gauge.sub(self.deliveries);
         lock(&self.since.0).remove(&self.key);
     }
 }
@@ -487,13 +488,17 @@ impl ConsumerMetrics {
             .set(i64::try_from(state.ack_pending).unwrap_or(i64::MAX));
     }
 
-    pub fn start(&self) -> InFlight {
+    /// Counts `deliveries` that started together (one, or a lane's batch) in flight, as one
+    /// entry of the oldest-in-flight set: a batch is one look at the lock, not one a message.
+    pub fn start(&self, deliveries: usize) -> InFlight {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        self.in_flight.inc();
+        let deliveries = i64::try_from(deliveries).unwrap_or(i64::MAX);
+        self.in_flight.add(deliveries);
         let key = (Instant::now(), NEXT.fetch_add(1, Ordering::Relaxed));
         lock(&self.since.0).insert(key);
         InFlight {
             gauge: self.in_flight.clone(),
+            deliveries,
             since: self.since.clone(),
             key,
         }
@@ -596,5 +601,27 @@ mod tests {
             ),
             (3, 1, 7)
         );
+    }
+
+    #[test]
+    fn a_batch_is_in_flight_message_by_message_until_it_ends() {
+        let metrics = Metrics::new().expect("a registry");
+        let consumer = metrics.consumer("c");
+        let in_flight = |metrics: &Metrics| {
+            let text = metrics.render().expect("rendered");
+            let series = "inventory_messages_in_flight{consumer=\"c\"} ";
+            let at = text.find(series).expect("the gauge") + series.len();
+            text[at..].lines().next().unwrap_or_default().to_owned()
+        };
+        let batch = consumer.start(16);
+        let one = consumer.start(1);
+        assert_eq!(in_flight(&metrics), "17");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(metrics.oldest_in_flight() >= Duration::from_millis(20));
+        drop(batch);
+        assert_eq!(in_flight(&metrics), "1");
+        drop(one);
+        assert_eq!(in_flight(&metrics), "0");
+        assert_eq!(metrics.oldest_in_flight(), Duration::ZERO);
     }
 }

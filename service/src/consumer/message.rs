@@ -72,7 +72,7 @@ impl<H: MessageHandler> Worker<H> {
     /// Handles one delivery to its end.
     async fn process(&self, message: &Delivery) -> Disposition {
         let started = Instant::now();
-        let in_flight = self.metrics.start();
+        let in_flight = self.metrics.start(1);
         let disposition = match self.admit(message).await {
             Admitted::Settled(disposition) => disposition,
             Admitted::Decoded(origin, decoded) => {
@@ -96,10 +96,10 @@ impl<H: MessageHandler> Worker<H> {
     /// is then acked, dead-lettered or nak'ed on its own outcome.
     async fn process_batch(&self, messages: &[Delivery]) -> Vec<Disposition> {
         let started = Instant::now();
-        let in_flight: Vec<_> = messages.iter().map(|_| self.metrics.start()).collect();
+        let in_flight = self.metrics.start(messages.len());
         let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
-        let mut decoded = Vec::new();
-        let mut origins = Vec::new();
+        let mut decoded = Vec::with_capacity(messages.len());
+        let mut origins = Vec::with_capacity(messages.len());
         // One span a message, through admission and settling: its log lines carry its id,
         // stream sequence and delivery count as a single message's do.
         let spans: Vec<tracing::Span> = messages.iter().map(|_| message_span()).collect();
