@@ -107,13 +107,14 @@ pub enum BenchCommand {
 
 #[derive(Debug, clap::Args)]
 pub struct HandWrittenArgs {
-    #[command(flatten)]
-    pub run: bench_e2e::EndToEndArgs,
     /// The driver the lanes run the statements through: tokio-postgres (the default on
     /// PostgreSQL, one message at a time), or sqlx (the service's, and the only one on SQLite),
     /// to part the driver's cost from the service loop's.
     #[arg(long, value_enum)]
     pub driver: Option<Driver>,
+    // Last: the heading of its NATS flags would stick to the flags after it.
+    #[command(flatten)]
+    pub run: bench_e2e::EndToEndArgs,
 }
 
 #[derive(Debug, clap::Args)]

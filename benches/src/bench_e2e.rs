@@ -58,8 +58,6 @@ pub struct EndToEndArgs {
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub database_url: String,
-    #[command(flatten)]
-    pub nats: NatsArgs,
     /// Publishes at this many messages per second while consuming, instead of everything
     /// before, and reports the latency from each publish to its handling.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -70,6 +68,9 @@ pub struct EndToEndArgs {
     /// Prints JSON instead of a line of text.
     #[arg(long)]
     pub json: bool,
+    // Last: its heading would stick to the flags after it.
+    #[command(flatten)]
+    pub nats: NatsArgs,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -99,8 +99,6 @@ pub struct CompareArgs {
     /// PostgreSQL when unset.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
-    #[command(flatten)]
-    pub nats: NatsArgs,
     /// How long JetStream waits for an ack before redelivering: short, so the withheld acks
     /// come back quickly.
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
@@ -111,6 +109,9 @@ pub struct CompareArgs {
     /// Prints the figures as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    // Last: its heading would stick to the flags after it.
+    #[command(flatten)]
+    pub nats: NatsArgs,
 }
 
 /// Everything a comparison needs, without the command line: what the tests build.

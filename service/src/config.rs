@@ -24,11 +24,13 @@ use std::path::{Path, PathBuf};
 use clap::builder::BoolishValueParser;
 use clap::error::ErrorKind;
 use clap::parser::ValueSource;
-use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches};
+use clap::{Arg, ArgAction, ArgMatches, Args as _, Command, CommandFactory, FromArgMatches};
 use figment::Figment;
 use figment::providers::{Format, Toml};
 use figment::value::Value;
 use inventory_infra::redact::redact_url;
+
+use crate::args::{NatsArgs, TopologyArgs};
 
 /// Which commands of a program take their flags as settings.
 #[derive(Debug, Clone, Copy)]
@@ -139,7 +141,7 @@ pub fn parse_program<P: CommandFactory + FromArgMatches>(
     let command = P::command();
     let settings = setting_names(&command, configured);
     let defaults = Layers::read(file.as_deref(), &settings)?;
-    let mut command = configure(command, &mut Vec::new(), &settings, &defaults)?;
+    let mut command = show_shared_once(configure(command, &mut Vec::new(), &settings, &defaults)?);
     // Built, so that each command shows the program's own flags (`--log-format`) among its
     // settings.
     command.build();
@@ -405,6 +407,67 @@ fn configure(
         })
     });
     failure.map_or(Ok(command), Err)
+}
+
+/// Lists the shared flags once, in the program's `--help`, rather than under every command: each
+/// command that takes them still does, and its help says so and where they are listed.
+fn show_shared_once(root: Command) -> Command {
+    let program = root.get_name().to_owned();
+    let ids = TopologyArgs::augment_args(NatsArgs::augment_args(Command::new(&program)))
+        .get_arguments()
+        .map(|arg| arg.get_id().clone())
+        .collect();
+    let mut shared = Shared {
+        ids,
+        args: Vec::new(),
+    };
+    let root = root.mut_subcommands(|command| hide_shared(command, &program, &mut shared));
+    if shared.args.is_empty() {
+        return root;
+    }
+    let listed = Command::new(&program)
+        .help_template("{all-args}")
+        .disable_help_flag(true)
+        .args(shared.args)
+        .render_long_help();
+    root.after_help(format!(
+        "The NATS and stream flags of the commands that reach NATS: `{program} --help`."
+    ))
+    .after_long_help(format!(
+        "The NATS and stream flags of every command that reaches NATS, listed here once:\n\n{listed}"
+    ))
+}
+
+/// The flags of [`NatsArgs`] and [`TopologyArgs`], each as the first command that takes it has
+/// it (with its environment variable and the layers' default).
+struct Shared {
+    ids: Vec<clap::Id>,
+    args: Vec<Arg>,
+}
+
+/// Hides the shared flags from the help of `command` and its subcommands, each of which then
+/// points to the program's.
+fn hide_shared(command: Command, program: &str, shared: &mut Shared) -> Command {
+    let mut takes_them = false;
+    let command = command.mut_args(|arg| {
+        if !shared.ids.contains(arg.get_id()) {
+            return arg;
+        }
+        if !shared.args.iter().any(|seen| seen.get_id() == arg.get_id()) {
+            shared.args.push(arg.clone());
+        }
+        takes_them = true;
+        arg.hide(true)
+    });
+    let command = command.mut_subcommands(|sub| hide_shared(sub, program, shared));
+    if takes_them {
+        command.after_help(format!(
+            "Also takes the NATS and stream flags (--nats-url, --stream, …): `{program} --help` \
+             lists them."
+        ))
+    } else {
+        command
+    }
 }
 
 /// A setting's environment variable, its boolean parser, its secrecy.

@@ -74,8 +74,10 @@ fn options_and_variables(help: &str) -> Vec<(String, Option<String>)> {
 
 #[test]
 fn every_option_of_the_service_commands_names_its_environment_variable() {
+    // The program's own help lists the NATS and stream flags, once for every command.
     for command in [
-        &["serve"][..],
+        &[][..],
+        &["serve"],
         &["relay"],
         &["inbox", "purge"],
         &["dlq", "list"],
@@ -84,7 +86,7 @@ fn every_option_of_the_service_commands_names_its_environment_variable() {
     ] {
         let help = stdout(&run(&[command, &["--help"]].concat(), &[]));
         let options = options_and_variables(&help);
-        assert!(options.len() > 5, "{command:?}: {help}");
+        assert!(options.len() > 1, "{command:?}: {help}");
         for (flag, variable) in options {
             let expected = match flag.as_str() {
                 "database-url" | "nats-url" | "orders-database-url" => {

@@ -486,7 +486,7 @@ fn every_variable_the_kubernetes_base_sets_is_one_the_binary_reads() {
     let base = rendered_base();
     let mut unknown = Vec::new();
     for (kind, command) in [("Deployment", "serve"), ("Job", "migrate")] {
-        let known = env_names(&help(&[command]));
+        let known = env_names(&(help(&[]) + &help(&[command])));
         assert!(!known.is_empty(), "`{command} --help` names no variable");
         for container in containers(the(&base, kind)) {
             assert!(
@@ -753,7 +753,7 @@ fn the_systemd_environment_file_holds_values_serve_takes() {
 
 #[test]
 fn every_variable_of_the_systemd_environment_file_is_one_the_binary_reads() {
-    let known = env_names(&help(&["serve"]));
+    let known = env_names(&(help(&[]) + &help(&["serve"])));
     let vars = env_file();
     assert!(
         vars.iter().any(|(name, _, _)| name == "DATABASE_URL"),

@@ -81,10 +81,18 @@ impl Helps {
             .collect()
     }
 
-    /// The long flags the help of `path` lists.
+    /// The long flags the help of `path` lists; for a command that takes the NATS and stream
+    /// flags, those the program's help lists once for every command.
     fn flags(&mut self, path: &[String]) -> BTreeSet<String> {
-        self.of(path)
-            .lines()
+        let mut flags = Self::listed(self.of(path));
+        if self.of(path).contains(SHARED) {
+            flags.extend(Self::listed(self.of(&[])));
+        }
+        flags
+    }
+
+    fn listed(help: &str) -> BTreeSet<String> {
+        help.lines()
             .filter_map(|line| line.trim_start().split_once("--"))
             .filter(|(before, _)| before.is_empty() || before.ends_with(", "))
             .map(|(_, flag)| {
@@ -96,6 +104,9 @@ impl Helps {
             .collect()
     }
 }
+
+/// What the help of a command that takes the shared NATS and stream flags says of them.
+const SHARED: &str = "Also takes the NATS and stream flags";
 
 /// The command a piece of code runs and the flags it gives it, if it runs one of ours.
 fn invocation(helps: &mut Helps, piece: &str) -> Option<(Vec<String>, Vec<String>)> {
