@@ -11,11 +11,13 @@
 //!   (retry or dead-letter), and the contract's dead-letter reasons.
 //! - [`outbox`]: the events out of Inventory, one per reservation decision, and the outbox
 //!   partition of an order.
+//! - [`shard`]: the partition of a book when stock is sharded by book, as NATS computes it.
 
 pub mod ids;
 pub mod message;
 pub mod outbox;
 pub mod outcome;
+pub mod shard;
 pub mod stock;
 
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};

@@ -33,6 +33,7 @@ mod purge_load;
 mod relay;
 mod retention;
 mod retries;
+mod routing;
 mod secure;
 mod serve;
 mod silent_network;
