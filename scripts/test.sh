@@ -2,8 +2,8 @@
 # Runs the whole test suite. Brings up what the tests need first: PostgreSQL on 127.0.0.1:5432,
 # NATS with JetStream on 127.0.0.1:4222 and Redis on 127.0.0.1:6379, started if they are not
 # running and installed from Debian's packages if absent, promtool (Debian's prometheus
-# package) for the alert rules, kubectl and systemd-analyze for the deployment files, and
-# HAProxy for the failover test. DATABASE_URL, NATS_URL and REDIS_URL, when set, name other
+# package) for the alert rules, kubectl and systemd-analyze for the deployment files,
+# HAProxy for the failover tests, and Patroni and etcd for the slow tier's Patroni pair. DATABASE_URL, NATS_URL and REDIS_URL, when set, name other
 # servers instead.
 #
 # Two NATS servers: Debian's nats-server (2.9.10, December 2022) and a current one, the PyPI
@@ -137,6 +137,16 @@ ensure_haproxy() {
   command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || apt_install haproxy
 }
 
+# Patroni and etcd run the PostgreSQL HA pair of the Patroni failover test
+# (tests/reliability/patroni.rs, slow tier); the test starts its own processes, so the
+# packages' services are not used.
+ensure_patroni() {
+  local missing=()
+  command -v patroni >/dev/null || missing+=(patroni)
+  command -v etcd >/dev/null || missing+=(etcd-server)
+  if [ "${#missing[@]}" -gt 0 ]; then apt_install "${missing[@]}"; fi
+}
+
 ensure_postgres
 ensure_nats
 ensure_redis
@@ -184,6 +194,7 @@ set -e
 # the load run), one at a time so the load figures are the load run's own, figures printed.
 # Skipped when the fast tier failed, or with SKIP_SLOW_TIER=1.
 if [ "$status" -eq 0 ] && [ "${SKIP_SLOW_TIER:-0}" != 1 ]; then
+  ensure_patroni
   slow_url=${CURRENT_NATS_URL:-$NATS_URL}
   log "slow tier: cargo test --workspace --test reliability -- --ignored, on $(nats_version "$slow_url")"
   set +e

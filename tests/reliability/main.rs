@@ -16,6 +16,9 @@
 //! - `cluster`: a three-node JetStream cluster losing its stream leader mid-stream.
 //! - `failover`: the PostgreSQL primary SIGKILLed behind HAProxy, its synchronous standby
 //!   promoted and HAProxy switched to it, under two natural-key instances.
+//! - `patroni`: the leader of a Patroni pair (synchronous replication, HAProxy following the
+//!   primary by health checks) SIGKILLed under a writer: no acknowledged commit lost; and the
+//!   same with the standby cut off, which loses some.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
@@ -36,6 +39,7 @@ mod kill9;
 mod load;
 mod network;
 mod outages;
+mod patroni;
 mod relay_outage;
 mod stall;
 mod support;

@@ -1,7 +1,9 @@
 //! HAProxy in front of PostgreSQL servers, as a platform runs it for a failover: one TCP
 //! listener, a backend that lists every server with all but the current primary disabled, and
 //! the switch to another server made over HAProxy's runtime API (its admin socket), the way an
-//! operator's runbook or a failover script makes it.
+//! operator's runbook or a failover script makes it. Or, in front of a Patroni pair, a backend
+//! whose health check asks each node's Patroni REST API whether it is the primary, so HAProxy
+//! follows a failover on its own.
 //!
 //! The binary comes from `HAPROXY` if set, else `haproxy` on `PATH` or in `/usr/sbin`
 //! (Debian's `haproxy` package, which `scripts/test.sh` installs).
@@ -29,18 +31,43 @@ pub struct HaProxy {
     dir: PathBuf,
     port: u16,
     servers: Vec<String>,
+    routing: Routing,
+}
+
+/// How HAProxy picks the server a new connection goes to.
+#[derive(Clone)]
+enum Routing {
+    /// The first server; the others are disabled until [`HaProxy::switch_to`].
+    Switched,
+    /// Whichever server's Patroni REST API, on the port at the same index, answers
+    /// `GET /primary` with 200.
+    PatroniPrimary(Vec<u16>),
 }
 
 impl HaProxy {
     /// Starts HAProxy forwarding to the first of `servers` (name, port on 127.0.0.1); the
     /// others are listed disabled, ready for [`Self::switch_to`].
     pub async fn start(servers: &[(&str, u16)]) -> Self {
+        Self::start_routed(servers, Routing::Switched).await
+    }
+
+    /// Starts HAProxy forwarding to whichever of `servers` (name, PostgreSQL port, Patroni
+    /// REST port) Patroni says is the primary, checked every 500 ms; a server marked down has
+    /// its sessions cut, so no client keeps writing to a demoted node.
+    pub async fn start_following_patroni(servers: &[(&str, u16, u16)]) -> Self {
+        let postgres: Vec<(&str, u16)> = servers.iter().map(|(name, pg, _)| (*name, *pg)).collect();
+        let rest = servers.iter().map(|(_, _, rest)| *rest).collect();
+        Self::start_routed(&postgres, Routing::PatroniPrimary(rest)).await
+    }
+
+    async fn start_routed(servers: &[(&str, u16)], routing: Routing) -> Self {
         assert!(!servers.is_empty(), "a backend needs a server");
         let mut proxy = Self {
             child: None,
             dir: scratch_dir("inventory-haproxy"),
             port: 0,
             servers: servers.iter().map(|(name, _)| (*name).to_owned()).collect(),
+            routing,
         };
         let mut failure = String::new();
         for _ in 0..START_ATTEMPTS {
@@ -86,6 +113,23 @@ impl HaProxy {
             answer.trim().is_empty(),
             "HAProxy refused the switch to {name}: {answer}"
         );
+    }
+
+    /// The servers HAProxy's health checks currently hold up (status `UP`), from `show stat`.
+    pub async fn servers_up(&self) -> Vec<String> {
+        let stat = self.command("show stat").await;
+        // CSV: proxy name, server name, … with the status in the 18th column.
+        stat.lines()
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split(',').collect();
+                let is_server = fields.first() == Some(&SECTION)
+                    && self
+                        .servers
+                        .iter()
+                        .any(|name| Some(&name.as_str()) == fields.get(1));
+                (is_server && fields.get(17) == Some(&"UP")).then(|| fields[1].to_owned())
+            })
+            .collect()
     }
 
     /// One line of the runtime API (commands separated by `;`) and HAProxy's answer.
@@ -166,11 +210,24 @@ impl HaProxy {
             "    default-server inter 500ms fall 2 rise 1 on-marked-down shutdown-sessions"
                 .to_owned(),
         ];
-        for (at, (name, port)) in servers.iter().enumerate() {
-            let disabled = if at == 0 { "" } else { " disabled" };
-            lines.push(format!(
-                "    server {name} 127.0.0.1:{port} check{disabled}"
-            ));
+        match &self.routing {
+            Routing::Switched => {
+                for (at, (name, port)) in servers.iter().enumerate() {
+                    let disabled = if at == 0 { "" } else { " disabled" };
+                    lines.push(format!(
+                        "    server {name} 127.0.0.1:{port} check{disabled}"
+                    ));
+                }
+            }
+            Routing::PatroniPrimary(rest_ports) => {
+                lines.push("    option httpchk GET /primary".to_owned());
+                lines.push("    http-check expect status 200".to_owned());
+                for ((name, port), rest) in servers.iter().zip(rest_ports) {
+                    lines.push(format!(
+                        "    server {name} 127.0.0.1:{port} check port {rest}"
+                    ));
+                }
+            }
         }
         lines.push(String::new());
         lines.join("\n")

@@ -6,7 +6,10 @@
 //!   server, or a testcontainers container where a Docker engine runs).
 //! - [`pg_server`]: a PostgreSQL server of the test's own, to stop and restart mid-stream, or a
 //!   primary and its synchronous standby to fail over.
-//! - [`haproxy`]: HAProxy in front of such servers, switched to another over its admin socket.
+//! - [`haproxy`]: HAProxy in front of such servers, switched to another over its admin socket,
+//!   or following Patroni's primary by health checks.
+//! - [`patroni`]: a PostgreSQL HA pair under Patroni (etcd, two nodes, synchronous
+//!   replication) behind HAProxy, whose leader a test kills.
 //! - [`nats`]: NATS servers of the test's own (one, or a cluster of three) to stop, kill and
 //!   restart; the shared NATS server; per-test stream and subject names.
 //! - [`binary`]: the `inventory` binary run as a process on a test's database and streams.
@@ -34,6 +37,7 @@ pub mod fault_proxy;
 pub mod haproxy;
 pub mod nats;
 pub mod outbox;
+pub mod patroni;
 pub mod pg_server;
 pub mod postgres;
 mod process;

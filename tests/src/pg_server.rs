@@ -209,24 +209,13 @@ impl PostgresServer {
     }
 
     /// The host dying: SIGKILL to the postmaster and every process it started, so no session
-    /// is told anything and nothing more is written or sent. (Each backend leads a process
-    /// group of its own, so the postmaster's group is not enough: its children are found in
-    /// `/proc` while it is stopped and cannot start more.) Returns once the port refuses
-    /// connections. The cluster is not started again.
+    /// is told anything and nothing more is written or sent ([`kill_postmaster`]). Returns
+    /// once the port refuses connections. The cluster is not started again.
     pub async fn kill(&mut self) {
         assert!(self.running, "PostgreSQL is not running");
-        let pid_file = self.dir.join("data").join("postmaster.pid");
-        let postmaster: i32 = std::fs::read_to_string(&pid_file)
-            .ok()
-            .and_then(|text| text.lines().next()?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no postmaster pid in {}", pid_file.display()));
-        let postmaster = Pid::from_raw(postmaster);
-        kill(postmaster, Signal::SIGSTOP).expect("SIGSTOP to the postmaster");
-        for child in children_of(postmaster) {
-            // ESRCH: it exited meanwhile.
-            let _ = kill(child, Signal::SIGKILL);
-        }
-        kill(postmaster, Signal::SIGKILL).expect("SIGKILL to the postmaster");
+        let postmaster = postmaster_pid(&self.dir.join("data"))
+            .unwrap_or_else(|| panic!("no postmaster pid in {}", self.dir.display()));
+        kill_postmaster(postmaster);
         self.running = false;
         let deadline = Instant::now() + Duration::from_secs(10);
         while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
@@ -384,12 +373,12 @@ impl Drop for PostgresServer {
     }
 }
 
-fn as_root() -> bool {
+pub(crate) fn as_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
 /// Where `initdb`, `pg_ctl` and `postgres` are.
-fn bin_dir() -> PathBuf {
+pub(crate) fn bin_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("PG_BIN_DIR") {
         return dir.into();
     }
@@ -437,8 +426,26 @@ fn utf8(path: &Path) -> String {
         .to_owned()
 }
 
+/// The postmaster's pid, from `postmaster.pid` in the data directory `data`, if one runs there.
+pub(crate) fn postmaster_pid(data: &Path) -> Option<Pid> {
+    let text = std::fs::read_to_string(data.join("postmaster.pid")).ok()?;
+    text.lines().next()?.trim().parse().ok().map(Pid::from_raw)
+}
+
+/// SIGKILL to the postmaster and every process it started. (Each backend leads a process
+/// group of its own, so the postmaster's group is not enough: its children are found in
+/// `/proc` while it is stopped and cannot start more.)
+pub(crate) fn kill_postmaster(postmaster: Pid) {
+    // ESRCH throughout: it, or a child, exited meanwhile.
+    let _ = kill(postmaster, Signal::SIGSTOP);
+    for child in children_of(postmaster) {
+        let _ = kill(child, Signal::SIGKILL);
+    }
+    let _ = kill(postmaster, Signal::SIGKILL);
+}
+
 /// The processes whose parent is `parent`, read from `/proc/<pid>/stat`.
-fn children_of(parent: Pid) -> Vec<Pid> {
+pub(crate) fn children_of(parent: Pid) -> Vec<Pid> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
