@@ -113,13 +113,12 @@ async fn fail_over(replication: Replication) -> Run {
     let acknowledged: HashSet<i64> = writes.acknowledged.iter().map(|(id, _)| *id).collect();
     let mut lost: Vec<i64> = acknowledged.difference(&present).copied().collect();
     lost.sort_unstable();
-    let unacknowledged_but_kept = present.difference(&acknowledged).count();
     eprintln!(
         "[patroni {replication:?}] pair ready in {:.1} s; {killed} (leader) killed after {}+ \
          acknowledged rows{}; a write through HAProxy committed again {:.1} s after the kill, \
          on {new_leader} (the writer stood {:.1} s between two acknowledgements); {} of {ROWS} rows acknowledged ({} failed attempts), {} on the new \
-         leader, {} acknowledged rows lost{}, {unacknowledged_but_kept} kept without an \
-         acknowledgement",
+         leader, {} acknowledged rows lost{}, {} committed by an attempt whose \
+         acknowledgement was lost",
         pair.time_to_ready().as_secs_f64(),
         KILL_AFTER,
         if replication == Replication::CutOff {
@@ -137,6 +136,7 @@ async fn fail_over(replication: Replication) -> Run {
             (Some(first), Some(last)) => format!(" (ids {first} to {last})"),
             _ => String::new(),
         },
+        writes.committed_unacknowledged,
     );
     Run { new_leader, lost }
 }
@@ -145,6 +145,9 @@ struct Writes {
     /// Each row whose commit the writer saw succeed, and when.
     acknowledged: Vec<(i64, Instant)>,
     failed_attempts: usize,
+    /// Rows a retry found already there: an attempt whose acknowledgement was lost had
+    /// committed.
+    committed_unacknowledged: usize,
 }
 
 /// Rows 1..=[`ROWS`], one autocommitted insert each, through `url`; a failed attempt (the
@@ -155,6 +158,7 @@ async fn write_rows(url: String, progress: watch::Sender<i64>) -> Result<Writes,
     let mut writes = Writes {
         acknowledged: Vec::with_capacity(ROWS as usize),
         failed_attempts: 0,
+        committed_unacknowledged: 0,
     };
     let mut db: Option<DatabaseConnection> = None;
     for id in 1..=ROWS {
@@ -165,16 +169,21 @@ async fn write_rows(url: String, progress: watch::Sender<i64>) -> Result<Writes,
             if db.is_none() {
                 db = connect(&url).await;
             }
-            let committed = match &db {
+            let inserted = match &db {
                 Some(conn) => {
                     tokio::time::timeout(Duration::from_secs(5), conn.execute_unprepared(&insert))
                         .await
-                        .is_ok_and(|result| result.is_ok())
+                        .ok()
+                        .and_then(Result::ok)
+                        .map(|result| result.rows_affected())
                 }
-                None => false,
+                None => None,
             };
-            if committed {
+            if let Some(inserted) = inserted {
                 writes.acknowledged.push((id, Instant::now()));
+                if inserted == 0 {
+                    writes.committed_unacknowledged += 1;
+                }
                 break;
             }
             writes.failed_attempts += 1;
