@@ -5,7 +5,8 @@
 //! acknowledged must be on the new leader. Its counterpart runs the same with the standby cut
 //! off (asynchronous, its WAL receiver stopped) and shows the loss that synchronous
 //! replication prevents, so the check is known to see one. Printed: the time to a ready pair,
-//! the kill, and when a write through HAProxy committed again.
+//! and from the kill to the other node answering Patroni's `GET /primary` and to a write
+//! through HAProxy committing again.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -90,8 +91,15 @@ async fn fail_over(replication: Replication) -> Run {
     // The leader's port refuses from here: nothing acknowledged later was committed there.
     let killed_at = Instant::now();
     assert_eq!(killed, first_leader, "the node killed was not the leader");
-    let writes = writer
-        .await
+    let (new_leader, writes) = tokio::join!(
+        async {
+            let leader = pair.wait_for_leader_other_than(killed, RETRY_FOR).await;
+            (leader, killed_at.elapsed())
+        },
+        writer
+    );
+    let (new_leader, promoted) = new_leader;
+    let writes = writes
         .expect("the writer task")
         .unwrap_or_else(|e| panic!("{e}\n{}", pair.logs()));
 
@@ -104,20 +112,22 @@ async fn fail_over(replication: Replication) -> Run {
     let blocked = after_kill
         .checked_sub(1)
         .map(|before| writes.acknowledged[after_kill].1 - writes.acknowledged[before].1);
-    let new_leader = pair
-        .leader()
-        .await
-        .unwrap_or_else(|| panic!("no single leader after the failover\n{}", pair.logs()));
-    assert_ne!(new_leader, killed, "the killed node leads again");
+    assert_eq!(
+        pair.leader().await,
+        Some(new_leader),
+        "the leader changed again after the failover\n{}",
+        pair.logs()
+    );
     let present = ids_on(&pair.node_url(new_leader)).await;
     let acknowledged: HashSet<i64> = writes.acknowledged.iter().map(|(id, _)| *id).collect();
     let mut lost: Vec<i64> = acknowledged.difference(&present).copied().collect();
     lost.sort_unstable();
     eprintln!(
         "[patroni {replication:?}] pair ready in {:.1} s; {killed} (leader) killed after {}+ \
-         acknowledged rows{}; a write through HAProxy committed again {:.1} s after the kill, \
-         on {new_leader} (the writer stood {:.1} s between two acknowledgements); {} of {ROWS} rows acknowledged ({} failed attempts), {} on the new \
-         leader, {} acknowledged rows lost{}, {} committed by an attempt whose \
+         acknowledged rows{}; Patroni promoted {new_leader} {:.1} s after the kill, a write \
+         through HAProxy committed again {:.1} s after the kill (the writer stood {:.1} s \
+         between two acknowledgements); {} of {ROWS} rows acknowledged ({} failed attempts), \
+         {} on the new leader, {} acknowledged rows lost{}, {} committed by an attempt whose \
          acknowledgement was lost",
         pair.time_to_ready().as_secs_f64(),
         KILL_AFTER,
@@ -126,6 +136,7 @@ async fn fail_over(replication: Replication) -> Run {
         } else {
             String::new()
         },
+        promoted.as_secs_f64(),
         back.as_secs_f64(),
         blocked.unwrap_or_default().as_secs_f64(),
         acknowledged.len(),

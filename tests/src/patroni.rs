@@ -147,6 +147,22 @@ impl PatroniPair {
         }
     }
 
+    /// Waits (up to `within`) until a node other than `old` leads, and returns it.
+    pub async fn wait_for_leader_other_than(&self, old: &str, within: Duration) -> &'static str {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.leader().await {
+                Some(leader) if leader != old => return leader,
+                _ => assert!(
+                    Instant::now() < deadline,
+                    "no node but {old} led within {within:?}\n{}",
+                    self.logs()
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The leader's host dying: SIGKILL to its Patroni (else it would start PostgreSQL again
     /// in place, still holding the leader lease) and then to its postmaster and every backend.
     /// Returns the killed node's name once its port refuses connections.
