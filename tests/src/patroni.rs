@@ -74,35 +74,32 @@ impl PatroniPair {
     /// standby.
     pub async fn start() -> Self {
         let started = Instant::now();
-        let dir = scratch_dir("inventory-patroni");
-        hand_to_postgres(&dir);
-        let [etcd_client, etcd_peer, pg_a, rest_a, pg_b, rest_b] = free_ports();
-        let etcd = start_etcd(&dir, etcd_client, etcd_peer).await;
-        let nodes = [(NODES[0], pg_a, rest_a), (NODES[1], pg_b, rest_b)]
-            .into_iter()
-            .map(|(name, pg_port, rest_port)| {
-                let node_dir = dir.join(name);
-                std::fs::create_dir(&node_dir).expect("a node's directory");
-                hand_to_postgres(&node_dir);
-                let mut node = Node {
-                    name,
-                    pg_port,
-                    rest_port,
-                    dir: node_dir,
-                    patroni: None,
-                };
-                node.start_patroni(etcd_client);
-                node
-            })
-            .collect();
+        // Built first and filled in, so a start that fails half-way is cleaned up by Drop.
         let mut pair = Self {
             proxy: None,
-            nodes,
-            etcd: Some(etcd),
+            nodes: Vec::new(),
+            etcd: None,
             stopped_receiver: None,
-            dir,
+            dir: scratch_dir("inventory-patroni"),
             time_to_ready: Duration::ZERO,
         };
+        hand_to_postgres(&pair.dir);
+        let [etcd_client, etcd_peer, pg_a, rest_a, pg_b, rest_b] = free_ports();
+        pair.etcd = Some(start_etcd(&pair.dir, etcd_client, etcd_peer).await);
+        for (name, pg_port, rest_port) in [(NODES[0], pg_a, rest_a), (NODES[1], pg_b, rest_b)] {
+            let dir = pair.dir.join(name);
+            std::fs::create_dir(&dir).expect("a node's directory");
+            hand_to_postgres(&dir);
+            pair.nodes.push(Node {
+                name,
+                pg_port,
+                rest_port,
+                dir,
+                patroni: None,
+            });
+            let node = pair.nodes.last_mut().expect("just pushed");
+            node.start_patroni(etcd_client);
+        }
         let servers: Vec<(&str, u16, u16)> = pair
             .nodes
             .iter()
@@ -231,9 +228,17 @@ impl PatroniPair {
             .name
     }
 
-    async fn wait_until_ready(&self) {
+    async fn wait_until_ready(&mut self) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
+            // A Patroni that could not start (its port taken, a bad configuration) exits.
+            let exited = self.nodes.iter_mut().find_map(|node| {
+                let status = node.patroni.as_mut()?.try_wait().ok()??;
+                Some((node.name, status))
+            });
+            if let Some((name, status)) = exited {
+                panic!("{name}'s Patroni exited: {status}\n{}", self.logs());
+            }
             if let Some(leader) = self.leader().await {
                 let standby = self.other_than(leader);
                 if self.proxy().servers_up().await == [leader]
@@ -323,12 +328,13 @@ impl Drop for PatroniPair {
             let _ = kill(receiver, Signal::SIGKILL);
         }
         for node in &mut self.nodes {
-            // Patroni first, or it would start PostgreSQL again.
+            // Patroni first, or it would start PostgreSQL again. A node without one was
+            // killed already: its postmaster.pid is stale and its pid may be another's now.
             if let Some(mut patroni) = node.patroni.take() {
                 kill_now(&mut patroni);
-            }
-            if let Some(postmaster) = postmaster_pid(&node.dir.join("data")) {
-                kill_postmaster(postmaster);
+                if let Some(postmaster) = postmaster_pid(&node.dir.join("data")) {
+                    kill_postmaster(postmaster);
+                }
             }
         }
         if let Some(mut etcd) = self.etcd.take() {
