@@ -35,7 +35,6 @@ pub struct HaProxy {
 }
 
 /// How HAProxy picks the server a new connection goes to.
-#[derive(Clone)]
 enum Routing {
     /// The first server; the others are disabled until [`HaProxy::switch_to`].
     Switched,
