@@ -19,6 +19,10 @@ const ROWS: i64 = 2_000;
 /// In the cut-off variant, the standby stops receiving after this many acknowledged rows.
 const CUT_OFF_AFTER: i64 = 500;
 const KILL_AFTER: i64 = 1_000;
+/// In the cut-off variant, rows acknowledged at least between the cut-off and the kill: the
+/// cut-off takes a Patroni loop or two while the writer goes on, so it may end near
+/// [`KILL_AFTER`].
+const ROWS_CUT_OFF: i64 = 300;
 /// How long the writer keeps retrying one row before it gives up: a failover takes up to
 /// Patroni's TTL (10 s) plus HAProxy's checks.
 const RETRY_FOR: Duration = Duration::from_secs(60);
@@ -76,15 +80,17 @@ async fn fail_over(replication: Replication) -> Run {
 
     let (progress, mut acknowledged) = watch::channel(0);
     let writer = tokio::spawn(write_rows(pair.url(), progress));
+    let mut kill_after = KILL_AFTER;
     if replication == Replication::CutOff {
         acknowledged
             .wait_for(|rows| *rows >= CUT_OFF_AFTER)
             .await
             .expect("the writer runs");
         pair.cut_off_standby().await;
+        kill_after = kill_after.max(*acknowledged.borrow() + ROWS_CUT_OFF);
     }
     acknowledged
-        .wait_for(|rows| *rows >= KILL_AFTER)
+        .wait_for(|rows| *rows >= kill_after)
         .await
         .expect("the writer runs");
     let killed = pair.kill_leader().await;
@@ -130,9 +136,9 @@ async fn fail_over(replication: Replication) -> Run {
          {} on the new leader, {} acknowledged rows lost{}, {} committed by an attempt whose \
          acknowledgement was lost",
         pair.time_to_ready().as_secs_f64(),
-        KILL_AFTER,
+        kill_after,
         if replication == Replication::CutOff {
-            format!(" (the standby cut off after {CUT_OFF_AFTER})")
+            format!(" (the standby's cut-off begun after {CUT_OFF_AFTER})")
         } else {
             String::new()
         },
