@@ -209,7 +209,7 @@ impl PostgresServer {
     }
 
     /// The host dying: SIGKILL to the postmaster and every process it started, so no session
-    /// is told anything and nothing more is written or sent ([`kill_postmaster`]). Returns
+    /// is told anything and nothing more is written or sent (`kill_postmaster`). Returns
     /// once the port refuses connections. The cluster is not started again.
     pub async fn kill(&mut self) {
         assert!(self.running, "PostgreSQL is not running");
