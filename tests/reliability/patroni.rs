@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use inventory_tests::patroni::PatroniPair;
+use inventory_tests::patroni::{PatroniPair, connect};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use tokio::sync::watch;
 
@@ -235,15 +235,4 @@ async fn ids_on(url: &str) -> HashSet<i64> {
     rows.iter()
         .map(|row| row.try_get::<i64>("", "id").expect("an id"))
         .collect()
-}
-
-/// One connection, or `None` if none comes within 5 s.
-async fn connect(url: &str) -> Option<DatabaseConnection> {
-    tokio::time::timeout(
-        Duration::from_secs(5),
-        inventory_benches::db::connect(url, 1),
-    )
-    .await
-    .ok()?
-    .ok()
 }

@@ -22,8 +22,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::haproxy::HaProxy;
-use crate::pg_server::{as_root, bin_dir, children_of, kill_postmaster, postmaster_pid};
-use crate::process::{free_ports, kill_now, log_tail, on_path, scratch_dir};
+use crate::pg_server::{
+    as_root, bin_dir, children_of, hand_to_postgres, kill_postmaster, postgres_user, postmaster_pid,
+};
+use crate::process::{free_ports, kill_now, log_tail, on_path, scratch_dir, until_port_refuses};
 
 /// The nodes' names, which are also their `application_name` as standbys.
 const NODES: [&str; 2] = ["node_a", "node_b"];
@@ -177,15 +179,7 @@ impl PatroniPair {
             // what the receiver had written; what it had not read is gone with the socket.
             let _ = kill(receiver, Signal::SIGKILL);
         }
-        let port = self.node(leader).pg_port;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            assert!(
-                Instant::now() < deadline,
-                "{leader}'s port {port} still accepts 10 s after SIGKILL"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_port_refuses(self.node(leader).pg_port, leader).await;
         leader
     }
 
@@ -493,7 +487,7 @@ async fn accepts_writes(url: &str) -> bool {
 }
 
 /// One connection, or `None` if none comes within 5 s.
-async fn connect(url: &str) -> Option<DatabaseConnection> {
+pub async fn connect(url: &str) -> Option<DatabaseConnection> {
     tokio::time::timeout(
         Duration::from_secs(5),
         inventory_benches::db::connect(url, 1),
@@ -524,22 +518,6 @@ async fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, S
         .await
         .ok()
         .flatten()
-}
-
-fn postgres_user() -> nix::unistd::User {
-    nix::unistd::User::from_name("postgres")
-        .ok()
-        .flatten()
-        .expect("an OS user named postgres to run PostgreSQL as (root may not)")
-}
-
-/// Gives `dir` to the postgres user when we are root, so Patroni and PostgreSQL can write in it.
-fn hand_to_postgres(dir: &Path) {
-    if as_root() {
-        let user = postgres_user();
-        nix::unistd::chown(dir, Some(user.uid), Some(user.gid))
-            .unwrap_or_else(|e| panic!("cannot hand {} to postgres: {e}", dir.display()));
-    }
 }
 
 /// The binary named by the environment variable `variable`, else `name` on `PATH`.

@@ -15,7 +15,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement, TryGetable};
 
-use crate::process::{free_ports, log_tail, on_path, scratch_dir};
+use crate::process::{free_ports, log_tail, on_path, scratch_dir, until_port_refuses};
 
 const DEBIAN_BINARIES: &str = "/usr/lib/postgresql";
 /// A first start whose port was taken meanwhile is retried on another.
@@ -128,14 +128,7 @@ impl PostgresServer {
             port: 0,
             running: false,
         };
-        if as_root() {
-            let user = nix::unistd::User::from_name("postgres")
-                .ok()
-                .flatten()
-                .expect("an OS user named postgres to run PostgreSQL as (root may not)");
-            nix::unistd::chown(&server.dir, Some(user.uid), Some(user.gid))
-                .expect("the scratch directory handed to the postgres user");
-        }
+        hand_to_postgres(&server.dir);
         server
     }
 
@@ -217,18 +210,7 @@ impl PostgresServer {
             .unwrap_or_else(|| panic!("no postmaster pid in {}", self.dir.display()));
         kill_postmaster(postmaster);
         self.running = false;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .is_ok()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "port {} still accepts 10 s after SIGKILL",
-                self.port
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_port_refuses(self.port, "PostgreSQL").await;
     }
 
     /// Promotes a standby (`pg_ctl promote`, which waits until it is out of recovery) and
@@ -375,6 +357,23 @@ impl Drop for PostgresServer {
 
 pub(crate) fn as_root() -> bool {
     nix::unistd::geteuid().is_root()
+}
+
+/// The OS user PostgreSQL runs as when we are root (it refuses to run as root).
+pub(crate) fn postgres_user() -> nix::unistd::User {
+    nix::unistd::User::from_name("postgres")
+        .ok()
+        .flatten()
+        .expect("an OS user named postgres to run PostgreSQL as (root may not)")
+}
+
+/// Gives `dir` to the postgres user when we are root, so PostgreSQL can write in it.
+pub(crate) fn hand_to_postgres(dir: &Path) {
+    if as_root() {
+        let user = postgres_user();
+        nix::unistd::chown(dir, Some(user.uid), Some(user.gid))
+            .unwrap_or_else(|e| panic!("cannot hand {} to postgres: {e}", dir.display()));
+    }
 }
 
 /// Where `initdb`, `pg_ctl` and `postgres` are.

@@ -65,3 +65,19 @@ pub(crate) fn log_tail(path: &Path, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
+
+/// Returns once nothing accepts connections on 127.0.0.1:`port` any more, as after a SIGKILL of
+/// the server on it; panics naming `server` if it still does 10 s later.
+pub(crate) async fn until_port_refuses(port: u16, server: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_ok()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{server}'s port {port} still accepts 10 s after SIGKILL"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
