@@ -17,8 +17,9 @@ pub const DEFAULT_PARTITIONS: NonZeroU32 = NonZeroU32::new(64).unwrap();
 /// the subject token that names the book: FNV-1a (32 bits) over the token's bytes, modulo P.
 ///
 /// The token is the id in its canonical form, lowercase and hyphenated ([`BookId`]'s `Display`):
-/// the server hashes the bytes it is given, so an uppercase spelling of the same id would land
-/// elsewhere. Producers put the book in the subject in this form.
+/// the server hashes the bytes it is given, so an uppercase spelling of the same id can land
+/// elsewhere (with P a power of two, whenever the id has an odd number of the letters a to f).
+/// Producers put the book in the subject in this form.
 pub fn partition_of(book: BookId, partitions: NonZeroU32) -> u32 {
     fnv1a(book.to_string().as_bytes()) % partitions
 }
@@ -46,9 +47,14 @@ mod tests {
 
     #[test]
     fn a_book_is_hashed_as_its_lowercase_subject_token() {
-        let book = BookId::parse("0B5E2C1A-9F3D-4C7E-8A61-2D4F6B8C0E13").expect("a UUID");
-        let token = "0b5e2c1a-9f3d-4c7e-8a61-2d4f6b8c0e13";
+        // Fifteen letters: odd, so the two spellings fall in different partitions of 64 (a case
+        // flip changes only bit 5 of each byte, which the low six bits of the hash see once per
+        // flip).
+        let spelled = "0B5E2C1A-9F3D-4C7E-8A61-2D4F6B8C0E1A";
+        let book = BookId::parse(spelled).expect("a UUID");
+        let token = "0b5e2c1a-9f3d-4c7e-8a61-2d4f6b8c0e1a";
         assert_eq!(book.to_string(), token);
+        assert_ne!(fnv1a(spelled.as_bytes()) % 64, fnv1a(token.as_bytes()) % 64);
         assert_eq!(
             partition_of(book, DEFAULT_PARTITIONS),
             fnv1a(token.as_bytes()) % 64
