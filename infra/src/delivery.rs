@@ -57,10 +57,7 @@ pub async fn fetch(
     use futures::StreamExt as _;
     let connects = || client.statistics().connects.load(Ordering::Relaxed);
     let (asked, asked_on) = (Instant::now(), connects());
-    let mut fetched = Fetched {
-        messages: Vec::with_capacity(max),
-        ..Fetched::default()
-    };
+    let mut fetched = Fetched::default();
     let request = consumer
         .fetch()
         .max_messages(max)
