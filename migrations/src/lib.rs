@@ -22,6 +22,9 @@
 //!   which the relay looks up to hold an order's later rows behind a parked one.
 //! - `m20261201_000010_create_lock_order`: `lock_order(order_id)` on PostgreSQL, the order's
 //!   lock that placement and cancellation take instead of writing a row (natural.rs).
+//! - `m20261206_000011_create_partition_owner`: on a shard, the partitions of the orders stream
+//!   its database owns, and `owns_partition(partition_id)` on PostgreSQL, which a placement
+//!   asks under its stock rows' locks (docs/scaling.md).
 
 pub use sea_orm_migration::prelude::*;
 
@@ -30,7 +33,7 @@ pub use sea_orm_migration::prelude::*;
 /// commands run with `--skip-migrations` check it at start (infra's `db::open`).
 pub mod grants {
     /// SELECT, INSERT, UPDATE and DELETE on each.
-    pub const TABLES: [&str; 11] = [
+    pub const TABLES: [&str; 12] = [
         "stock_items",
         "stock_reservations",
         "inbox",
@@ -42,13 +45,14 @@ pub mod grants {
         "orders",
         "order_lines",
         "orders_outbox",
+        "partition_owner",
     ];
     /// SELECT only: which migrations are applied.
     pub const MIGRATIONS_TABLE: &str = "seaql_migrations";
     /// USAGE: the outboxes' `seq` (bigserial) columns take their next value from these.
     pub const SEQUENCES: [&str; 2] = ["outbox_seq_seq", "orders_outbox_seq_seq"];
     /// EXECUTE (PUBLIC holds it unless revoked).
-    pub const FUNCTIONS: [&str; 1] = ["lock_order(uuid)"];
+    pub const FUNCTIONS: [&str; 2] = ["lock_order(uuid)", "owns_partition(smallint)"];
 }
 
 mod m20261130_000001_create_stock_items;
@@ -61,6 +65,7 @@ mod m20261201_000007_create_outbox_leases;
 mod m20261201_000008_create_orders;
 mod m20261201_000009_index_parked_outbox_rows;
 mod m20261201_000010_create_lock_order;
+mod m20261206_000011_create_partition_owner;
 mod outbox_table;
 
 pub struct Migrator;
@@ -79,6 +84,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000008_create_orders::Migration),
             Box::new(m20261201_000009_index_parked_outbox_rows::Migration),
             Box::new(m20261201_000010_create_lock_order::Migration),
+            Box::new(m20261206_000011_create_partition_owner::Migration),
         ]
     }
 }
