@@ -164,6 +164,10 @@ pub enum ErrorKind {
     Transient,
     /// Nothing was applied and every attempt would fail the same way: dead-letter it now.
     Permanent(Refusal),
+    /// On a shard, the database does not own the message's partition and applied nothing:
+    /// the message is another shard's to decide. Retried without counting against it, never
+    /// dead-lettered.
+    NotOwned,
     /// This program broke one of its own invariants: a bug, not the weather. Neither a retry
     /// nor a dead letter is right; the process stops for its supervisor to restart it.
     Internal,

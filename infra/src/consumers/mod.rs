@@ -19,6 +19,7 @@ pub mod natural_sqlite;
 
 use std::borrow::Cow;
 use std::future::Future;
+use std::num::NonZeroU32;
 
 use inventory_domain::{
     BookId, ConsumerName, DeadLetterReason, ErrorKind, Event, EventKind, Message, OrderCancelled,
@@ -105,6 +106,19 @@ impl NaturalKey {
             path,
             consumer,
             faults: Faults::none(),
+        }
+    }
+
+    /// The same handler on a shard whose orders stream has `partitions` partitions: a placement
+    /// of a book whose partition this database does not own decides nothing
+    /// ([`HandleError::NotOwned`]). `None` on SQLite: a shard is a PostgreSQL database.
+    pub fn on_shard(&self, partitions: NonZeroU32) -> Option<Self> {
+        match &self.path {
+            Path::Postgres(path) => Some(Self {
+                path: Path::Postgres(path.on_shard(partitions)),
+                ..self.clone()
+            }),
+            Path::Sqlite(_) => None,
         }
     }
 

@@ -235,6 +235,7 @@ impl<H: MessageHandler> Worker<H> {
             ErrorKind::Permanent(_) => tracing::warn!(%error, "permanent failure"),
             ErrorKind::Internal => tracing::error!(%error, "broken invariant; stopping"),
             ErrorKind::Transient => tracing::warn!(%error, "transient failure"),
+            ErrorKind::NotOwned => tracing::info!(%error, "not owned here"),
         }
         kind
     }
