@@ -24,7 +24,7 @@ use async_nats::jetstream::stream::{
 };
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use backon::{ExponentialBuilder, Retryable as _};
-use inventory_domain::EventKind;
+use inventory_domain::{Event, EventKind};
 use secrecy::{ExposeSecret as _, SecretString};
 
 pub use backstop::{Backstop, advisories_stream};
@@ -138,8 +138,15 @@ impl Default for Topology {
 }
 
 impl Topology {
+    /// The subject of `kind` that names no book: `orders.placed`, `orders.cancelled`.
     pub fn subject(&self, kind: EventKind) -> String {
         format!("{}.{}", self.subject_prefix, kind.subject_token())
+    }
+
+    /// The subject a producer publishes `event` on: a placement's names its book
+    /// (`orders.placed.<book_id>`), for a sharded stream to route it by.
+    pub fn subject_of(&self, event: &Event) -> String {
+        format!("{}.{}", self.subject_prefix, event.subject_below_prefix())
     }
 
     pub fn dlq_subject(&self, consumer: &str) -> String {

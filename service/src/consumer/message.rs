@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use inventory_domain::{Acked, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome};
+use inventory_domain::{Acked, DeadLetterReason, Effect, ErrorKind, Message, Outcome, Subject};
 use inventory_infra::db::{self, NoAnswer};
 use inventory_infra::delivery::{self, Delivery};
 use inventory_infra::jetstream::{DeadLetters, Origin};
@@ -183,13 +183,20 @@ impl<H: MessageHandler> Worker<H> {
                 ),
             ));
         }
-        let kind = EventKind::from_subject(&message.subject).ok_or_else(|| {
+        let subject = Subject::parse(&message.subject).ok_or_else(|| {
             (
                 DeadLetterReason::Invalid,
                 format!("subject {} carries no order event", message.subject),
             )
         })?;
-        Message::decode(kind, &message.payload).map_err(|error| (error.reason(), error.to_string()))
+        let decoded = Message::decode(subject.kind, &message.payload)
+            .map_err(|error| (error.reason(), error.to_string()))?;
+        // A subject that routed the message by a book other than the body's sent it where
+        // another book's stock is decided.
+        subject
+            .check(&decoded.event)
+            .map_err(|mismatch| (DeadLetterReason::Invalid, mismatch))?;
+        Ok(decoded)
     }
 
     /// Asks the policy what becomes of the handler's answer, and does it.
