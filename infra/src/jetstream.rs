@@ -1,10 +1,12 @@
 //! NATS JetStream adapters: the streams and durable consumers of the contract, what the stream
 //! said to a publish ([`PublishReceipt`]), the dead letters (their format, writer and
-//! reader in `dead_letter`), and the backstop that dead-letters what a consumer's own delivery
-//! cap made the server give up on (`backstop`).
+//! reader in `dead_letter`), the backstop that dead-letters what a consumer's own delivery
+//! cap made the server give up on (`backstop`), and stock sharded by book: the partition
+//! transform, the assignment bucket ([`Shards`]) and `shard init` (`shards`).
 
 mod backstop;
 mod dead_letter;
+mod shards;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -29,6 +31,12 @@ use secrecy::{ExposeSecret as _, SecretString};
 
 pub use backstop::{Backstop, advisories_stream};
 pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, Waiting, dlq_headers};
+pub use shards::{
+    Assignment, Claim, InitError, InitReport, InitSettings, Owner, Partitioning, Shards,
+    consumer_states, init, partition_consumer, partition_filter, partition_key,
+    partition_transform, partitioning, server_version, shards_bucket, unroutable_consumer,
+    unroutable_filters,
+};
 
 /// A NATS or JetStream call that failed, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +45,17 @@ pub struct NatsError {
     doing: String,
     #[source]
     source: async_nats::Error,
+}
+
+impl NatsError {
+    /// What this service found on the server and refuses to work with, as an error of what was
+    /// being done.
+    pub(crate) fn found(doing: impl Into<String>, what: impl Into<String>) -> Self {
+        Self {
+            doing: doing.into(),
+            source: what.into().into(),
+        }
+    }
 }
 
 /// Wraps an async-nats error with what was being done.

@@ -14,6 +14,8 @@
 //! - [`jetstream`]: the streams and durable consumers, which failed set-up request is worth
 //!   asking again, and the dead-letter format: its headers and ids, the publisher,
 //!   and `DeadLetter`, one read back from the dead-letter stream.
+//! - [`partition_owner`]: `PartitionOwners`, the partitions a shard's database owns, as
+//!   `shard assign` records them.
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`periodic`]: the loop of the watchers that read a figure now and then.
@@ -29,6 +31,7 @@ pub mod entities;
 pub mod faults;
 pub mod jetstream;
 pub mod outbox;
+pub mod partition_owner;
 pub mod periodic;
 pub mod redact;
 pub mod stock;

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::args::{
     DatabaseArgs, DatabaseUrlArgs, NatsArgs, ProgramArgs, REPLAY_ALLOWANCE, TopologyArgs,
 };
-use crate::{dlq, relay, serve, study};
+use crate::{dlq, relay, serve, shard, study};
 
 /// `inventory --version`: the release, the commit it was built from and the build's date.
 fn version() -> String {
@@ -64,6 +64,12 @@ pub enum Command {
     Dlq {
         #[command(subcommand)]
         command: Box<DlqCommand>,
+    },
+    /// Stock sharded by book: sharding the orders stream, assigning its partitions to shards,
+    /// where each partition and book is.
+    Shard {
+        #[command(subcommand)]
+        command: Box<shard::ShardCommand>,
     },
     /// Runs the JetStream subscriber until SIGINT or SIGTERM, then drains.
     Serve(Box<serve::ServeCommand>),
@@ -233,6 +239,7 @@ pub async fn run(cli: Cli) -> Result<bool> {
         Command::Stock { command } => run_stock(command).await.map(|()| true),
         Command::Inbox(args) => study::forward("inbox", args),
         Command::Dlq { command } => run_dlq(*command).await.map(|()| true),
+        Command::Shard { command } => shard::run(*command).await,
         Command::Serve(args) => serve::start(*args).await,
         Command::Relay(args) => relay::run(*args).await,
         Command::Outbox { command } => relay::run_outbox(command).await.map(|()| true),

@@ -17,6 +17,7 @@
 //! - [`relay`]: the outbox relay: `inventory relay`, the one `serve --strategy natural` runs
 //!   beside its lanes, and `inventory outbox parked|retry`.
 //! - [`dlq`]: listing, replaying and deleting dead letters.
+//! - [`shard`]: `inventory shard init|assign|status|of`, stock sharded by book.
 //! - [`retention`]: the flags of the redelivery horizon, shared by `serve` and `inbox purge`,
 //!   which the study's inbox purge checks its retention against.
 //! - [`study`]: `inventory demo|compare|bench`, the producers `publish` and `orders`, and
@@ -57,6 +58,7 @@ pub mod metrics;
 pub mod relay;
 pub mod retention;
 pub mod serve;
+pub mod shard;
 pub mod shutdown;
 pub mod study;
 pub mod telemetry;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use inventory_domain::ConsumerName;
 use inventory_infra::db::{self, DatabaseConnection, DbBackend};
-use inventory_infra::jetstream::{self, ConsumerSettings};
+use inventory_infra::jetstream::{self, ConsumerSettings, Topology};
 use inventory_infra::outbox::{OutboxSource, RelaySettings};
 use inventory_infra::periodic::Every;
 use inventory_infra::redact::redact_url;
@@ -279,6 +279,24 @@ pub async fn start(command: ServeCommand) -> anyhow::Result<bool> {
     start_with(command.args, NaturalKeyServed).await
 }
 
+/// An unsharded `serve` on a sharded stream would decide every partition's messages beside
+/// their shards, and would recreate the unsharded consumer `shard init` retired: once the
+/// assignment bucket exists it does not start.
+async fn refuse_if_sharded(js: &jetstream::Context, topology: &Topology) -> anyhow::Result<()> {
+    let shards = jetstream::Shards::open(js, topology).await.context(
+        "checking whether the orders stream is sharded (an unsharded `inventory serve` does not \
+         start on a sharded stream; `inventory serve --shard NAME` does)",
+    )?;
+    if shards.is_some() {
+        anyhow::bail!(
+            "stream {} is sharded (bucket {} exists): an unsharded `inventory serve` would decide              every shard's partitions; run `inventory serve --shard NAME` for each shard instead",
+            topology.stream,
+            jetstream::shards_bucket(topology)
+        );
+    }
+    Ok(())
+}
+
 /// `serve` running `served`: wiring, then the runtime until a signal. Ok(true) when it drained
 /// cleanly.
 pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<bool> {
@@ -322,6 +340,7 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
     })?;
     let client = args.nats.connect("inventory serve").await?;
     let js = jetstream::context(client.clone());
+    refuse_if_sharded(&js, &args.topology.topology()).await?;
     let settings = args.runtime_settings(db.get_database_backend(), &served);
     let consumer_name = settings.consumer.durable_name.clone();
     let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;

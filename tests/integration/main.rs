@@ -37,6 +37,7 @@ mod retries;
 mod routing;
 mod secure;
 mod serve;
+mod shards;
 mod silent_network;
 
 use inventory_benches::faults;

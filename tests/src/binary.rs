@@ -91,7 +91,7 @@ impl BinaryRun {
         let mut command = Command::new(&self.binary);
         command.args(args);
         let first = args.first().copied().unwrap_or_default();
-        if ["serve", "publish", "dlq", "relay", "inbox"].contains(&first) {
+        if ["serve", "publish", "dlq", "relay", "inbox", "shard"].contains(&first) {
             command.args(self.topology_args());
         }
         command

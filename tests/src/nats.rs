@@ -8,10 +8,11 @@
 //!   for tests that never restart it; [`unique_names`] keeps their streams apart.
 //!
 //! The binary is `NATS_SERVER_BIN` if set, else `nats-server` on `PATH`, else Debian's
-//! `/usr/sbin/nats-server`.
+//! `/usr/sbin/nats-server`; a test that needs a version ([`binary_since_2_10`],
+//! [`binary_before_2_10`]) looks among those and the current server `scripts/test.sh` installs.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,50 @@ pub fn server_binary() -> PathBuf {
         return bin.into();
     }
     on_path("nats-server").unwrap_or_else(|| PathBuf::from("/usr/sbin/nats-server"))
+}
+
+/// The `(major, minor)` version of the nats-server binary `bin`, from `--version`.
+pub fn binary_version(bin: &Path) -> Option<(u32, u32)> {
+    let output = Command::new(bin).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let (_, version) = text.trim().rsplit_once('v')?;
+    let mut parts = version.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+/// The first of these that runs: `NATS_SERVER_BIN`, `nats-server` on `PATH`, Debian's, and the
+/// current server `scripts/test.sh` installs under the workspace's `target/nats-current`.
+fn server_binaries() -> Vec<PathBuf> {
+    let current =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/nats-current/bin/nats-server");
+    std::env::var_os("NATS_SERVER_BIN")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(on_path("nats-server"))
+        .chain([PathBuf::from("/usr/sbin/nats-server"), current])
+        .filter(|bin| bin.is_file())
+        .collect()
+}
+
+/// A nats-server binary of 2.10 or later (stream subject transforms, which sharding needs), or
+/// why there is none: the fast tier also runs where `NATS_SERVER_BIN` is Debian's 2.9.10.
+pub fn binary_since_2_10() -> Result<PathBuf, String> {
+    server_binaries()
+        .into_iter()
+        .find(|bin| binary_version(bin).is_some_and(|version| version >= (2, 10)))
+        .ok_or_else(|| {
+            "no nats-server 2.10 or later (NATS_SERVER_BIN, PATH, target/nats-current; \
+             scripts/test.sh installs one)"
+                .to_owned()
+        })
+}
+
+/// A nats-server binary older than 2.10, or why there is none.
+pub fn binary_before_2_10() -> Result<PathBuf, String> {
+    server_binaries()
+        .into_iter()
+        .find(|bin| binary_version(bin).is_some_and(|version| version < (2, 10)))
+        .ok_or_else(|| "no nats-server older than 2.10 (Debian's is 2.9.10)".to_owned())
 }
 
 /// What "ready" means for a starting server.
@@ -92,6 +137,11 @@ impl NatsServer {
         Self::start_configured(None, &[]).await
     }
 
+    /// [`NatsServer::start`] with the binary `bin`, e.g. [`binary_since_2_10`]'s.
+    pub async fn start_binary(bin: &Path) -> Self {
+        Self::start_from(bin, None, &[]).await
+    }
+
     /// [`NatsServer::start`] with more nats-server options (authentication, TLS).
     pub async fn start_with_args(args: &[&str]) -> Self {
         Self::start_configured(None, args).await
@@ -105,11 +155,16 @@ impl NatsServer {
     }
 
     async fn start_configured(config: Option<&str>, args: &[&str]) -> Self {
+        Self::start_from(&server_binary(), config, args).await
+    }
+
+    async fn start_from(bin: &Path, config: Option<&str>, args: &[&str]) -> Self {
         let mut failure = String::new();
         for _ in 0..START_ATTEMPTS {
             let [port, monitor_port] = free_ports();
             let name = format!("inventory-test-{port}");
             let mut server = Self::new(name, port, monitor_port, None);
+            server.bin = bin.to_owned();
             server.extra_args = args.iter().map(|arg| (*arg).to_owned()).collect();
             if let Some(config) = config {
                 let path = server.dir.join("server.conf");
