@@ -406,7 +406,8 @@ fn is_consumer_not_found(error: &ConsumerInfoError) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConsumerSettings {
     pub durable_name: String,
-    pub filter_subject: String,
+    /// The subjects it reads: one, as every server takes it, or several (nats-server 2.10+).
+    pub filters: Vec<String>,
     pub ack_wait: Duration,
     pub max_deliver: i64,
     /// Redelivery delays after an ack wait runs out (JetStream `backoff`); empty for none.
@@ -435,9 +436,15 @@ async fn ensure_consumer_once(
     update: bool,
 ) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {
     let doing = format!("setting up consumer {}", settings.durable_name);
+    // One filter in the field every server knows; several where only 2.10 and later look.
+    let (filter_subject, filter_subjects) = match settings.filters.as_slice() {
+        [one] => (one.clone(), Vec::new()),
+        several => (String::new(), several.to_vec()),
+    };
     let wanted = consumer::pull::Config {
         durable_name: Some(settings.durable_name.clone()),
-        filter_subject: settings.filter_subject.clone(),
+        filter_subject,
+        filter_subjects,
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.ack_wait,
         max_deliver: settings.max_deliver,
@@ -473,6 +480,7 @@ async fn ensure_consumer_once(
         wanted,
         [
             filter_subject,
+            filter_subjects,
             ack_policy,
             ack_wait,
             max_deliver,

@@ -63,6 +63,14 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
         self.handle_each(messages)
     }
 
+    /// Whether this handler's database decides `message`: on a shard, whether it owns the
+    /// partition of a placement's book. Asked before a delivery past the cap is dead-lettered
+    /// unhandled: another shard's message is theirs. By default, always.
+    fn decides(&self, message: &Message) -> impl Future<Output = Result<bool, HandleError>> + Send {
+        let _ = message;
+        std::future::ready(Ok(true))
+    }
+
     /// Each message on its own, one after another: what a handler without a batch path does
     /// with a batch.
     fn handle_each(
@@ -198,6 +206,13 @@ impl NaturalKey {
 }
 
 impl MessageHandler for NaturalKey {
+    async fn decides(&self, message: &Message) -> Result<bool, HandleError> {
+        match (&self.path, &message.event) {
+            (Path::Postgres(path), Event::Placed(placed)) => path.owns(placed.book_id).await,
+            _ => Ok(true),
+        }
+    }
+
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
         let outcome = match &message.event {

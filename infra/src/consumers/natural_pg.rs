@@ -209,6 +209,9 @@ WHERE book_id IN (
 ORDER BY book_id
 FOR UPDATE";
 
+/// Whether this database owns a partition ($1), outside any placement.
+pub const OWNS_SQL: &str = "SELECT owns_partition($1)";
+
 /// The order's lock, taken after its books' (`lock_order`'s migration says what it reads).
 pub const LOCK_ORDER_SQL: &str = "SELECT lock_order($1)";
 
@@ -297,6 +300,22 @@ impl PgNaturalKey {
             *slot = Some(connection);
         }
         result
+    }
+
+    /// Whether this database owns `book`'s partition: always, unsharded.
+    pub(super) async fn owns(&self, book: BookId) -> Result<bool, HandleError> {
+        let Some(partitions) = self.partitions else {
+            return Ok(true);
+        };
+        let partition = shard_partition(book, partitions)?;
+        self.with_connection(async |connection| {
+            sqlx::query_scalar(OWNS_SQL)
+                .bind(partition)
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(HandleError::from_sqlx)
+        })
+        .await
     }
 
     /// One placement, through the statement alone.

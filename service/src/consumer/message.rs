@@ -158,6 +158,7 @@ impl<H: MessageHandler> Worker<H> {
         span.record("stream_seq", origin.stream_sequence);
         span.record("delivered", origin.deliveries);
         if let Some(action) = policy::admit(origin.deliveries, &self.lanes.retry) {
+            let action = self.unless_another_shards(message, action).await;
             return Admitted::Settled(self.perform(message, &origin, action).await);
         }
         match self.decode(message) {
@@ -169,6 +170,23 @@ impl<H: MessageHandler> Worker<H> {
                 let action = Action::DeadLetter { reason, detail };
                 Admitted::Settled(self.perform(message, &origin, action).await)
             }
+        }
+    }
+
+    /// `action`, the dead letter of a delivery past the cap, unless the message is another
+    /// shard's: handed here past the cap (this instance's view of the assignment lags), it is
+    /// theirs to decide, or to dead-letter, and goes back soon, as a "not owned" placement
+    /// does. One that cannot be decoded or asked about keeps its dead letter.
+    async fn unless_another_shards(&self, message: &Delivery, action: Action) -> Action {
+        match self.decode(message) {
+            Ok(decoded) if matches!(self.handler.decides(&decoded).await, Ok(false)) => {
+                policy::decide(
+                    Err((&ErrorKind::NotOwned, "not owned")),
+                    0,
+                    &self.lanes.retry,
+                )
+            }
+            _ => action,
         }
     }
 
