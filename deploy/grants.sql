@@ -11,8 +11,9 @@ GRANT USAGE ON SCHEMA public TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON
     stock_items, stock_reservations, inbox, order_states, reservation_log,
     outbox, outbox_leases, outbox_relays, orders, order_lines, orders_outbox,
-    partition_owner
+    partition_owner, line_cancellations
     TO :"role";
 GRANT SELECT ON seaql_migrations TO :"role";
 GRANT USAGE ON SEQUENCE outbox_seq_seq, orders_outbox_seq_seq TO :"role";
-GRANT EXECUTE ON FUNCTION lock_order(uuid), owns_partition(smallint) TO :"role";
+GRANT EXECUTE ON FUNCTION lock_order(uuid), owns_partition(smallint), lock_line(uuid, uuid)
+    TO :"role";

@@ -17,7 +17,10 @@ impl PayloadHash {
                 "placed|{}|{}|{}",
                 placed.order_id, placed.book_id, placed.quantity
             ),
-            Event::Cancelled(cancelled) => format!("cancelled|{}", cancelled.order_id),
+            Event::Cancelled(cancelled) => match cancelled.book_id {
+                None => format!("cancelled|{}", cancelled.order_id),
+                Some(book) => format!("cancelled|{}|{book}", cancelled.order_id),
+            },
             Event::StockReserved(reserved) => format!(
                 "stock-reserved|{}|{}|{}",
                 reserved.order_id, reserved.book_id, reserved.quantity

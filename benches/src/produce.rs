@@ -15,6 +15,9 @@ pub trait Produce: Sized {
     /// A new OrderCancelled of `order_id` under a new message id.
     fn cancelled(order_id: OrderId) -> Self;
 
+    /// A new OrderCancelled of one line of `order_id`, by its book.
+    fn cancelled_line(order_id: OrderId, book_id: BookId) -> Self;
+
     /// The cancellation of this message's order, in the same conversation (correlation id).
     fn cancellation(&self) -> Self;
 
@@ -37,7 +40,17 @@ impl Produce for Message {
     }
 
     fn cancelled(order_id: OrderId) -> Self {
-        new(Event::Cancelled(OrderCancelled { order_id }))
+        new(Event::Cancelled(OrderCancelled {
+            order_id,
+            book_id: None,
+        }))
+    }
+
+    fn cancelled_line(order_id: OrderId, book_id: BookId) -> Self {
+        new(Event::Cancelled(OrderCancelled {
+            order_id,
+            book_id: Some(book_id),
+        }))
     }
 
     fn cancellation(&self) -> Self {
@@ -93,7 +106,10 @@ mod tests {
         let cancellation = placed.cancellation();
         assert_eq!(
             cancellation.event,
-            Event::Cancelled(OrderCancelled { order_id: order })
+            Event::Cancelled(OrderCancelled {
+                order_id: order,
+                book_id: None,
+            })
         );
         assert_eq!(cancellation.correlation_id.as_deref(), Some("checkout-1"));
         assert_ne!(cancellation.key, placed.key);

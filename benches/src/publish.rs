@@ -218,7 +218,10 @@ fn messages(event: &PublishEvent) -> Result<(Vec<Message>, bool)> {
                 key: message_id(given_id)?,
                 correlation_id,
                 occurred_at: Some(chrono_now()),
-                event: Event::Cancelled(OrderCancelled { order_id }),
+                event: Event::Cancelled(OrderCancelled {
+                    order_id,
+                    book_id: None,
+                }),
             }],
             resend_with_new_id,
         )),

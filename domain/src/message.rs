@@ -108,21 +108,19 @@ impl<'a> Subject<'a> {
 
     /// Whether what the subject says agrees with `event`: a subject that names a book names
     /// the body's, spelled as producers must spell it (the canonical lowercase form the
-    /// partition is hashed from), and only a placement's subject names one (a cancellation per
-    /// order line is not taken yet). The error says what differs.
+    /// partition is hashed from). The error says what differs.
     pub fn check(&self, event: &Event) -> Result<(), String> {
         let Some(token) = self.book else {
             return Ok(());
         };
-        match event {
-            Event::Placed(placed) if token == placed.book_id.to_string() => Ok(()),
-            Event::Placed(placed) => Err(format!(
-                "the subject names book {token:?}, the body book {}",
-                placed.book_id
+        match event.book_id() {
+            Some(book) if token == book.to_string() => Ok(()),
+            Some(book) => Err(format!(
+                "the subject names book {token:?}, the body book {book}"
             )),
-            _ => Err(format!(
-                "a {} subject names book {token:?}: only a placement's subject names a book",
-                self.kind.subject_token()
+            None => Err(format!(
+                "the subject names book {token:?} and the body none: a cancellation of one line \
+                 carries its book_id"
             )),
         }
     }
@@ -138,6 +136,10 @@ pub struct OrderPlaced {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrderCancelled {
     pub order_id: OrderId,
+    /// The one line cancelled, by its book; `None`: the whole order. A line's cancellation
+    /// touches only the reservation keyed `(order_id, book_id)` and lives on its book's shard;
+    /// the order's needs the whole order in one database.
+    pub book_id: Option<BookId>,
 }
 
 /// Inventory reserved stock for an order: what the email notifier mails about.
@@ -164,12 +166,23 @@ impl Event {
         }
     }
 
-    /// Its subject below the orders stream's prefix: a placement's names its book
-    /// (`placed.<book_id>`), so that a sharded stream can route it by book; a cancellation's is
-    /// the order's (`cancelled`).
-    pub fn subject_below_prefix(&self) -> String {
+    /// The book it concerns: a placement's, a line's cancellation's; `None` for an order's.
+    pub fn book_id(&self) -> Option<BookId> {
         match self {
-            Self::Placed(placed) => format!("{}.{}", self.kind().subject_token(), placed.book_id),
+            Self::Placed(placed) => Some(placed.book_id),
+            Self::Cancelled(cancelled) => cancelled.book_id,
+            Self::StockReserved(reserved) => Some(reserved.book_id),
+        }
+    }
+
+    /// Its subject below the orders stream's prefix: one that concerns a book names it
+    /// (`placed.<book_id>`, `cancelled.<book_id>`), so that a sharded stream can route it by
+    /// book; an order's cancellation is the order's (`cancelled`).
+    pub fn subject_below_prefix(&self) -> String {
+        match (self, self.book_id()) {
+            (Self::Placed(_) | Self::Cancelled(_), Some(book)) => {
+                format!("{}.{book}", self.kind().subject_token())
+            }
             _ => self.kind().subject_token().to_owned(),
         }
     }
@@ -298,7 +311,10 @@ impl EventFields<'_> {
                     quantity: Quantity::new(quantity)?,
                 })
             }
-            EventKind::Cancelled => Event::Cancelled(OrderCancelled { order_id }),
+            EventKind::Cancelled => Event::Cancelled(OrderCancelled {
+                order_id,
+                book_id: self.book_id.as_deref().map(BookId::parse).transpose()?,
+            }),
             EventKind::StockReserved => {
                 return Err(DecodeError::Invalid(
                     "StockReserved comes only as Inventory's event body".into(),
@@ -407,9 +423,18 @@ impl Message {
         let mut body = serde_json::Map::new();
         body.insert("message_id".into(), message_id.as_str().into());
         body.insert("order_id".into(), self.event.order_id().to_string().into());
-        if let Event::Placed(placed) = &self.event {
-            body.insert("book_id".into(), placed.book_id.to_string().into());
-            body.insert("quantity".into(), placed.quantity.get().into());
+        match &self.event {
+            Event::Placed(placed) => {
+                body.insert("book_id".into(), placed.book_id.to_string().into());
+                body.insert("quantity".into(), placed.quantity.get().into());
+            }
+            Event::Cancelled(OrderCancelled {
+                book_id: Some(book_id),
+                ..
+            }) => {
+                body.insert("book_id".into(), book_id.to_string().into());
+            }
+            _ => {}
         }
         if let Some(correlation_id) = &self.correlation_id {
             body.insert("correlation_id".into(), correlation_id.as_str().into());
@@ -682,16 +707,29 @@ mod tests {
                 .check(&event)
                 .is_err()
         );
-        let cancelled = Event::Cancelled(OrderCancelled {
+        let order = Event::Cancelled(OrderCancelled {
             order_id: event.order_id(),
+            book_id: None,
         });
-        assert_eq!(cancelled.subject_below_prefix(), "cancelled");
-        assert!(parsed.check(&cancelled).is_err());
-        assert_eq!(
-            Subject::parse("orders.placed")
-                .expect("parses")
-                .check(&cancelled),
-            Ok(())
+        assert_eq!(order.subject_below_prefix(), "cancelled");
+        assert!(
+            parsed.check(&order).is_err(),
+            "a subject naming a book, a body none"
         );
+        let plain = Subject::parse("orders.cancelled").expect("parses");
+        assert_eq!(plain.check(&order), Ok(()));
+        let line = Event::Cancelled(OrderCancelled {
+            order_id: event.order_id(),
+            book_id: event.book_id(),
+        });
+        let subject = format!("orders.{}", line.subject_below_prefix());
+        assert_eq!(
+            subject,
+            "orders.cancelled.0b5e2c1a-9f3d-4c7e-8a61-2d4f6b8c0e1a"
+        );
+        let parsed_line = Subject::parse(&subject).expect("parses");
+        assert_eq!(parsed_line.check(&line), Ok(()));
+        let elsewhere = Subject::parse(&other).expect("parses");
+        assert!(elsewhere.check(&line).is_err());
     }
 }

@@ -25,6 +25,9 @@
 //! - `m20261206_000011_create_partition_owner`: on a shard, the partitions of the orders stream
 //!   its database owns, and `owns_partition(partition_id)` on PostgreSQL, which a placement
 //!   asks under its stock rows' locks (docs/scaling.md).
+//! - `m20261206_000012_create_line_cancellations`: one row per cancelled order line, and
+//!   `lock_line(order_id, book_id)` on PostgreSQL, the order's lock that a placement takes,
+//!   reading whether its order or its line is cancelled.
 
 pub use sea_orm_migration::prelude::*;
 
@@ -33,7 +36,7 @@ pub use sea_orm_migration::prelude::*;
 /// commands run with `--skip-migrations` check it at start (infra's `db::open`).
 pub mod grants {
     /// SELECT, INSERT, UPDATE and DELETE on each.
-    pub const TABLES: [&str; 12] = [
+    pub const TABLES: [&str; 13] = [
         "stock_items",
         "stock_reservations",
         "inbox",
@@ -46,13 +49,18 @@ pub mod grants {
         "order_lines",
         "orders_outbox",
         "partition_owner",
+        "line_cancellations",
     ];
     /// SELECT only: which migrations are applied.
     pub const MIGRATIONS_TABLE: &str = "seaql_migrations";
     /// USAGE: the outboxes' `seq` (bigserial) columns take their next value from these.
     pub const SEQUENCES: [&str; 2] = ["outbox_seq_seq", "orders_outbox_seq_seq"];
     /// EXECUTE (PUBLIC holds it unless revoked).
-    pub const FUNCTIONS: [&str; 2] = ["lock_order(uuid)", "owns_partition(smallint)"];
+    pub const FUNCTIONS: [&str; 3] = [
+        "lock_order(uuid)",
+        "owns_partition(smallint)",
+        "lock_line(uuid, uuid)",
+    ];
 }
 
 mod m20261130_000001_create_stock_items;
@@ -66,6 +74,7 @@ mod m20261201_000008_create_orders;
 mod m20261201_000009_index_parked_outbox_rows;
 mod m20261201_000010_create_lock_order;
 mod m20261206_000011_create_partition_owner;
+mod m20261206_000012_create_line_cancellations;
 mod outbox_table;
 
 pub struct Migrator;
@@ -85,6 +94,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000009_index_parked_outbox_rows::Migration),
             Box::new(m20261201_000010_create_lock_order::Migration),
             Box::new(m20261206_000011_create_partition_owner::Migration),
+            Box::new(m20261206_000012_create_line_cancellations::Migration),
         ]
     }
 }

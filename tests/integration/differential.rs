@@ -43,6 +43,8 @@ enum Kind {
     NewMessageId,
     CancellationBeforePlacement,
     CancellationAfterPlacement,
+    LineCancellationBeforePlacement,
+    LineCancellationAfterPlacement,
     Restock,
 }
 
@@ -93,16 +95,21 @@ impl Sequence {
                 (Kind::NewMessageId, Step::Deliver(message))
             } else if roll < 38 {
                 let order_id = *orders.choose(&mut rng).unwrap();
-                let kind = if placed.contains(&order_id) {
-                    Kind::CancellationAfterPlacement
-                } else {
-                    Kind::CancellationBeforePlacement
+                // Half of them cancel one line of the order, by its book: only that line.
+                let book_id = rng
+                    .random_bool(0.5)
+                    .then(|| books[rng.random_range(0..BOOKS)]);
+                let kind = match (book_id, placed.contains(&order_id)) {
+                    (None, true) => Kind::CancellationAfterPlacement,
+                    (None, false) => Kind::CancellationBeforePlacement,
+                    (Some(_), true) => Kind::LineCancellationAfterPlacement,
+                    (Some(_), false) => Kind::LineCancellationBeforePlacement,
                 };
                 let message = Message {
                     key: message_id(sent.len()),
                     correlation_id: None,
                     occurred_at: None,
-                    event: Event::Cancelled(OrderCancelled { order_id }),
+                    event: Event::Cancelled(OrderCancelled { order_id, book_id }),
                 };
                 sent.push(message.clone());
                 (kind, Step::Deliver(message))
@@ -194,9 +201,12 @@ impl Sequence {
                     "{} place {} {} x{}",
                     message.key, placed.order_id, placed.book_id, placed.quantity
                 ),
-                Event::Cancelled(cancelled) => {
-                    format!("{} cancel {}", message.key, cancelled.order_id)
-                }
+                Event::Cancelled(cancelled) => match cancelled.book_id {
+                    None => format!("{} cancel {}", message.key, cancelled.order_id),
+                    Some(book) => {
+                        format!("{} cancel line {} {book}", message.key, cancelled.order_id)
+                    }
+                },
                 Event::StockReserved(reserved) => {
                     format!("{} stock reserved {}", message.key, reserved.order_id)
                 }
@@ -235,6 +245,8 @@ struct Model {
     reservations: BTreeMap<(OrderId, BookId), Reservation>,
     /// An `order_states` row, written by a cancellation only: the cancelling message's key.
     cancelled: BTreeMap<OrderId, String>,
+    /// A `line_cancellations` row, written by a line's first cancellation: its key.
+    lines_cancelled: BTreeMap<(OrderId, BookId), String>,
     /// The outbox: one event per decision, as [`ROWS_SQL`] prints it.
     events: Vec<String>,
 }
@@ -251,7 +263,7 @@ impl Model {
         let key = message.key.storage_key().into_owned();
         match &message.event {
             Event::Placed(placed) => self.place(key, placed),
-            Event::Cancelled(cancelled) => self.cancel(key, cancelled.order_id),
+            Event::Cancelled(cancelled) => self.cancel(key, cancelled),
             // Inventory's own event is not a stock consumer's.
             Event::StockReserved(_) => Outcome::refused(DeadLetterReason::Invalid, ""),
         }
@@ -266,7 +278,9 @@ impl Model {
         let Some(stock) = self.stock.get_mut(&placed.book_id) else {
             return Outcome::refused(DeadLetterReason::UnknownBook, "");
         };
-        let (status, effect) = if self.cancelled.contains_key(&placed.order_id) {
+        let (status, effect) = if self.cancelled.contains_key(&placed.order_id)
+            || self.lines_cancelled.contains_key(&reservation_key)
+        {
             (
                 ReservationStatus::Released,
                 Effect::ArrivedAfterCancellation,
@@ -299,18 +313,28 @@ impl Model {
         Outcome::Processed(effect)
     }
 
-    /// Cancelled once; what the order holds goes back to stock.
-    fn cancel(&mut self, key: String, order: OrderId) -> Outcome {
-        if self.cancelled.contains_key(&order) {
+    /// Cancelled once; what the order holds goes back to stock. A line: cancelled once, and
+    /// only what the line holds goes back.
+    fn cancel(&mut self, key: String, cancelled: &OrderCancelled) -> Outcome {
+        let order = cancelled.order_id;
+        // Marked once, by the first cancellation's key: a later one changes nothing.
+        let first = match cancelled.book_id {
+            None => !self.cancelled.contains_key(&order),
+            Some(book) => !self.lines_cancelled.contains_key(&(order, book)),
+        };
+        if !first {
             return Outcome::Duplicate;
         }
-        self.cancelled.insert(order, key.clone());
+        match cancelled.book_id {
+            None => self.cancelled.insert(order, key.clone()),
+            Some(book) => self.lines_cancelled.insert((order, book), key.clone()),
+        };
         let mut copies = 0;
-        for ((_, book), reservation) in self
-            .reservations
-            .iter_mut()
-            .filter(|((o, _), r)| *o == order && r.status == ReservationStatus::Reserved)
-        {
+        for ((_, book), reservation) in self.reservations.iter_mut().filter(|((o, b), r)| {
+            *o == order
+                && cancelled.book_id.is_none_or(|line| line == *b)
+                && r.status == ReservationStatus::Reserved
+        }) {
             reservation.status = ReservationStatus::Released;
             let quantity = i64::from(reservation.quantity.get());
             if let Some(stock) = self.stock.get_mut(book) {
@@ -342,9 +366,12 @@ impl Model {
         });
         let orders =
             (self.cancelled.iter()).map(|(order, key)| format!("order {order} cancelled by {key}"));
+        let lines = (self.lines_cancelled.iter())
+            .map(|((order, book), key)| format!("line {order} {book} cancelled by {key}"));
         stock
             .chain(reservations)
             .chain(orders)
+            .chain(lines)
             .chain(self.events.iter().cloned())
             .collect()
     }
@@ -365,6 +392,9 @@ UNION ALL
 /* Every row: a placement writes none, so an open one is a difference. */
 SELECT 'order ' || order_id || coalesce(' cancelled by ' || cancel_message_id, ' open')
 FROM order_states WHERE order_id BETWEEN $1 AND $2
+UNION ALL
+SELECT 'line ' || order_id || ' ' || book_id || ' cancelled by ' || cancel_message_id
+FROM line_cancellations WHERE order_id BETWEEN $1 AND $2
 UNION ALL
 SELECT 'event ' || substr(subject, length('stock.') + 1)
        || coalesce(' available ' || (payload::jsonb ->> 'available'), '') || ' '
@@ -399,6 +429,9 @@ fn sqlite_rows_sql() -> String {
          UNION ALL
          SELECT 'order ' || {order} || coalesce(' cancelled by ' || cancel_message_id, ' open')
          FROM order_states WHERE order_id BETWEEN $1 AND $2
+         UNION ALL
+         SELECT 'line ' || {order} || ' ' || {book} || ' cancelled by ' || cancel_message_id
+         FROM line_cancellations WHERE order_id BETWEEN $1 AND $2
          UNION ALL
          SELECT 'event ' || substr(subject, length('stock.') + 1)
                 || coalesce(' available ' || json_extract(payload, '$.available'), '') || ' '

@@ -5,8 +5,9 @@
 
 use std::num::NonZeroU32;
 
+use inventory_benches::produce::Produce as _;
 use inventory_domain::shard::{DEFAULT_PARTITIONS, partition_of};
-use inventory_domain::{BookId, ConsumerName, DeadLetterReason, Effect, Outcome};
+use inventory_domain::{BookId, ConsumerName, DeadLetterReason, Effect, Message, Outcome};
 use inventory_infra::{HandleError, MessageHandler, NaturalKey};
 use inventory_tests::{Backend, TestDb, placed, placed_for};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
@@ -178,4 +179,35 @@ async fn sqlite_cannot_be_a_shard() {
     let db = TestDb::new(Backend::Sqlite).await;
     let handler = NaturalKey::new(&db.conn, ConsumerName::parse("shard-test").unwrap());
     assert!(handler.on_shard(PARTITIONS).is_none());
+}
+
+/// A line's cancellation lives on its book's shard: one whose partition the database does not
+/// own is not recorded there, and leaves the line's reservation alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_line_cancellation_in_a_partition_not_owned_changes_nothing() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let owned = db.dune(100).await;
+    let other = book_outside(&db, &[owned]).await;
+    own(&db, owned, "active").await;
+    let handler = on_shard(&db);
+    let unsharded = NaturalKey::new(&db.conn, ConsumerName::parse("plain").unwrap());
+    let placement = placed(other, 2);
+    assert!(unsharded.handle(&placement).await.unwrap().processed());
+
+    let order = placement.event.order_id();
+    let line = |book| Message::cancelled_line(order, book);
+    assert!(not_owned(&handler.handle(&line(other)).await));
+    assert_eq!(db.reserved(other).await, 2);
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM line_cancellations").await,
+        0
+    );
+    assert!(matches!(
+        handler.handle(&line(owned)).await.unwrap(),
+        Outcome::Processed(Effect::Released { copies: 0 })
+    ));
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM line_cancellations").await,
+        1
+    );
 }

@@ -34,19 +34,19 @@
 use chrono::Utc;
 use inventory_domain::stock::second_request_for_reservation as second_request;
 use inventory_domain::{
-    Effect, Event, Message, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity,
+    BookId, Effect, Event, Message, OrderCancelled, OrderId, OrderPlaced, Outcome, Quantity,
     ReservationDecision, ReservationStatus, StockEvent, StockEventKind,
 };
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, QueryFilter,
-    QueryOrder, QuerySelect, Set, Statement, TryInsertResult,
+    QueryOrder, QuerySelect, QueryTrait as _, Set, Statement, TryInsertResult,
 };
 use uuid::Uuid;
 
 use crate::db::begin_write;
 use crate::entities::{order_states, stock_reservations};
-use inventory_infra::consumers::{not_an_order_event, unknown_book};
+use inventory_infra::consumers::{MARK_LINE_CANCELLED_SQL, not_an_order_event, unknown_book};
 use inventory_infra::entities::stock_items;
 use inventory_infra::outbox;
 use inventory_infra::stock::{DataError, quantity_column, quantity_from};
@@ -86,7 +86,9 @@ impl StockConsumer {
         let Some(stock) = lock_stock(txn, placed.book_id).await? else {
             return Ok(unknown_book(placed.book_id));
         };
-        let decision = if lock_order(txn, placed.order_id).await? {
+        let cancelled = lock_order(txn, placed.order_id).await?
+            || line_cancelled(txn, placed.order_id, placed.book_id).await?;
+        let decision = if cancelled {
             None
         } else {
             Some(stock.decide_reservation(placed.quantity))
@@ -143,7 +145,16 @@ impl StockConsumer {
         cancelled: &OrderCancelled,
     ) -> Result<Option<Outcome>, HandleError> {
         let order = cancelled.order_id.as_uuid();
-        let books: Vec<Uuid> = held(txn, order).await?.iter().map(|r| r.book_id).collect();
+        // A line's cancellation locks its book's row whether or not the line holds stock, as
+        // the line's placement does.
+        let books: Vec<Uuid> = match cancelled.book_id {
+            None => held(txn, order, None)
+                .await?
+                .iter()
+                .map(|r| r.book_id)
+                .collect(),
+            Some(book) => vec![book.as_uuid()],
+        };
         if !books.is_empty() {
             stock_items::Entity::find()
                 .filter(stock_items::Column::BookId.is_in(books.iter().copied()))
@@ -153,6 +164,12 @@ impl StockConsumer {
                 .await?;
         }
         lock_order(txn, cancelled.order_id).await?;
+        if let Some(book) = cancelled.book_id {
+            if !mark_line(txn, cancelled.order_id, book, key).await? {
+                return Ok(Some(Outcome::Duplicate));
+            }
+            return self.release(txn, key, cancelled, books).await;
+        }
         let row = order_states::ActiveModel {
             order_id: Set(order),
             cancelled_at: Set(Some(Utc::now())),
@@ -178,9 +195,22 @@ impl StockConsumer {
         if !matches!(won, TryInsertResult::Inserted(rows) if rows > 0) {
             return Ok(Some(Outcome::Duplicate));
         }
+        self.release(txn, key, cancelled, books).await
+    }
+
+    /// What a cancellation marked releases: each reservation of the order (or of its line)
+    /// that holds stock, with its event. `None`: one of them is of a book not among `locked`
+    /// (a placement committed after the books were read); the caller starts over.
+    async fn release(
+        &self,
+        txn: &DatabaseTransaction,
+        key: &str,
+        cancelled: &OrderCancelled,
+        locked: Vec<Uuid>,
+    ) -> Result<Option<Outcome>, HandleError> {
         // No placement of the order can commit from here on: the order's lock is taken.
-        let held = held(txn, order).await?;
-        if held.iter().any(|r| !books.contains(&r.book_id)) {
+        let held = held(txn, cancelled.order_id.as_uuid(), cancelled.book_id).await?;
+        if held.iter().any(|r| !locked.contains(&r.book_id)) {
             return Ok(None);
         }
         self.faults.pass(CrashPoint::AfterDedupCheck).await?;
@@ -213,13 +243,17 @@ impl StockConsumer {
     }
 }
 
-/// The order's reservations that hold stock, by book.
+/// The order's reservations that hold stock, by book; only `book`'s, for a line.
 async fn held(
     conn: &impl ConnectionTrait,
     order: Uuid,
+    book: Option<BookId>,
 ) -> Result<Vec<stock_reservations::Model>, DbErr> {
     stock_reservations::Entity::find()
         .filter(stock_reservations::Column::OrderId.eq(order))
+        .apply_if(book, |query, book| {
+            query.filter(stock_reservations::Column::BookId.eq(book.as_uuid()))
+        })
         .filter(stock_reservations::Column::Status.eq(ReservationStatus::Reserved.as_str()))
         .order_by_asc(stock_reservations::Column::BookId)
         .all(conn)
@@ -244,6 +278,49 @@ async fn lock_order(conn: &impl ConnectionTrait, order: OrderId) -> Result<bool,
         .one(conn)
         .await?;
     Ok(state.is_some_and(|state| state.cancelled_at.is_some()))
+}
+
+/// Whether the line of `order` for `book` is cancelled; asked after the order's lock, so on
+/// PostgreSQL this statement's snapshot sees a cancellation committed while the lock was
+/// awaited.
+async fn line_cancelled(
+    conn: &impl ConnectionTrait,
+    order: OrderId,
+    book: BookId,
+) -> Result<bool, DbErr> {
+    let backend = conn.get_database_backend();
+    let row = conn
+        .query_one_raw(Statement::from_sql_and_values(
+            backend,
+            "SELECT count(*) AS cancelled FROM line_cancellations WHERE order_id = $1 AND book_id = $2",
+            [order.as_uuid().into(), book.as_uuid().into()],
+        ))
+        .await?
+        .ok_or_else(|| DbErr::RecordNotFound("count returned no row".into()))?;
+    Ok(row.try_get::<i64>("", "cancelled")? > 0)
+}
+
+/// The line's mark ([`MARK_LINE_CANCELLED_SQL`]): false when it was there already.
+async fn mark_line(
+    conn: &impl ConnectionTrait,
+    order: OrderId,
+    book: BookId,
+    key: &str,
+) -> Result<bool, DbErr> {
+    let backend = conn.get_database_backend();
+    let marked = conn
+        .execute_raw(Statement::from_sql_and_values(
+            backend,
+            MARK_LINE_CANCELLED_SQL,
+            [
+                order.as_uuid().into(),
+                book.as_uuid().into(),
+                Utc::now().into(),
+                key.into(),
+            ],
+        ))
+        .await?;
+    Ok(marked.rows_affected() > 0)
 }
 
 /// The quantity of the order's reservation of this book, if it has one.

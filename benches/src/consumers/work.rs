@@ -6,7 +6,10 @@ use inventory_domain::{
     BookId, Effect, Event, OrderPlaced, Outcome, ReservationDecision, ReservationStatus, StockItem,
 };
 use sea_orm::sea_query::{Expr, ExprTrait};
-use sea_orm::{ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QuerySelect, Set};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QuerySelect, QueryTrait as _,
+    Set,
+};
 use uuid::Uuid;
 
 use crate::entities::reservation_log;
@@ -25,8 +28,12 @@ pub async fn apply_logged(
     match event {
         Event::Placed(placed) => reserve_logged(conn, message_key, placed).await,
         Event::Cancelled(cancelled) => {
+            // A line's cancellation releases only its book's rows.
             let rows = reservation_log::Entity::find()
                 .filter(reservation_log::Column::OrderId.eq(cancelled.order_id.as_uuid()))
+                .apply_if(cancelled.book_id, |query, book| {
+                    query.filter(reservation_log::Column::BookId.eq(book.as_uuid()))
+                })
                 .filter(reservation_log::Column::Status.eq(ReservationStatus::Reserved.as_str()))
                 .lock_exclusive()
                 .all(conn)

@@ -41,6 +41,18 @@ ON CONFLICT (order_id) DO UPDATE
 SET cancelled_at = excluded.cancelled_at, cancel_message_id = excluded.cancel_message_id
 WHERE order_states.cancelled_at IS NULL";
 
+/// A line's cancellation's mark: the line's one `line_cancellations` row, written once. A second
+/// cancellation of the line, under any message id, writes no row: a duplicate.
+pub const MARK_LINE_CANCELLED_SQL: &str = "\
+INSERT INTO line_cancellations (order_id, book_id, cancelled_at, cancel_message_id)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (order_id, book_id) DO NOTHING";
+
+/// The reservation a line's cancellation releases: the line's ($1, $2), if it holds stock.
+pub const HELD_LINE_SQL: &str = "\
+SELECT book_id, quantity FROM stock_reservations
+WHERE order_id = $1 AND book_id = $2 AND status = 'reserved'";
+
 /// The reservations a cancellation releases, by book: those of its order that hold stock.
 pub const HELD_SQL: &str = "\
 SELECT book_id, quantity FROM stock_reservations

@@ -4,13 +4,13 @@
 //! The same rules as the study's sea-orm handler (reservation key first, a cancellation that
 //! came first wins, a rejection is kept, an unknown book writes nothing), in one round trip:
 //! [`RESERVE_SQL`] stops at a reservation already there; else it locks the stock rows, then the
-//! orders (`lock_order`), decides, inserts the reservations unless their keys are taken
+//! orders (`lock_line`), decides, inserts the reservations unless their keys are taken
 //! meanwhile, and moves stock only where that insert won. It takes its locks in the order every
 //! path takes them: stock rows in book order, then orders. `RESERVE_SQL` commits on its own, so
 //! no transaction stays open between the steps.
 //!
-//! A cancellation, rarer, is a few statements in one transaction on the same connection
-//! ([`LOCK_BOOKS_SQL`] to [`RELEASE_SQL`]). Each clone opens its own connection, so a consumer
+//! A cancellation, of an order or of one line of it, rarer, is a few statements in one
+//! transaction on the same connection ([`LOCK_BOOKS_SQL`] to [`RELEASE_SQL`]). Each clone opens its own connection, so a consumer
 //! lane never borrows one from a pool (sqlx pings a pooled connection on every return) and
 //! prepared statements stay cached.
 
@@ -34,15 +34,15 @@ use inventory_domain::stock::second_request_for_reservation as second_request;
 use uuid::Uuid;
 
 use super::unknown_book;
-use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL};
+use super::{HELD_LINE_SQL, HELD_SQL, HandleError, MARK_CANCELLED_SQL, MARK_LINE_CANCELLED_SQL};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from, status_from};
 
 /// Placements in one statement, so one commit: one message's alone, a lane's batch together.
 /// The steps of the study's sea-orm handler's `reserve` (`benches/src/consumers/natural.rs`), in
-/// its order, with the rule of `StockItem::decide_reservation` in `decided`; `lock_order` is the
-/// order's lock and says whether the order is cancelled (its migration,
-/// `m20261201_000010_create_lock_order.rs`, says how). Comments are `/* */`: the pgbench scripts
+/// its order, with the rule of `StockItem::decide_reservation` in `decided`; `lock_line` is the
+/// order's lock and says whether the order or the line is cancelled (its migration,
+/// `m20261206_000012_create_line_cancellations.rs`, says how). Comments are `/* */`: the pgbench scripts
 /// run this text as one line.
 ///
 /// Why two copies cannot both move stock (docs/natural-key.md, docs/statement.md): the
@@ -52,8 +52,8 @@ use crate::stock::{DataError, int_column, quantity_column, quantity_from, status
 /// keys committed after the snapshot, and waits for a key another transaction inserted and has
 /// not committed (a conflict if it commits, an insert if it rolls back). Stock moves only when
 /// `inserted` returned a row, so at most one transaction per key moves it, whatever the message
-/// ids. After a wait, `FOR UPDATE` reads the stock rows as last committed and `lock_order` the
-/// order's state with a new snapshot; under REPEATABLE READ the first fails (40001) and the
+/// ids. After a wait, `FOR UPDATE` reads the stock rows as last committed and `lock_line` the
+/// order's and the line's state with a new snapshot; under REPEATABLE READ the first fails (40001) and the
 /// second misses a cancellation committed while it waited.
 ///
 /// A batch decides what one-by-one handling would: a book wanted by several placements that
@@ -112,16 +112,16 @@ WITH input AS (
     WHERE probed.existing_quantity IS NULL AND owned.owned IS NOT FALSE
     ORDER BY probed.order_id, probed.book_id, probed.idx
 ), guard AS (
-    /* lock_order is the order's lock, taken after its books' rows, in order_id order: a
-       cancellation of the order in flight finishes first, or waits for this statement. It
-       reads the order's state with a snapshot of its own, taken once the lock is granted, so
-       a cancellation that committed while this statement waited still wins. It writes
-       nothing (an advisory lock). */
-    SELECT order_id, lock_order(order_id) AS cancelled
-    FROM (SELECT DISTINCT order_id FROM fresh ORDER BY order_id OFFSET 0) orders
+    /* lock_line is the order's lock, taken after its books' rows, in order_id order: a
+       cancellation of the order or of the line in flight finishes first, or waits for this
+       statement. It reads whether the order or this line is cancelled with a snapshot of its
+       own, taken once the lock is granted, so a cancellation that committed while this
+       statement waited still wins. It writes nothing (an advisory lock). */
+    SELECT order_id, book_id, lock_line(order_id, book_id) AS cancelled
+    FROM (SELECT order_id, book_id FROM fresh ORDER BY order_id, book_id OFFSET 0) lines
 ), wanted AS (
     SELECT fresh.book_id, sum(fresh.quantity) AS copies, count(*) AS placements
-    FROM fresh JOIN guard USING (order_id)
+    FROM fresh JOIN guard USING (order_id, book_id)
     WHERE NOT guard.cancelled
     GROUP BY fresh.book_id
 ), decided AS (
@@ -133,7 +133,7 @@ WITH input AS (
                 WHEN wanted.copies <= books.available THEN 'reserved'
                 ELSE 'rejected' END AS status
     FROM fresh
-    JOIN guard USING (order_id)
+    JOIN guard USING (order_id, book_id)
     JOIN books USING (book_id)
     LEFT JOIN wanted USING (book_id)
     WHERE guard.cancelled OR wanted.copies <= books.available OR wanted.placements = 1
@@ -211,6 +211,11 @@ FOR UPDATE";
 
 /// Whether this database owns a partition ($1), outside any placement.
 pub const OWNS_SQL: &str = "SELECT owns_partition($1)";
+
+/// A line's cancellation's first lock: its book's stock row, as the line's placement takes it,
+/// whether or not the line holds stock yet.
+pub const LOCK_LINE_BOOK_SQL: &str =
+    "SELECT book_id FROM stock_items WHERE book_id = $1 FOR UPDATE";
 
 /// The order's lock, taken after its books' (`lock_order`'s migration says what it reads).
 pub const LOCK_ORDER_SQL: &str = "SELECT lock_order($1)";
@@ -338,8 +343,11 @@ impl PgNaturalKey {
         cancelled: &OrderCancelled,
         faults: &Faults,
     ) -> Result<Outcome, HandleError> {
-        self.with_connection(async |connection| cancel(connection, key, cancelled, faults).await)
-            .await
+        let partitions = self.partitions;
+        self.with_connection(async |connection| {
+            cancel(connection, partitions, key, cancelled, faults).await
+        })
+        .await
     }
 
     /// Placements through the statement together. `Err`: the statement failed and nothing of
@@ -507,12 +515,14 @@ async fn decide_alone(
 }
 
 /// A cancellation in one transaction, its locks in the order of every path: the stock rows of
-/// the books its order holds, then the order's lock, then the mark; then, unless the mark was
-/// there already, each reservation the order holds released with its event. Starts over when
-/// a placement of the order committed after its books were read, so that book's row is locked
-/// before the order's too.
+/// the books its order holds (a line's: its book's row), then the order's lock, then the mark;
+/// then, unless the mark was there already, each reservation the order (or the line) holds
+/// released with its event. Starts over when a placement of the order committed after its
+/// books were read, so that book's row is locked before the order's too. On a shard, a line
+/// whose book's partition this database does not own is not cancelled here.
 async fn cancel(
     connection: &mut PgConnection,
+    partitions: Option<NonZeroU32>,
     key: &str,
     cancelled: &OrderCancelled,
     faults: &Faults,
@@ -520,33 +530,58 @@ async fn cancel(
     let order = cancelled.order_id.as_uuid();
     loop {
         let mut txn = connection.begin().await.map_err(HandleError::from_sqlx)?;
-        let locked: Vec<Uuid> = sqlx::query_scalar(LOCK_BOOKS_SQL)
-            .bind(order)
-            .fetch_all(&mut *txn)
-            .await
-            .map_err(HandleError::from_sqlx)?;
+        let locked: Vec<Uuid> = match cancelled.book_id {
+            None => sqlx::query_scalar(LOCK_BOOKS_SQL).bind(order),
+            Some(book) => sqlx::query_scalar(LOCK_LINE_BOOK_SQL).bind(book.as_uuid()),
+        }
+        .fetch_all(&mut *txn)
+        .await
+        .map_err(HandleError::from_sqlx)?;
+        if let (Some(partitions), Some(book)) = (partitions, cancelled.book_id) {
+            let owned: bool = sqlx::query_scalar(OWNS_SQL)
+                .bind(shard_partition(book, partitions)?)
+                .fetch_one(&mut *txn)
+                .await
+                .map_err(HandleError::from_sqlx)?;
+            if !owned {
+                txn.rollback().await.map_err(HandleError::from_sqlx)?;
+                return Err(HandleError::NotOwned { book });
+            }
+        }
         sqlx::query(LOCK_ORDER_SQL)
             .bind(order)
             .execute(&mut *txn)
             .await
             .map_err(HandleError::from_sqlx)?;
-        let marked = sqlx::query(MARK_CANCELLED_SQL)
-            .bind(order)
-            .bind(Utc::now())
-            .bind(key)
-            .execute(&mut *txn)
-            .await
-            .map_err(HandleError::from_sqlx)?;
+        let now = Utc::now();
+        let marked = match cancelled.book_id {
+            None => sqlx::query(MARK_CANCELLED_SQL)
+                .bind(order)
+                .bind(now)
+                .bind(key),
+            Some(book) => sqlx::query(MARK_LINE_CANCELLED_SQL)
+                .bind(order)
+                .bind(book.as_uuid())
+                .bind(now)
+                .bind(key),
+        }
+        .execute(&mut *txn)
+        .await
+        .map_err(HandleError::from_sqlx)?;
         if marked.rows_affected() == 0 {
             txn.rollback().await.map_err(HandleError::from_sqlx)?;
             return Ok(Outcome::Duplicate);
         }
         // No placement of the order can commit from here on: the order's lock is taken.
-        let held: Vec<(Uuid, i32)> = sqlx::query_as(HELD_SQL)
-            .bind(order)
-            .fetch_all(&mut *txn)
-            .await
-            .map_err(HandleError::from_sqlx)?;
+        let held: Vec<(Uuid, i32)> = match cancelled.book_id {
+            None => sqlx::query_as(HELD_SQL).bind(order),
+            Some(book) => sqlx::query_as(HELD_LINE_SQL)
+                .bind(order)
+                .bind(book.as_uuid()),
+        }
+        .fetch_all(&mut *txn)
+        .await
+        .map_err(HandleError::from_sqlx)?;
         if held.iter().any(|(book, _)| !locked.contains(book)) {
             txn.rollback().await.map_err(HandleError::from_sqlx)?;
             continue;

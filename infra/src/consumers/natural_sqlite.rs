@@ -38,16 +38,17 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use super::unknown_book;
-use super::{HELD_SQL, HandleError, MARK_CANCELLED_SQL};
+use super::{HELD_LINE_SQL, HELD_SQL, HandleError, MARK_CANCELLED_SQL, MARK_LINE_CANCELLED_SQL};
 use crate::faults::{CrashPoint, Faults};
 use crate::stock::{DataError, int_column, quantity_column, quantity_from};
 
 /// What a placement reads before it writes: its reservation, the stock row, and whether its
-/// order is cancelled, in one statement.
+/// order, or its line, is cancelled, in one statement.
 pub const READ_SQL: &str = "\
 SELECT (SELECT quantity FROM stock_reservations WHERE order_id = $1 AND book_id = $2) AS existing,
        stock_items.title, stock_items.on_hand, stock_items.reserved,
        EXISTS (SELECT 1 FROM order_states WHERE order_id = $1 AND cancelled_at IS NOT NULL)
+       OR EXISTS (SELECT 1 FROM line_cancellations WHERE order_id = $1 AND book_id = $2)
            AS cancelled
 FROM (SELECT 1) LEFT JOIN stock_items ON stock_items.book_id = $2";
 
@@ -285,9 +286,10 @@ pub async fn reserve_each(
     Ok(outcomes)
 }
 
-/// A cancellation, inside the caller's `BEGIN IMMEDIATE` transaction: the mark, then, unless
-/// it was there already, each reservation the order holds released with its event. The writer
-/// lock keeps every placement of the order out meanwhile.
+/// A cancellation, inside the caller's `BEGIN IMMEDIATE` transaction: the mark (the order's, or
+/// its line's), then, unless it was there already, each reservation the order (or the line)
+/// holds released with its event. The writer lock keeps every placement of the order out
+/// meanwhile.
 async fn cancel(
     connection: &mut SqliteConnection,
     key: &str,
@@ -296,21 +298,32 @@ async fn cancel(
 ) -> Result<Outcome, HandleError> {
     let order = cancelled.order_id.as_uuid();
     let now = Utc::now();
-    let marked = sqlx::query(MARK_CANCELLED_SQL)
-        .bind(order)
-        .bind(now)
-        .bind(key)
-        .execute(&mut *connection)
-        .await
-        .map_err(HandleError::from_sqlx)?;
+    let marked = match cancelled.book_id {
+        None => sqlx::query(MARK_CANCELLED_SQL)
+            .bind(order)
+            .bind(now)
+            .bind(key),
+        Some(book) => sqlx::query(MARK_LINE_CANCELLED_SQL)
+            .bind(order)
+            .bind(book.as_uuid())
+            .bind(now)
+            .bind(key),
+    }
+    .execute(&mut *connection)
+    .await
+    .map_err(HandleError::from_sqlx)?;
     if marked.rows_affected() == 0 {
         return Ok(Outcome::Duplicate);
     }
-    let held: Vec<(Uuid, i32)> = sqlx::query_as(HELD_SQL)
-        .bind(order)
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(HandleError::from_sqlx)?;
+    let held: Vec<(Uuid, i32)> = match cancelled.book_id {
+        None => sqlx::query_as(HELD_SQL).bind(order),
+        Some(book) => sqlx::query_as(HELD_LINE_SQL)
+            .bind(order)
+            .bind(book.as_uuid()),
+    }
+    .fetch_all(&mut *connection)
+    .await
+    .map_err(HandleError::from_sqlx)?;
     faults.pass(CrashPoint::AfterDedupCheck).await?;
     let mut copies = 0;
     for (book, quantity) in held {
