@@ -19,3 +19,4 @@ mod operating;
 mod prometheus;
 mod relay_binary;
 mod serve_binary;
+mod shard_binary;
