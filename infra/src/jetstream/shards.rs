@@ -771,21 +771,21 @@ fn drained(info: &consumer::Info, up_to: u64) -> bool {
 mod tests {
     use super::*;
 
+    const P4: NonZeroU32 = NonZeroU32::new(4).unwrap();
+    const P64: NonZeroU32 = NonZeroU32::new(64).unwrap();
+    const P1000: NonZeroU32 = NonZeroU32::new(1000).unwrap();
+
     fn topology() -> Topology {
         Topology::default()
     }
 
     #[test]
     fn names_and_filters_follow_the_partition() {
-        let p64 = NonZeroU32::new(64).unwrap();
         assert_eq!(
-            partition_consumer("inventory-reserve-stock", 7, p64),
+            partition_consumer("inventory-reserve-stock", 7, P64),
             "inventory-reserve-stock-p07"
         );
-        assert_eq!(
-            partition_consumer("c", 7, NonZeroU32::new(1000).unwrap()),
-            "c-p007"
-        );
+        assert_eq!(partition_consumer("c", 7, P1000), "c-p007");
         assert_eq!(partition_consumer("c", 0, NonZeroU32::MIN), "c-p0");
         assert_eq!(partition_filter(&topology(), 7), "orders.*.7.*");
         assert_eq!(unroutable_filters(&topology()), ["orders.*", "orders.*.*"]);
@@ -794,7 +794,7 @@ mod tests {
 
     #[test]
     fn the_partitions_are_read_back_from_the_transform_and_only_from_ours() {
-        let p = NonZeroU32::new(64).unwrap();
+        let p = P64;
         let transform = partition_transform(&topology(), p);
         assert_eq!(transform.source, "orders.*.*");
         assert_eq!(
@@ -822,7 +822,7 @@ mod tests {
     #[test]
     fn a_watch_applies_only_what_is_newer_than_it_saw() {
         let mut assignment = Assignment {
-            partitions: NonZeroU32::new(4).unwrap(),
+            partitions: P4,
             owners: BTreeMap::new(),
         };
         let mut seen = BTreeMap::new();
