@@ -761,10 +761,32 @@ async fn drain_and_delete(
 
 /// Whether everything the consumer takes up to `up_to` was delivered and acked: its ack floor
 /// is there, or nothing waits for an ack and it has delivered past it (or has nothing left).
+/// The ack floor alone can stay below `up_to` for good: it stops at the last message the
+/// consumer took, and the last ones before `up_to` may be none of its filters'.
 fn drained(info: &consumer::Info, up_to: u64) -> bool {
-    info.ack_floor.stream_sequence >= up_to
-        || (info.num_ack_pending == 0
-            && (info.num_pending == 0 || info.delivered.stream_sequence >= up_to))
+    is_drained(
+        Progress {
+            ack_floor: info.ack_floor.stream_sequence,
+            delivered: info.delivered.stream_sequence,
+            pending: info.num_pending,
+            ack_pending: info.num_ack_pending,
+        },
+        up_to,
+    )
+}
+
+/// A consumer's progress as its info gives it.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    ack_floor: u64,
+    delivered: u64,
+    pending: u64,
+    ack_pending: usize,
+}
+
+fn is_drained(progress: Progress, up_to: u64) -> bool {
+    progress.ack_floor >= up_to
+        || (progress.ack_pending == 0 && (progress.pending == 0 || progress.delivered >= up_to))
 }
 
 #[cfg(test)]
@@ -817,6 +839,27 @@ mod tests {
             partitioning(&topology(), &config),
             Partitioning::Foreign(foreign)
         );
+    }
+
+    #[test]
+    fn the_unsharded_consumer_is_drained_once_nothing_up_to_the_cut_over_waits() {
+        let progress = |ack_floor, delivered, pending, ack_pending| Progress {
+            ack_floor,
+            delivered,
+            pending,
+            ack_pending,
+        };
+        let up_to = 100;
+        // Acked up to the cut-over, whatever came after it.
+        assert!(is_drained(progress(100, 120, 5, 3), up_to));
+        // Its last message was before the cut-over, delivered and acked: nothing left.
+        assert!(is_drained(progress(90, 90, 0, 0), up_to));
+        // Delivered past the cut-over with nothing waiting for an ack: later ones still pending.
+        assert!(is_drained(progress(90, 101, 4, 0), up_to));
+        // One not yet acked (or nak'ed, waiting for its redelivery), perhaps before the cut-over.
+        assert!(!is_drained(progress(90, 101, 4, 1), up_to));
+        // Not yet delivered up to the cut-over.
+        assert!(!is_drained(progress(50, 60, 40, 0), up_to));
     }
 
     #[test]
