@@ -330,3 +330,54 @@ async fn shard_init_refuses_a_server_before_2_10() {
         "nothing was created"
     );
 }
+
+/// With a message before the cut-over delivered and not yet acked (an unsharded serve still at
+/// work on it), init stops after its drain timeout, saying so, and leaves what it set up; run
+/// again once the message is acked, it resumes.
+#[tokio::test]
+async fn shard_init_that_cannot_drain_exits_with_its_work_kept_and_resumes() {
+    let Some(server) = current_server("shard_init_cannot_drain").await else {
+        return;
+    };
+    let js = context(&server).await;
+    let names = unique_names("shard_drain");
+    let topology = names.topology();
+    let (stream, _) = jetstream::ensure_streams(&js, &topology).await.unwrap();
+    let unsharded = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(names.consumer.clone()),
+            filter_subject: names.subjects(),
+            ack_policy: AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let book = BookId::from(uuid::Uuid::new_v4());
+    publish(&js, format!("{}.placed.{book}", names.subject_prefix)).await;
+    let mut messages = unsharded.fetch().max_messages(1).messages().await.unwrap();
+    let in_flight = messages.next().await.unwrap().unwrap();
+
+    let impatient = InitSettings {
+        drain_timeout: Duration::from_secs(1),
+        ..settings(&names, P)
+    };
+    let stopped = jetstream::init(&js, &topology, &impatient)
+        .await
+        .expect_err("nobody finishes the message before the cut-over");
+    assert!(
+        matches!(&stopped, InitError::NotDrained { ack_pending: 1, .. }),
+        "{stopped}"
+    );
+    assert!(
+        Shards::open(&js, &topology).await.unwrap().is_some(),
+        "the bucket and the transform stay"
+    );
+
+    in_flight.double_ack().await.unwrap();
+    let resumed = jetstream::init(&js, &topology, &impatient).await.unwrap();
+    assert!(
+        resumed.unsharded_deleted && !resumed.transform_set,
+        "{resumed:?}"
+    );
+    assert_eq!(resumed.partition_consumers_created, 0);
+}

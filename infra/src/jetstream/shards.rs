@@ -425,8 +425,9 @@ pub enum InitError {
     NoPartitionStart { stream: String },
     #[error(
         "consumer {consumer} did not finish the messages stored up to sequence {up_to} within \
-         {timeout:?} ({pending} pending, {ack_pending} waiting for an ack, delivered up to {delivered}): an \
-         unsharded `inventory serve` must be running to finish them. Everything set up so far \
+         {timeout:?} ({pending} pending, {ack_pending} waiting for an ack, delivered up to \
+         sequence {delivered}): the unsharded `inventory serve` that ran when init began must \
+         finish them (one started now refuses: the stream is sharded). Everything set up so far \
          stays; run `inventory shard init` again to resume"
     )]
     NotDrained {
