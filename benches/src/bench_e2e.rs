@@ -631,7 +631,8 @@ pub fn pgbench_script(statement: &str, books: usize, batch: u64) -> String {
         .replace("$4", &array("'pgbench-' || :n::text || '-' || i"))
         .replace("$5", &array("(i - 1)::int4"))
         .replace("$6", &array("md5('e' || :n::text || '-' || i)::uuid"))
-        .replace("$7", &array("((:n::bigint + i) % 16)::int2"));
+        .replace("$7", &array("((:n::bigint + i) % 16)::int2"))
+        .replace("$8", &array("NULL::int2"));
     format!("\\set n random(1, 1000000000000)\n\\set b random(0, {slice} - 1)\n{statement};\n")
 }
 
@@ -694,7 +695,7 @@ mod tests {
                     statement
                         .matches(&format!("FROM generate_series(1, {batch}) i)"))
                         .count(),
-                    7,
+                    8,
                     "{name}"
                 );
             }
@@ -706,7 +707,7 @@ mod tests {
         let sql = inventory_infra::consumers::natural_pg::RESERVE_SQL;
         let line = one_line(sql);
         assert!(!line.contains('\n') && !line.contains("/*") && !line.contains("*/"));
-        for parameter in ["$1", "$2", "$3", "$4", "$5", "$6", "$7"] {
+        for parameter in ["$1", "$2", "$3", "$4", "$5", "$6", "$7", "$8"] {
             assert!(line.contains(parameter), "{parameter} lost");
         }
     }

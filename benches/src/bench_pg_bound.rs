@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
+use crate::bench_hand::UNSHARDED;
 use crate::fresh::FreshDatabase;
 use anyhow::{Context as _, Result, ensure};
 use inventory_domain::OrderId;
@@ -204,6 +205,7 @@ impl Connection {
                     &indexes,
                     &event_ids,
                     &partitions,
+                    &vec![UNSHARDED; placements.len()],
                 ],
             )
             .await?;

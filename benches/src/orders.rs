@@ -192,7 +192,7 @@ async fn write_message(
         OutboxTable::Orders,
         event_id,
         message.event.order_id(),
-        message.event.kind().subject_token(),
+        &message.event.subject_below_prefix(),
         body,
     )
     .await

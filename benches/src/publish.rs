@@ -64,7 +64,7 @@ impl OrderPublisher {
         let body = message
             .to_plain_json()
             .ok_or_else(|| PublishFailed::NoPlainBody(key.to_string()))?;
-        let subject = self.topology.subject(message.event.kind());
+        let subject = self.topology.subject_of(&message.event);
         self.publish_raw(&subject, &key, Bytes::from(body)).await
     }
 

@@ -22,7 +22,7 @@ pub mod stock;
 
 pub use ids::{BookId, ConsumerName, DedupKey, FieldError, MessageId, OrderId, Quantity};
 pub use message::{
-    DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, keyed_placements,
+    DecodeError, Event, EventKind, Message, OrderCancelled, OrderPlaced, Subject, keyed_placements,
 };
 pub use outbox::{StockEvent, StockEventKind};
 pub use outcome::{Acked, DeadLetterReason, Effect, ErrorKind, Outcome, Refusal};

@@ -21,13 +21,15 @@ pub enum EventKind {
 
 impl EventKind {
     /// The kind from a subject's last tokens (`orders.placed`, `test-42.orders.cancelled`,
-    /// `inventory.stock.reserved`).
+    /// `inventory.stock.reserved`, `orders.placed.<book_id>`): [`Subject::parse`]'s.
     pub fn from_subject(subject: &str) -> Option<Self> {
-        let mut tokens = subject.rsplit('.');
-        match (tokens.next()?, tokens.next()) {
-            ("reserved", Some("stock")) => Some(Self::StockReserved),
-            ("placed", _) => Some(Self::Placed),
-            ("cancelled", _) => Some(Self::Cancelled),
+        Subject::parse(subject).map(|parsed| parsed.kind)
+    }
+
+    fn from_token(token: &str) -> Option<Self> {
+        match token {
+            "placed" => Some(Self::Placed),
+            "cancelled" => Some(Self::Cancelled),
             _ => None,
         }
     }
@@ -46,6 +48,82 @@ impl EventKind {
             Self::Placed => "bookstore.order.placed",
             Self::Cancelled => "bookstore.order.cancelled",
             Self::StockReserved => "bookstore.inventory.stock.reserved",
+        }
+    }
+}
+
+/// What a subject says of the message it carries. An order event's subject may name its book
+/// (`orders.placed.<book_id>`, as producers publish it so that a sharded stream can route it),
+/// and a sharded stream stores it with the partition before the book
+/// (`orders.placed.<partition>.<book_id>`); the plain `orders.placed` names neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Subject<'a> {
+    pub kind: EventKind,
+    /// The book token as the subject spells it.
+    pub book: Option<&'a str>,
+    /// The partition token as the subject spells it.
+    pub partition: Option<&'a str>,
+}
+
+impl<'a> Subject<'a> {
+    /// Read from the right, so that any prefix goes before the kind (`test-42.orders.placed`).
+    /// `None`: the subject carries no event this service takes.
+    pub fn parse(subject: &'a str) -> Option<Self> {
+        let mut tokens = subject.rsplit('.');
+        let last = tokens.next()?;
+        let before = tokens.next();
+        if last == "reserved" && before == Some("stock") {
+            return Some(Self::of(EventKind::StockReserved));
+        }
+        if let Some(kind) = EventKind::from_token(last) {
+            return Some(Self::of(kind));
+        }
+        // Not a kind: a book token, after the kind or after the partition.
+        let book = Some(last);
+        match before.map(|token| (token, EventKind::from_token(token))) {
+            Some((_, Some(kind))) => Some(Self {
+                kind,
+                book,
+                partition: None,
+            }),
+            Some((partition, None)) if partition.bytes().all(|byte| byte.is_ascii_digit()) => {
+                let kind = EventKind::from_token(tokens.next()?)?;
+                Some(Self {
+                    kind,
+                    book,
+                    partition: Some(partition),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    fn of(kind: EventKind) -> Self {
+        Self {
+            kind,
+            book: None,
+            partition: None,
+        }
+    }
+
+    /// Whether what the subject says agrees with `event`: a subject that names a book names
+    /// the body's, spelled as producers must spell it (the canonical lowercase form the
+    /// partition is hashed from), and only a placement's subject names one (a cancellation per
+    /// order line is not taken yet). The error says what differs.
+    pub fn check(&self, event: &Event) -> Result<(), String> {
+        let Some(token) = self.book else {
+            return Ok(());
+        };
+        match event {
+            Event::Placed(placed) if token == placed.book_id.to_string() => Ok(()),
+            Event::Placed(placed) => Err(format!(
+                "the subject names book {token:?}, the body book {}",
+                placed.book_id
+            )),
+            _ => Err(format!(
+                "a {} subject names book {token:?}: only a placement's subject names a book",
+                self.kind.subject_token()
+            )),
         }
     }
 }
@@ -83,6 +161,16 @@ impl Event {
             Self::Placed(_) => EventKind::Placed,
             Self::Cancelled(_) => EventKind::Cancelled,
             Self::StockReserved(_) => EventKind::StockReserved,
+        }
+    }
+
+    /// Its subject below the orders stream's prefix: a placement's names its book
+    /// (`placed.<book_id>`), so that a sharded stream can route it by book; a cancellation's is
+    /// the order's (`cancelled`).
+    pub fn subject_below_prefix(&self) -> String {
+        match self {
+            Self::Placed(placed) => format!("{}.{}", self.kind().subject_token(), placed.book_id),
+            _ => self.kind().subject_token().to_owned(),
         }
     }
 
@@ -529,5 +617,81 @@ mod tests {
             Some(EventKind::Cancelled)
         );
         assert_eq!(EventKind::from_subject("orders.shipped"), None);
+    }
+
+    #[test]
+    fn a_subject_may_name_the_book_and_its_partition() {
+        let book = "0b5e2c1a-9f3d-4c7e-8a61-2d4f6b8c0e1a";
+        let placed = format!("orders.placed.{book}");
+        assert_eq!(
+            Subject::parse(&placed),
+            Some(Subject {
+                kind: EventKind::Placed,
+                book: Some(book),
+                partition: None
+            })
+        );
+        let routed = format!("t1.orders.placed.17.{book}");
+        assert_eq!(
+            Subject::parse(&routed),
+            Some(Subject {
+                kind: EventKind::Placed,
+                book: Some(book),
+                partition: Some("17")
+            })
+        );
+        assert_eq!(
+            Subject::parse(&format!("orders.cancelled.{book}")).map(|s| s.kind),
+            Some(EventKind::Cancelled)
+        );
+        for unknown in [
+            format!("orders.shipped.{book}"),
+            format!("orders.placed.x7.{book}"),
+            format!("orders.17.{book}"),
+            book.to_owned(),
+        ] {
+            assert_eq!(Subject::parse(&unknown), None, "{unknown}");
+        }
+    }
+
+    #[test]
+    fn a_placements_subject_names_its_own_book_in_canonical_form() {
+        let event = Event::Placed(OrderPlaced {
+            order_id: OrderId::new_v7(),
+            book_id: BookId::parse("0B5E2C1A-9F3D-4C7E-8A61-2D4F6B8C0E1A").expect("a UUID"),
+            quantity: Quantity::new(1).expect("valid"),
+        });
+        let subject = format!("orders.{}", event.subject_below_prefix());
+        assert_eq!(
+            subject,
+            "orders.placed.0b5e2c1a-9f3d-4c7e-8a61-2d4f6b8c0e1a"
+        );
+        let parsed = Subject::parse(&subject).expect("parses");
+        assert_eq!(parsed.check(&event), Ok(()));
+        let upper = "orders.placed.0B5E2C1A-9F3D-4C7E-8A61-2D4F6B8C0E1A";
+        assert!(
+            Subject::parse(upper)
+                .expect("parses")
+                .check(&event)
+                .is_err()
+        );
+        let other = format!("orders.placed.{}", BookId::new_v7());
+        assert!(
+            Subject::parse(&other)
+                .expect("parses")
+                .check(&event)
+                .is_err()
+        );
+        let cancelled = Event::Cancelled(OrderCancelled {
+            order_id: event.order_id(),
+        });
+        assert_eq!(cancelled.subject_below_prefix(), "cancelled");
+        assert!(parsed.check(&cancelled).is_err());
+        assert_eq!(
+            Subject::parse("orders.placed")
+                .expect("parses")
+                .check(&cancelled),
+            Ok(())
+        );
     }
 }

@@ -18,10 +18,13 @@ pub enum DeadLetterReason {
     /// stored data the handler cannot use (a corrupt or vanished row, a write the database
     /// refuses by constraint). Retrying would meet the same state.
     NeedsReconciliation,
+    /// On a sharded stream, an event no partition takes: it names no book (an order-level
+    /// cancellation, an old producer's placement), so no shard can decide it.
+    Unroutable,
 }
 
 impl DeadLetterReason {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::Malformed,
         Self::Invalid,
         Self::UnknownBook,
@@ -29,6 +32,7 @@ impl DeadLetterReason {
         Self::ConflictingReservation,
         Self::MaxDeliveries,
         Self::NeedsReconciliation,
+        Self::Unroutable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -40,6 +44,7 @@ impl DeadLetterReason {
             Self::ConflictingReservation => "conflicting-reservation",
             Self::MaxDeliveries => "max-deliveries",
             Self::NeedsReconciliation => "needs-reconciliation",
+            Self::Unroutable => "unroutable",
         }
     }
 }
@@ -164,6 +169,10 @@ pub enum ErrorKind {
     Transient,
     /// Nothing was applied and every attempt would fail the same way: dead-letter it now.
     Permanent(Refusal),
+    /// On a shard, the database does not own the message's partition and applied nothing:
+    /// the message is another shard's to decide. Retried without counting against it, never
+    /// dead-lettered.
+    NotOwned,
     /// This program broke one of its own invariants: a bug, not the weather. Neither a retry
     /// nor a dead letter is right; the process stops for its supervisor to restart it.
     Internal,

@@ -26,7 +26,7 @@ use async_nats::jetstream::stream::{
 };
 use async_nats::jetstream::{self, ErrorCode, consumer, stream};
 use backon::{ExponentialBuilder, Retryable as _};
-use inventory_domain::EventKind;
+use inventory_domain::{Event, EventKind};
 use secrecy::{ExposeSecret as _, SecretString};
 
 pub use backstop::{Backstop, advisories_stream};
@@ -157,8 +157,15 @@ impl Default for Topology {
 }
 
 impl Topology {
+    /// The subject of `kind` that names no book: `orders.placed`, `orders.cancelled`.
     pub fn subject(&self, kind: EventKind) -> String {
         format!("{}.{}", self.subject_prefix, kind.subject_token())
+    }
+
+    /// The subject a producer publishes `event` on: a placement's names its book
+    /// (`orders.placed.<book_id>`), for a sharded stream to route it by.
+    pub fn subject_of(&self, event: &Event) -> String {
+        format!("{}.{}", self.subject_prefix, event.subject_below_prefix())
     }
 
     pub fn dlq_subject(&self, consumer: &str) -> String {
@@ -399,7 +406,8 @@ fn is_consumer_not_found(error: &ConsumerInfoError) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConsumerSettings {
     pub durable_name: String,
-    pub filter_subject: String,
+    /// The subjects it reads: one, as every server takes it, or several (nats-server 2.10+).
+    pub filters: Vec<String>,
     pub ack_wait: Duration,
     pub max_deliver: i64,
     /// Redelivery delays after an ack wait runs out (JetStream `backoff`); empty for none.
@@ -428,9 +436,15 @@ async fn ensure_consumer_once(
     update: bool,
 ) -> Result<(consumer::PullConsumer, Vec<ConfigDrift>), NatsError> {
     let doing = format!("setting up consumer {}", settings.durable_name);
+    // One filter in the field every server knows; several where only 2.10 and later look.
+    let (filter_subject, filter_subjects) = match settings.filters.as_slice() {
+        [one] => (one.clone(), Vec::new()),
+        several => (String::new(), several.to_vec()),
+    };
     let wanted = consumer::pull::Config {
         durable_name: Some(settings.durable_name.clone()),
-        filter_subject: settings.filter_subject.clone(),
+        filter_subject,
+        filter_subjects,
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: settings.ack_wait,
         max_deliver: settings.max_deliver,
@@ -466,6 +480,7 @@ async fn ensure_consumer_once(
         wanted,
         [
             filter_subject,
+            filter_subjects,
             ack_policy,
             ack_wait,
             max_deliver,

@@ -4,10 +4,11 @@
 //! run is a [`Served`]: the natural key here; the study's handlers in the study binary, whose
 //! `serve` is this one with its own.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use inventory_domain::ConsumerName;
+use inventory_domain::{ConsumerName, DeadLetterReason, Outcome};
 use inventory_infra::db::{self, DatabaseConnection, DbBackend};
 use inventory_infra::jetstream::{self, ConsumerSettings, Topology};
 use inventory_infra::outbox::{OutboxSource, RelaySettings};
@@ -19,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::args::{
     DatabaseArgs, MetricsAddr, MetricsArgs, NatsArgs, StopArgs, TopologyArgs, shown,
 };
-use crate::consumer::{ConsumerRuntime, Ending, Reads, RuntimeSettings};
+use crate::consumer::{ConsumerRuntime, Ending, Reads, Running, RuntimeSettings};
 use crate::health::{self, Liveness, Readiness};
 use crate::metrics::Metrics;
 use crate::relay::{RELAY, RelayArgs};
@@ -66,6 +67,12 @@ pub struct ServeArgs {
     /// Durable consumer name; the contract's name for the strategy by default.
     #[arg(long, help_heading = "Consumer")]
     pub consumer: Option<String>,
+    /// Serves this shard of a sharded orders stream (`inventory shard init`): the durable
+    /// consumer of each partition assigned to it (`<consumer>-pNN`), with --concurrency lanes
+    /// spread over them, and the consumer of what no partition takes, from this shard's
+    /// database. Once the stream is sharded, an instance without it does not start.
+    #[arg(long, help_heading = "Consumer")]
+    pub shard: Option<String>,
     /// Messages a lane hands the handler at once, of those already fetched (a batch never
     /// waits for more). The natural key commits each run of placements in a batch together (a
     /// cancellation between them is handled in its place) and acks each message after the
@@ -154,6 +161,12 @@ pub trait Served {
     /// Whether it writes Inventory's events into the outbox, for the relay `serve` runs.
     fn writes_events(&self) -> bool;
 
+    /// Whether it runs on a shard (`--shard`), its handler prepared for one when
+    /// [`Setup::shard_partitions`] says so.
+    fn serves_shards(&self) -> bool {
+        false
+    }
+
     /// The handler, once the consumer is set up; what must run beside the lanes is adopted
     /// into `setup.background`. An error here stops the start.
     fn prepare(self, setup: Setup<'_>) -> impl Future<Output = anyhow::Result<Self::Handler>>;
@@ -163,8 +176,12 @@ pub trait Served {
 pub struct Setup<'a> {
     pub args: &'a ServeArgs,
     pub db: &'a DatabaseConnection,
+    /// The consumer it runs on; on a shard, the first partition's.
     pub runtime: &'a ConsumerRuntime,
     pub consumer: ConsumerName,
+    /// On a shard, the orders stream's partitions: the handler decides only those of its
+    /// books' partitions its database owns.
+    pub shard_partitions: Option<NonZeroU32>,
     pub metrics: &'a Metrics,
     /// Where what runs beside the lanes is spawned.
     pub background: &'a mut Background,
@@ -192,8 +209,18 @@ impl Served for NaturalKeyServed {
         true
     }
 
+    fn serves_shards(&self) -> bool {
+        true
+    }
+
     async fn prepare(self, setup: Setup<'_>) -> anyhow::Result<NaturalKey> {
-        Ok(NaturalKey::new(setup.db, setup.consumer))
+        let handler = NaturalKey::new(setup.db, setup.consumer);
+        match setup.shard_partitions {
+            None => Ok(handler),
+            Some(partitions) => handler
+                .on_shard(partitions)
+                .context("--shard: a shard is a PostgreSQL database; this DATABASE_URL is SQLite"),
+        }
     }
 }
 
@@ -279,27 +306,216 @@ pub async fn start(command: ServeCommand) -> anyhow::Result<bool> {
     start_with(command.args, NaturalKeyServed).await
 }
 
-/// An unsharded `serve` on a sharded stream would decide every partition's messages beside
-/// their shards, and would recreate the unsharded consumer `shard init` retired: once the
-/// assignment bucket exists it does not start.
-async fn refuse_if_sharded(js: &jetstream::Context, topology: &Topology) -> anyhow::Result<()> {
-    let shards = jetstream::Shards::open(js, topology).await.context(
-        "checking whether the orders stream is sharded (an unsharded `inventory serve` does not \
-         start on a sharded stream; `inventory serve --shard NAME` does)",
-    )?;
-    if shards.is_some() {
+/// The shard an instance serves: the stream's partitions and those assigned to it.
+struct ServedShard {
+    name: String,
+    partitions: NonZeroU32,
+    assigned: Vec<u32>,
+    shards: jetstream::Shards,
+}
+
+/// What `--shard` and the stream say this `serve` runs. An unsharded `serve` on a sharded
+/// stream would decide every partition's messages beside their shards (and recreate the
+/// unsharded consumer `shard init` retired): once the assignment bucket exists it does not
+/// start; nor does `--shard` on a stream that is not sharded, or one that owns no partition.
+async fn shard_to_serve(
+    js: &jetstream::Context,
+    topology: &Topology,
+    shard: Option<&str>,
+) -> anyhow::Result<Option<ServedShard>> {
+    let shards = jetstream::Shards::open(js, topology)
+        .await
+        .context("looking up whether the orders stream is sharded")?;
+    let bucket = jetstream::shards_bucket(topology);
+    let (name, shards) = match (shard, shards) {
+        (None, None) => return Ok(None),
+        (None, Some(_)) => anyhow::bail!(
+            "stream {} is sharded (bucket {bucket} exists): an unsharded `inventory serve` would \
+             decide every shard's partitions; run `inventory serve --shard NAME` for each shard \
+             instead",
+            topology.stream
+        ),
+        (Some(name), None) => anyhow::bail!(
+            "--shard {name}: stream {} is not sharded (no bucket {bucket}); run `inventory \
+             shard init` first",
+            topology.stream
+        ),
+        (Some(name), Some(shards)) => (name, shards),
+    };
+    let assigned = shards.assignment().await?.partitions_of(name);
+    if assigned.is_empty() {
         anyhow::bail!(
-            "stream {} is sharded (bucket {} exists): an unsharded `inventory serve` would decide              every shard's partitions; run `inventory serve --shard NAME` for each shard instead",
-            topology.stream,
-            jetstream::shards_bucket(topology)
+            "shard {name} owns no partition of stream {}: assign it some first (`inventory \
+             shard assign --partitions A-B --to {name}`)",
+            topology.stream
         );
     }
-    Ok(())
+    Ok(Some(ServedShard {
+        name: name.to_owned(),
+        partitions: shards.partitions(),
+        assigned,
+        shards,
+    }))
+}
+
+/// Ends once the partitions assigned to `shard` differ from those it serves, with an error
+/// that says so: the process stops, for its supervisor to start it again on the new
+/// assignment. A watch that fails ends it too, so a lost view of the bucket is never kept
+/// quiet; the database's ownership check decides meanwhile.
+async fn watch_assignment(shard: ServedShard, stop: CancellationToken) -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    let mut changes = Box::pin(shard.shards.watch().await?);
+    loop {
+        let assignment = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            next = changes.next() => match next {
+                Some(assignment) => assignment?,
+                None => anyhow::bail!("the watch of the shard assignment ended"),
+            },
+        };
+        let now = assignment.partitions_of(&shard.name);
+        if now != shard.assigned {
+            anyhow::bail!(
+                "the partitions of shard {} changed from {:?} to {now:?}: restart to serve them",
+                shard.name,
+                shard.assigned
+            );
+        }
+    }
+}
+
+/// The settings of the consumer of `partition`, one of a shard's `assigned`: the strategy's
+/// settings, its durable name suffixed, its filter the partition's, and the instance's lanes
+/// spread over the shard's partitions (at least one each).
+fn partition_settings(
+    base: &RuntimeSettings,
+    shard: &ServedShard,
+    partition: u32,
+) -> RuntimeSettings {
+    let lanes = base.concurrency.div_ceil(shard.assigned.len()).max(1);
+    RuntimeSettings {
+        consumer: ConsumerSettings {
+            durable_name: jetstream::partition_consumer(
+                &base.consumer.durable_name,
+                partition,
+                shard.partitions,
+            ),
+            filters: vec![jetstream::partition_filter(&base.topology, partition)],
+            ..base.consumer.clone()
+        },
+        concurrency: lanes,
+        ..base.clone()
+    }
+}
+
+/// The settings of a shard's consumer of what no partition takes: one lane, one at a time.
+fn unroutable_settings(base: &RuntimeSettings) -> RuntimeSettings {
+    RuntimeSettings {
+        consumer: ConsumerSettings {
+            durable_name: jetstream::unroutable_consumer(&base.consumer.durable_name),
+            filters: jetstream::unroutable_filters(&base.topology),
+            ..base.consumer.clone()
+        },
+        concurrency: 1,
+        batch_size: 1,
+        ..base.clone()
+    }
+}
+
+/// The handler of what no partition of a sharded stream takes: an event that names no book,
+/// which no shard can decide (docs/scaling.md).
+#[derive(Clone)]
+struct Unroutable;
+
+impl MessageHandler for Unroutable {
+    async fn handle(
+        &self,
+        message: &inventory_domain::Message,
+    ) -> Result<Outcome, inventory_infra::HandleError> {
+        Ok(Outcome::refused(
+            DeadLetterReason::Unroutable,
+            format!(
+                "the stream is sharded by book and this {}'s subject names no book: publish \
+                 an order's lines on their books' subjects",
+                match message.event.kind() {
+                    inventory_domain::EventKind::Cancelled => "cancellation",
+                    _ => "placement",
+                }
+            ),
+        ))
+    }
+}
+
+/// What every consumer of one `serve` shares: where its metrics, failures and dead letters go,
+/// and when it stops.
+struct ServeContext<'a> {
+    js: &'a jetstream::Context,
+    args: &'a ServeArgs,
+    metrics: &'a Metrics,
+    liveness: &'a Liveness,
+    shutdown: &'a Shutdown,
+}
+
+impl<'a> ServeContext<'a> {
+    fn new(
+        js: &'a jetstream::Context,
+        args: &'a ServeArgs,
+        metrics: &'a Metrics,
+        liveness: &'a Liveness,
+        shutdown: &'a Shutdown,
+    ) -> Self {
+        Self {
+            js,
+            args,
+            metrics,
+            liveness,
+            shutdown,
+        }
+    }
+}
+
+/// Starts `runtime`'s lanes with `handler`, with what runs beside them: its metrics, its lag
+/// and its dead letters watched, a lane that fails reported to `/livez`.
+fn start_consumer<H: MessageHandler>(
+    mut runtime: ConsumerRuntime,
+    handler: H,
+    label: &'static str,
+    context: &ServeContext<'_>,
+    background: &mut Background,
+) -> Running {
+    runtime.report_failures_to(context.liveness.clone());
+    let consumer = runtime.settings().consumer.durable_name.clone();
+    tracing::info!(
+        handler = label,
+        consumer = %consumer,
+        stream = %runtime.settings().topology.stream,
+        concurrency = runtime.settings().concurrency,
+        "consuming"
+    );
+    let metrics = context.metrics.consumer(&consumer);
+    context.metrics.consumer_limits(
+        &consumer,
+        runtime.settings().concurrency,
+        runtime.server_consumer().max_ack_pending,
+    );
+    let running = runtime.start(handler, metrics.clone(), context.shutdown.clone());
+    background.spawn("lag-watcher", running.report_lag(metrics, LAG_INTERVAL));
+    background.spawn(
+        "dead-letters-watcher",
+        watch_dead_letters(
+            jetstream::DeadLetterStream::new(context.js.clone(), context.args.topology.topology()),
+            consumer,
+            context.args.horizon.replay_allowance,
+            context.metrics.clone(),
+            context.shutdown.graceful.clone(),
+        ),
+    );
+    running
 }
 
 /// `serve` running `served`: wiring, then the runtime until a signal. Ok(true) when it drained
 /// cleanly.
-pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<bool> {
+pub async fn start_with<S: Served>(args: ServeArgs, served: S) -> anyhow::Result<bool> {
     let shutdown = Shutdown::on_signals(args.stop.shutdown_timeout)?;
     // The health server, the relay, the purge and the watchers; the purge and the watchers stop
     // with the first signal (the purge must not hold the database while the lanes drain), the
@@ -340,11 +556,34 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
     })?;
     let client = args.nats.connect("inventory serve").await?;
     let js = jetstream::context(client.clone());
-    refuse_if_sharded(&js, &args.topology.topology()).await?;
+    let topology = args.topology.topology();
+    let shard = shard_to_serve(&js, &topology, args.shard.as_deref()).await?;
+    if shard.is_some() && !served.serves_shards() {
+        anyhow::bail!(
+            "--shard: the {} handler does not run on a shard; only the natural key does",
+            served.label()
+        );
+    }
     let settings = args.runtime_settings(db.get_database_backend(), &served);
-    let consumer_name = settings.consumer.durable_name.clone();
-    let mut runtime = ConsumerRuntime::prepare(&js, db.clone(), settings).await?;
-    runtime.report_failures_to(liveness.clone());
+    let consumer = ConsumerName::parse(settings.consumer.durable_name.clone())?;
+    // The strategy's one consumer; on a shard, one per partition assigned to it (the
+    // strategy's own consumer is the one `shard init` retired), then the unroutable one.
+    let mut runtimes = Vec::new();
+    match &shard {
+        None => runtimes.push(ConsumerRuntime::prepare(&js, db.clone(), settings.clone()).await?),
+        Some(shard) => {
+            for partition in &shard.assigned {
+                let settings = partition_settings(&settings, shard, *partition);
+                runtimes.push(ConsumerRuntime::prepare(&js, db.clone(), settings).await?);
+            }
+        }
+    }
+    let unroutable = match &shard {
+        None => None,
+        Some(_) => {
+            Some(ConsumerRuntime::prepare(&js, db.clone(), unroutable_settings(&settings)).await?)
+        }
+    };
 
     let label = served.label();
     let writes_events = served.writes_events();
@@ -352,17 +591,18 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
         .prepare(Setup {
             args: &args,
             db: &db,
-            runtime: &runtime,
-            consumer: runtime.consumer_name()?,
+            runtime: &runtimes[0],
+            consumer,
+            shard_partitions: shard.as_ref().map(|shard| shard.partitions),
             metrics: &metrics,
             background: &mut background,
         })
         .await?;
     // A handler that writes an event per decision into the outbox has its relay here, woken
     // by the lanes after each commit that wrote one. Set up after the handler, so a refused
-    // start (the study's retention guard) leaves no heartbeat behind.
+    // start (the study's retention guard) leaves no heartbeat behind. A shard's database has
+    // its own outbox, and its relay is this one.
     let relay = if writes_events {
-        let topology = args.topology.topology();
         let relay = crate::relay::prepare(
             &js,
             db.clone(),
@@ -374,49 +614,60 @@ pub async fn start_with(args: ServeArgs, served: impl Served) -> anyhow::Result<
             },
         )
         .await?;
-        runtime.wake_relay_on_events(relay.wake());
+        for runtime in &mut runtimes {
+            runtime.wake_relay_on_events(relay.wake());
+        }
         metrics.watch_relay(relay.status(), args.relay.relay_unhealthy_after)?;
         Some(relay)
     } else {
         None
     };
-    tracing::info!(
-        handler = label,
-        consumer = %consumer_name,
-        stream = %runtime.settings().topology.stream,
-        concurrency = runtime.settings().concurrency,
-        "consuming"
-    );
-    let consumer_metrics = metrics.consumer(&consumer_name);
-    metrics.consumer_limits(
-        &consumer_name,
-        runtime.settings().concurrency,
-        runtime.server_consumer().max_ack_pending,
-    );
     if let Some(relay) = relay {
         crate::relay::spawn(relay, &mut background);
     }
-    let running = runtime.start(handler, consumer_metrics.clone(), shutdown.clone());
-    background.spawn(
-        "lag-watcher",
-        running.report_lag(consumer_metrics, LAG_INTERVAL),
-    );
-    background.spawn(
-        "dead-letters-watcher",
-        watch_dead_letters(
-            jetstream::DeadLetterStream::new(js.clone(), args.topology.topology()),
-            consumer_name.clone(),
-            args.horizon.replay_allowance,
-            metrics.clone(),
-            shutdown.graceful.clone(),
-        ),
-    );
+    let mut running = Vec::with_capacity(runtimes.len() + 1);
+    for runtime in runtimes {
+        running.push(start_consumer(
+            runtime,
+            handler.clone(),
+            label,
+            &ServeContext::new(&js, &args, &metrics, &liveness, &shutdown),
+            &mut background,
+        ));
+    }
+    if let Some(runtime) = unroutable {
+        running.push(start_consumer(
+            runtime,
+            Unroutable,
+            "unroutable",
+            &ServeContext::new(&js, &args, &metrics, &liveness, &shutdown),
+            &mut background,
+        ));
+    }
+    if let Some(shard) = shard {
+        tracing::info!(shard = %shard.name, partitions = ?shard.assigned, "serving a shard");
+        let stop = background.graceful();
+        background.spawn("shard-watcher", async move {
+            if let Err(error) = watch_assignment(shard, stop).await {
+                tracing::error!(%error, "the shard's assignment");
+            }
+        });
+    }
     readiness.ready(client.clone(), &db);
     // The relay and the background tasks must run as long as the lanes: one that ends stops
     // them, and the process. After the lanes, the relay's last pass publishes what their last
     // messages committed; then the acks of the last messages are flushed.
+    let all_ended = async {
+        let mut ending = Ending::Drained;
+        for running in running {
+            if running.wait().await? == Ending::Abandoned {
+                ending = Ending::Abandoned;
+            }
+        }
+        anyhow::Ok(ending)
+    };
     let finished = background
-        .finish(running.wait(), &client, &metrics, &liveness)
+        .finish(all_ended, &client, &metrics, &liveness)
         .await;
     let lanes_ended = finished.main?;
     if !finished.failures.is_empty() {

@@ -132,12 +132,14 @@ async fn the_operator_user_lists_deletes_and_replays_and_may_not_publish_elsewhe
         .await
         .unwrap();
     let placed = topology.subject(EventKind::Placed);
+    // As producers publish a placement now: on its book's subject.
+    let placed_by_book = format!("{placed}.0190f5c4-3c2e-7b4a-9d3e-bbbbbbbbbbbb");
     let consumer = "inventory-reserve-stock";
     let unknown = dead_letter(
         &admin,
         &topology,
         consumer,
-        &placed,
+        &placed_by_book,
         DeadLetterReason::UnknownBook,
         1,
     )
@@ -244,7 +246,7 @@ async fn the_operator_user_lists_deletes_and_replays_and_may_not_publish_elsewhe
         has_line(
             &dry,
             &format!("would replay dead letter {unknown} (unknown-book, "),
-            &format!(" old) to {placed} as m-1:replay:{unknown}")
+            &format!(" old) to {placed_by_book} as m-1:replay:{unknown}")
         ),
         "{dry}"
     );
@@ -286,7 +288,7 @@ async fn the_operator_user_lists_deletes_and_replays_and_may_not_publish_elsewhe
     assert!(
         replayed.contains(&format!("replayed dead letter {unknown} (unknown-book, "))
             && replayed.contains(&format!(
-                "to {placed} as m-1:replay:{unknown} -> stored as sequence 1"
+                "to {placed_by_book} as m-1:replay:{unknown} -> stored as sequence 1"
             ))
             && replayed.contains("to inventory.stock.reserved as m-4:replay:")
             && replayed

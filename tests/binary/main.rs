@@ -20,3 +20,4 @@ mod prometheus;
 mod relay_binary;
 mod serve_binary;
 mod shard_binary;
+mod shard_serve;

@@ -291,7 +291,7 @@ async fn the_orders_relay_publishes_what_orders_place_and_cancel_wrote() {
     assert_eq!(
         seen,
         [
-            (format!("{prefix}.placed").as_str(), placed.as_str()),
+            (format!("{prefix}.placed.{BOOK}").as_str(), placed.as_str()),
             (format!("{prefix}.cancelled").as_str(), cancelled.as_str()),
         ]
     );

@@ -221,7 +221,7 @@ async fn a_consumer_tuned_by_hand_keeps_its_settings_across_a_restart_whose_look
         .unwrap();
     let tuned = jetstream::ConsumerSettings {
         durable_name: "inventory-reserve-stock".into(),
-        filter_subject: setup.names.subjects(),
+        filters: vec![setup.names.subjects()],
         ack_wait: Duration::from_secs(7),
         max_deliver: 5,
         backoff: Vec::new(),

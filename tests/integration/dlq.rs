@@ -51,12 +51,7 @@ async fn dead_letters_are_listed_by_reason_and_replayed_through_the_consumers_de
     let letter = &unknown_books[0];
     assert_eq!(
         letter.original_subject.as_deref(),
-        Some(
-            broker
-                .topology
-                .subject(inventory_domain::EventKind::Placed)
-                .as_str()
-        )
+        Some(broker.topology.subject_of(&for_unknown.event).as_str())
     );
     assert_eq!(letter.original_sequence, Some(unknown_receipt.sequence));
     let original_id = for_unknown.key.storage_key();

@@ -28,6 +28,7 @@ mod natural_sqlite;
 mod orders;
 mod outages;
 mod outbox;
+mod ownership;
 mod publisher;
 mod purge_load;
 mod relay;

@@ -527,10 +527,10 @@ async fn statements_probe_reservations_by_key_even_in_a_generic_plan_of_an_empty
             .join("\n")
     };
     let reserve = plan(
-        "uuid[], uuid[], int4[], text[], int4[], uuid[], int2[]",
+        "uuid[], uuid[], int4[], text[], int4[], uuid[], int2[], int2[]",
         RESERVE_SQL,
         "ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], ARRAY[1], ARRAY['m'], ARRAY[0], \
-         ARRAY[gen_random_uuid()], ARRAY[0::int2]",
+         ARRAY[gen_random_uuid()], ARRAY[0::int2], ARRAY[NULL::int2]",
     )
     .await;
     let existing = plan(

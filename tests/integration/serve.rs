@@ -473,7 +473,7 @@ async fn an_existing_stream_and_consumer_are_kept_and_their_differences_reported
 
     let mut wanted = inventory_infra::jetstream::ConsumerSettings {
         durable_name: broker.consumer_name.clone(),
-        filter_subject: format!("{}.>", broker.topology.subject_prefix),
+        filters: vec![format!("{}.>", broker.topology.subject_prefix)],
         ack_wait: std::time::Duration::from_secs(1),
         max_deliver: -1,
         backoff: Vec::new(),

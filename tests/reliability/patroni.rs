@@ -51,10 +51,12 @@ async fn patroni_leader_killed_with_its_standby_cut_off_loses_acknowledged_commi
     );
 }
 
+/// How the pair replicates when its leader is killed; also the Patroni service tests' choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Replication {
+pub(crate) enum Replication {
     Synchronous,
-    /// Made asynchronous and the standby's WAL receiver stopped after [`CUT_OFF_AFTER`] rows.
+    /// Made asynchronous and the standby's WAL receiver stopped
+    /// ([`PatroniPair::cut_off_standby`]): here after [`CUT_OFF_AFTER`] rows.
     CutOff,
 }
 

@@ -1,6 +1,9 @@
 //! `inventory serve` as a process of a scenario: its own streams, consumer and database, its
-//! log in a file, SIGKILL and restart at will.
+//! log in a file, SIGKILL and restart at will. And [`FailoverRun`], two instances riding a
+//! failover of their database, with what the failover tests read from it: the ack floor's
+//! stalls, the instances' counters, each order's wait and its events.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -14,10 +17,13 @@ use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::binary::{free_port, http_get, sample};
 use inventory_tests::nats::{TestNames, unique_names};
+use inventory_tests::outbox;
 use inventory_tests::workload::{self, Ledger, StreamState, Workload};
 use nix::sys::signal::Signal;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 pub(crate) use inventory_tests::binary::inventory as binary;
 
@@ -653,4 +659,353 @@ pub(crate) fn serve_fault_args() -> Vec<String> {
     ]
     .map(str::to_owned)
     .into()
+}
+
+/// Two natural-key instances riding a failover of their PostgreSQL, which they reach through
+/// a proxy only, never restarted: a producer publishing a workload with the producer's
+/// duplicates, and the ack floor watched. What the failover tests share; each brings its own
+/// servers and its own failover between [`Self::start`] and [`Self::finish`].
+pub(crate) struct FailoverRun {
+    pub(crate) scenario: Scenario,
+    pub(crate) js: Context,
+    /// Messages the producer publishes.
+    pub(crate) total: u64,
+    _client: async_nats::Client,
+    db: DatabaseConnection,
+    workload: Workload,
+    instances: Vec<Instance>,
+    watch: AckFloorWatch,
+    producer: JoinHandle<()>,
+}
+
+impl FailoverRun {
+    /// Starts instances `a` and `b` on `fresh` (its URL the proxy's), the watch, and a
+    /// producer of `orders` orders (20% resent under a new id, 10% with the same id) in
+    /// `chunks` chunks with `pause` after each, so that the failover lands mid-stream.
+    pub(crate) async fn start(
+        label: &str,
+        fresh: &FreshDatabase,
+        books: &[BookId],
+        orders: usize,
+        chunks: usize,
+        pause: Duration,
+    ) -> Self {
+        let nats = inventory_tests::nats::shared_url().await;
+        let scenario = Scenario::new(label, &fresh.url, &nats, 1);
+        let (client, js) = scenario.connect().await;
+        let workload = Workload::new(books, orders, orders / 5, orders / 10, 14);
+        let instances = ["a", "b"]
+            .iter()
+            .map(|label| scenario.spawn(label))
+            .collect();
+        let watch = AckFloorWatch::start(&js, &scenario);
+        let producer =
+            scenario.start_producer(&js, &workload.sends, workload.sends.len() / chunks, pause);
+        Self {
+            total: workload.sends.len() as u64,
+            scenario,
+            js,
+            _client: client,
+            db: fresh.conn.clone(),
+            workload,
+            instances,
+            watch,
+            producer,
+        }
+    }
+
+    /// After the failover (the primary killed at `killed`, another promoted at `promoted`):
+    /// waits for the producer, the consumer to settle and the outbox to drain, stops the
+    /// instances (asserting a clean exit), reads the ledger and the events, and removes the
+    /// streams. Asserts that the kill came before the last publication.
+    pub(crate) async fn finish(
+        self,
+        killed: Instant,
+        promoted: Instant,
+        limit: Duration,
+    ) -> Ridden {
+        let Self {
+            scenario,
+            js,
+            total,
+            db,
+            workload,
+            instances,
+            watch,
+            producer,
+            ..
+        } = self;
+        producer.await.unwrap();
+        let topology = &scenario.topology;
+        let state = workload::settle(&js, topology, &scenario.names.consumer, total, limit).await;
+        // The relay runs inside serve: its events must be out before the instances stop.
+        wait_until_empty(&db, "outbox", &scenario, limit).await;
+        let samples = watch.stop().await;
+        let counters = Counters::read(&instances, &scenario.names.consumer);
+        stop_all(&scenario, instances);
+
+        let report = workload::check_ledger(&db, &workload, state, Ledger::Reservations).await;
+        let events = outbox::stored(&js, &topology.events_stream).await;
+        let stalls = Stalls::of(&samples, killed, promoted);
+        assert!(
+            stalls.at_kill.stream_last_seq < total,
+            "the kill came after the last publication: {:?}",
+            stalls.at_kill
+        );
+        let longest_wait = longest_wait(&js, topology, &db).await;
+        for stream in [
+            &topology.stream,
+            &topology.events_stream,
+            &topology.dlq_stream,
+        ] {
+            let _ = js.delete_stream(stream).await;
+        }
+        Ridden {
+            scenario,
+            total,
+            report,
+            stalls,
+            counters,
+            events,
+            workload,
+            longest_wait,
+        }
+    }
+}
+
+/// What a [`FailoverRun`] left behind.
+pub(crate) struct Ridden {
+    /// Kept for its instances' logs.
+    pub(crate) scenario: Scenario,
+    total: u64,
+    pub(crate) report: workload::Report,
+    stalls: Stalls,
+    counters: Counters,
+    events: Vec<outbox::Stored>,
+    workload: Workload,
+    /// The longest any order waited from publication to reservation, and that order.
+    longest_wait: (Duration, Uuid),
+}
+
+impl Ridden {
+    /// The promise after a failover the instances rode out: every order reserved exactly once,
+    /// nothing lost or dead-lettered, each decision's event stored once; and a delivery retried,
+    /// or the failover was never felt.
+    pub(crate) fn assert_rode_it_out(&self) {
+        self.report.assert_holds();
+        assert_one_reserved_event_per_order(&self.events, &self.workload, &self.scenario.topology);
+        assert!(
+            self.counters.retried > 0.0,
+            "no delivery was retried: the failover was never felt"
+        );
+    }
+
+    /// Where the kill found the stream: published and acked.
+    pub(crate) fn at_kill(&self) -> String {
+        format!(
+            "{} of {} messages published and {} acked",
+            self.stalls.at_kill.stream_last_seq, self.total, self.stalls.at_kill.ack_floor
+        )
+    }
+
+    /// From the kill on: the ack floor's stalls, the longest wait, the counters, the events
+    /// and the ledger.
+    pub(crate) fn describe(&self) -> String {
+        let (longest_wait, waited) = self.longest_wait;
+        format!(
+            "the ack floor moved again {:.1?} after the kill; longest ack-floor stall {:.1?}; \
+             longest wait from publication to reservation {longest_wait:.1?} (order {waited}); \
+             {}; {} events, {} republished (duplicate PubAcks); {}",
+            self.stalls.first_advance_after_kill,
+            self.stalls.longest,
+            self.counters.describe(),
+            self.events.len(),
+            self.counters.duplicate_pubacks,
+            self.report.summary()
+        )
+    }
+}
+
+/// Each decision's event once: every order exactly one `stock.reserved` (stock is plenty, so
+/// nothing is rejected), none for anything else, no event id twice.
+fn assert_one_reserved_event_per_order(
+    events: &[outbox::Stored],
+    workload: &Workload,
+    topology: &Topology,
+) {
+    let by_order = outbox::subjects_by_order(events, &topology.events_subject_prefix);
+    assert_eq!(by_order.len(), workload.orders.len(), "orders with events");
+    for order in workload.orders.keys() {
+        assert_eq!(
+            by_order.get(&order.as_uuid()).map(Vec::as_slice),
+            Some(&["stock.reserved".to_owned()][..]),
+            "events of order {order}"
+        );
+    }
+}
+
+/// The consumer's ack floor sampled every 100 ms in the background.
+struct AckFloorWatch {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Vec<(Instant, StreamState)>>,
+}
+
+impl AckFloorWatch {
+    fn start(js: &Context, scenario: &Scenario) -> Self {
+        let stop = CancellationToken::new();
+        let (js, topology, consumer) = (
+            js.clone(),
+            scenario.topology.clone(),
+            scenario.names.consumer.clone(),
+        );
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut samples = Vec::new();
+            while !token.is_cancelled() {
+                if let Some(state) = workload::stream_state(&js, &topology, &consumer).await {
+                    samples.push((Instant::now(), state));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            samples
+        });
+        Self { stop, task }
+    }
+
+    async fn stop(self) -> Vec<(Instant, StreamState)> {
+        self.stop.cancel();
+        self.task.await.unwrap()
+    }
+}
+
+/// How long the ack floor stood still while messages waited.
+struct Stalls {
+    /// The last sample before the kill: how far the producer and the consumer had come.
+    at_kill: StreamState,
+    /// From the kill to the first sample after the promotion with a higher ack floor than at
+    /// the promotion (nothing can commit in between).
+    first_advance_after_kill: Duration,
+    /// The longest time between two advances of the ack floor with messages waiting.
+    longest: Duration,
+}
+
+impl Stalls {
+    fn of(samples: &[(Instant, StreamState)], killed: Instant, promoted: Instant) -> Self {
+        let at_kill = samples
+            .iter()
+            .take_while(|(at, _)| *at <= killed)
+            .last()
+            .map(|(_, state)| *state)
+            .expect("a sample before the kill");
+        let floor_at_promotion = samples
+            .iter()
+            .take_while(|(at, _)| *at <= promoted)
+            .map(|(_, state)| state.ack_floor)
+            .max()
+            .unwrap_or(0);
+        let first_advance_after_kill = samples
+            .iter()
+            .find(|(at, state)| *at > promoted && state.ack_floor > floor_at_promotion)
+            .map(|(at, _)| *at - killed)
+            .expect("the ack floor never moved after the promotion");
+        let mut longest = Duration::ZERO;
+        let mut last_advance: Option<(Instant, u64)> = None;
+        for &(at, state) in samples {
+            match last_advance {
+                Some((since, floor)) if state.ack_floor > floor => {
+                    longest = longest.max(at - since);
+                    last_advance = Some((at, state.ack_floor));
+                }
+                // Nothing waits: standing still is not a stall.
+                Some(_) if state.settled() => last_advance = Some((at, state.ack_floor)),
+                Some(_) => {}
+                None => last_advance = Some((at, state.ack_floor)),
+            }
+        }
+        Self {
+            at_kill,
+            first_advance_after_kill,
+            longest,
+        }
+    }
+}
+
+/// What the instances counted, summed over both.
+struct Counters {
+    processed: f64,
+    duplicates: f64,
+    retried: f64,
+    duplicate_pubacks: f64,
+}
+
+impl Counters {
+    fn read(instances: &[Instance], consumer: &str) -> Self {
+        let sum = |name: &str| -> f64 {
+            instances
+                .iter()
+                .map(|instance| {
+                    instance
+                        .metric(name)
+                        .unwrap_or_else(|| panic!("instance {} has no /metrics", instance.label))
+                })
+                .sum()
+        };
+        let outcome = |outcome: &str| {
+            sum(&format!(
+                "inventory_messages_total{{consumer=\"{consumer}\",outcome=\"{outcome}\"}}"
+            ))
+        };
+        Self {
+            processed: outcome("processed"),
+            duplicates: outcome("duplicate"),
+            retried: outcome("retried"),
+            duplicate_pubacks: sum("inventory_outbox_duplicate_pubacks_total{outbox=\"outbox\"}"),
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "deliveries: {} processed, {} duplicates, {} retried",
+            self.processed, self.duplicates, self.retried
+        )
+    }
+}
+
+/// The longest any order waited from its first message's arrival in the stream to the commit
+/// of its reservation (the row's `created_at`), and that order.
+async fn longest_wait(
+    js: &Context,
+    topology: &Topology,
+    db: &DatabaseConnection,
+) -> (Duration, Uuid) {
+    let mut stream = js.get_stream(&topology.stream).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut published: HashMap<Uuid, i128> = HashMap::new();
+    for sequence in 1..=last {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+        let order: Uuid = body["order_id"].as_str().unwrap().parse().unwrap();
+        let at = message.time.unix_timestamp_nanos();
+        published
+            .entry(order)
+            .and_modify(|first| *first = (*first).min(at))
+            .or_insert(at);
+    }
+    let rows = db
+        .query_all_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT order_id, created_at FROM stock_reservations",
+        ))
+        .await
+        .unwrap();
+    rows.iter()
+        .map(|row| {
+            let order: Uuid = row.try_get("", "order_id").unwrap();
+            let created: chrono::DateTime<chrono::Utc> = row.try_get("", "created_at").unwrap();
+            let reserved = i128::from(created.timestamp_nanos_opt().unwrap());
+            let waited = u64::try_from(reserved - published[&order]).unwrap_or(0);
+            (Duration::from_nanos(waited), order)
+        })
+        .max()
+        .expect("reservations")
 }

@@ -106,7 +106,7 @@ impl Broker {
             concurrency,
         );
         settings.reads = email.reads;
-        settings.consumer.filter_subject = email.consumer.filter_subject;
+        settings.consumer.filters = email.consumer.filters;
         settings
     }
 

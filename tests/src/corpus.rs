@@ -16,7 +16,8 @@ pub const BASE_QUANTITY: i64 = 2;
 pub struct Entry {
     /// The file name, or `gen:<name>`.
     pub name: String,
-    /// The subject's last token: `placed`, `cancelled`, or one no event uses.
+    /// The subject below the prefix: `placed`, `placed.<book_id>`, `cancelled`, or one no event
+    /// uses.
     pub subject_token: String,
     pub body: Vec<u8>,
     /// The expected `Dlq-Reason` under the natural key and under the inbox.

@@ -224,7 +224,7 @@ async fn publish_one(js: &Context, publisher: &OrderPublisher, topology: &Topolo
                     .map_err(|error| error.to_string()),
                 SendKind::SameId => {
                     let body = send.message.to_plain_json().expect("a plain JSON body");
-                    let subject = topology.subject(send.message.event.kind());
+                    let subject = topology.subject_of(&send.message.event);
                     match js
                         .send_publish(subject, PublishMessage::build().payload(body.into()))
                         .await

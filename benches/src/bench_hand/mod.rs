@@ -51,7 +51,7 @@ use uuid::Uuid;
 use crate::fresh::FreshDatabase;
 use crate::latency::PublishClock;
 
-pub(crate) use postgres::{connect, reserve};
+pub(crate) use postgres::{UNSHARDED, connect, reserve};
 
 /// The fields of a plain OrderPlaced body the statements need.
 #[derive(Deserialize)]

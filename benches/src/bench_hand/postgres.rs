@@ -33,6 +33,10 @@ pub(crate) async fn connect(database_url: &str) -> Result<tokio_postgres::Client
     Ok(client)
 }
 
+/// `RESERVE_SQL`'s shard partition of a placement on an unsharded database, as the service
+/// binds it there: none, so the statement asks no ownership.
+pub(crate) const UNSHARDED: Option<i16> = None;
+
 /// Runs [`RESERVE_SQL`], prepared as `statement` on `client`, for `placed` alone with a fresh
 /// event id: the statement's one row.
 pub(crate) async fn reserve(
@@ -51,6 +55,7 @@ pub(crate) async fn reserve(
                 &[0_i32].as_slice(),
                 &[Uuid::now_v7()].as_slice(),
                 &[partition(OrderId::from(placed.order_id))].as_slice(),
+                &[UNSHARDED].as_slice(),
             ],
         )
         .await?)
@@ -174,6 +179,7 @@ impl SqlxLane {
             .bind(&indexes)
             .bind(&event_ids)
             .bind(&partitions)
+            .bind(vec![UNSHARDED; batch.len()])
             .fetch_all(&mut self.0)
             .await?;
         ensure!(

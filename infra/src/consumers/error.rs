@@ -1,6 +1,6 @@
 //! Why a handler failed, and what that means for the delivery: [`HandleError::kind`].
 
-use inventory_domain::{DeadLetterReason, ErrorKind, Refusal};
+use inventory_domain::{BookId, DeadLetterReason, ErrorKind, Refusal};
 use sea_orm::DbErr;
 
 use crate::db::{DbErrorCode, DbFailure};
@@ -33,6 +33,11 @@ pub enum HandleError {
     /// committed is unknown: the retry finds out.
     #[error("database work abandoned after {0:?} without an answer")]
     TimedOut(std::time::Duration),
+    /// On a shard: the database does not own the partition of the placement's book, so it
+    /// decided nothing. The instance's view of the assignment lags, or the partition is moving;
+    /// the shard that owns it decides the message.
+    #[error("book {book}'s partition is not owned by this shard's database")]
+    NotOwned { book: BookId },
     /// An invariant of this program does not hold (a statement returned fewer rows than it
     /// was given): a bug, which no retry fixes and no dead letter explains.
     #[error("internal error: {0}")]
@@ -70,6 +75,7 @@ impl HandleError {
                 detail: self.to_string(),
             }),
             Self::Unavailable(_) | Self::TimedOut(_) => ErrorKind::Transient,
+            Self::NotOwned { .. } => ErrorKind::NotOwned,
             Self::Internal(_) => ErrorKind::Internal,
             // Transient to the policy, as any failure another attempt would get past; the
             // consumer loop settles it before asking, leaving the delivery unacked as a dead

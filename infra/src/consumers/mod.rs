@@ -19,6 +19,7 @@ pub mod natural_sqlite;
 
 use std::borrow::Cow;
 use std::future::Future;
+use std::num::NonZeroU32;
 
 use inventory_domain::{
     BookId, ConsumerName, DeadLetterReason, ErrorKind, Event, EventKind, Message, OrderCancelled,
@@ -60,6 +61,14 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
         messages: &[Message],
     ) -> impl Future<Output = Vec<Result<Outcome, HandleError>>> + Send {
         self.handle_each(messages)
+    }
+
+    /// Whether this handler's database decides `message`: on a shard, whether it owns the
+    /// partition of a placement's book. Asked before a delivery past the cap is dead-lettered
+    /// unhandled: another shard's message is theirs. By default, always.
+    fn decides(&self, message: &Message) -> impl Future<Output = Result<bool, HandleError>> + Send {
+        let _ = message;
+        std::future::ready(Ok(true))
     }
 
     /// Each message on its own, one after another: what a handler without a batch path does
@@ -105,6 +114,19 @@ impl NaturalKey {
             path,
             consumer,
             faults: Faults::none(),
+        }
+    }
+
+    /// The same handler on a shard whose orders stream has `partitions` partitions: a placement
+    /// of a book whose partition this database does not own decides nothing
+    /// ([`HandleError::NotOwned`]). `None` on SQLite: a shard is a PostgreSQL database.
+    pub fn on_shard(&self, partitions: NonZeroU32) -> Option<Self> {
+        match &self.path {
+            Path::Postgres(path) => Some(Self {
+                path: Path::Postgres(path.on_shard(partitions)),
+                ..self.clone()
+            }),
+            Path::Sqlite(_) => None,
         }
     }
 
@@ -184,6 +206,13 @@ impl NaturalKey {
 }
 
 impl MessageHandler for NaturalKey {
+    async fn decides(&self, message: &Message) -> Result<bool, HandleError> {
+        match (&self.path, &message.event) {
+            (Path::Postgres(path), Event::Placed(placed)) => path.owns(placed.book_id).await,
+            _ => Ok(true),
+        }
+    }
+
     async fn handle(&self, message: &Message) -> Result<Outcome, HandleError> {
         let key = message.key.storage_key();
         let outcome = match &message.event {

@@ -15,11 +15,13 @@
 //! prepared statements stay cached.
 
 use std::borrow::Cow;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use chrono::Utc;
+use inventory_domain::shard::partition_of;
 use inventory_domain::{
-    Effect, OrderCancelled, OrderPlaced, Outcome, Quantity, ReservationStatus, StockEvent,
+    BookId, Effect, OrderCancelled, OrderPlaced, Outcome, Quantity, ReservationStatus, StockEvent,
     StockEventKind,
 };
 use sea_orm::DatabaseConnection;
@@ -65,8 +67,9 @@ WITH input AS (
     /* idx is a placement's place in the batch: its result's row, and which copy of a key
        counts. */
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int4[], $4::text[], $5::int4[],
-                         $6::uuid[], $7::int2[])
-        AS input(order_id, book_id, quantity, message_id, idx, event_id, relay_partition)
+                         $6::uuid[], $7::int2[], $8::int2[])
+        AS input(order_id, book_id, quantity, message_id, idx, event_id, relay_partition,
+                 shard_partition)
 ), probed AS (
     /* Each placement's key, looked up before any lock, so that a copy of a decided placement
        ends here, having read one row and locked nothing. Probed per placement (LATERAL,
@@ -89,11 +92,24 @@ WITH input AS (
     WHERE book_id IN (SELECT book_id FROM probed WHERE existing_quantity IS NULL)
     ORDER BY book_id
     FOR UPDATE
+), owned AS (
+    /* On a shard (shard_partition set), whether this database owns each partition wanted,
+       asked once the books' rows are locked (the one-time filter waits for books) and with a
+       snapshot of owns_partition's own, so an ownership given up while this statement waited
+       is seen. A placement of a partition not owned here decides nothing, whether or not its
+       book has a row here: an instance whose view of the assignment lags is refused by the
+       database. Unsharded (NULL), nothing is asked. */
+    SELECT shard_partition, owns_partition(shard_partition) AS owned
+    FROM (SELECT DISTINCT shard_partition FROM probed
+          WHERE existing_quantity IS NULL AND shard_partition IS NOT NULL
+          ORDER BY shard_partition OFFSET 0) wanted_partitions
+    WHERE (SELECT count(*) FROM books) >= 0
 ), fresh AS (
     /* Each key's first placement, unless the key has a reservation already. */
     SELECT DISTINCT ON (probed.order_id, probed.book_id) probed.*
     FROM probed JOIN books USING (book_id)
-    WHERE probed.existing_quantity IS NULL
+    LEFT JOIN owned USING (shard_partition)
+    WHERE probed.existing_quantity IS NULL AND owned.owned IS NOT FALSE
     ORDER BY probed.order_id, probed.book_id, probed.idx
 ), guard AS (
     /* lock_order is the order's lock, taken after its books' rows, in order_id order: a
@@ -165,11 +181,13 @@ WITH input AS (
 )
 SELECT probed.idx,
        books.book_id IS NOT NULL OR probed.existing_quantity IS NOT NULL AS book_found,
+       owned.owned IS FALSE AS not_owned,
        outcome.status AS inserted_status,
        outcome.available,
        probed.existing_quantity
 FROM probed
 LEFT JOIN books USING (book_id)
+LEFT JOIN owned USING (shard_partition)
 LEFT JOIN outcome USING (idx)
 ORDER BY probed.idx";
 
@@ -191,6 +209,9 @@ WHERE book_id IN (
 ORDER BY book_id
 FOR UPDATE";
 
+/// Whether this database owns a partition ($1), outside any placement.
+pub const OWNS_SQL: &str = "SELECT owns_partition($1)";
+
 /// The order's lock, taken after its books' (`lock_order`'s migration says what it reads).
 pub const LOCK_ORDER_SQL: &str = "SELECT lock_order($1)";
 
@@ -210,6 +231,9 @@ SELECT $3, $4, $1, 'stock.released', $5, now() FROM released";
 
 pub struct PgNaturalKey {
     options: Arc<PgConnectOptions>,
+    /// On a shard, the orders stream's partitions: each placement asks the database whether it
+    /// owns its book's partition. `None`: unsharded, nothing asked.
+    partitions: Option<NonZeroU32>,
     /// The pool's bound on getting a connection, which opening one here keeps too.
     connect_timeout: std::time::Duration,
     connection: Mutex<Option<PgConnection>>,
@@ -220,6 +244,7 @@ impl Clone for PgNaturalKey {
     fn clone(&self) -> Self {
         Self {
             options: self.options.clone(),
+            partitions: self.partitions,
             connect_timeout: self.connect_timeout,
             connection: Mutex::new(None),
         }
@@ -239,8 +264,17 @@ impl PgNaturalKey {
             .log_statements(tracing::log::LevelFilter::Trace);
         Self {
             options: Arc::new(options),
+            partitions: None,
             connect_timeout,
             connection: Mutex::new(None),
+        }
+    }
+
+    /// The same path on a shard of `partitions` partitions.
+    pub(super) fn on_shard(&self, partitions: NonZeroU32) -> Self {
+        Self {
+            partitions: Some(partitions),
+            ..self.clone()
         }
     }
 
@@ -268,14 +302,33 @@ impl PgNaturalKey {
         result
     }
 
+    /// Whether this database owns `book`'s partition: always, unsharded.
+    pub(super) async fn owns(&self, book: BookId) -> Result<bool, HandleError> {
+        let Some(partitions) = self.partitions else {
+            return Ok(true);
+        };
+        let partition = shard_partition(book, partitions)?;
+        self.with_connection(async |connection| {
+            sqlx::query_scalar(OWNS_SQL)
+                .bind(partition)
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(HandleError::from_sqlx)
+        })
+        .await
+    }
+
     /// One placement, through the statement alone.
     pub(super) async fn place(
         &self,
         key: &str,
         placed: &OrderPlaced,
     ) -> Result<Outcome, HandleError> {
-        self.with_connection(async |connection| decide_alone(connection, key, placed).await)
-            .await
+        let partitions = self.partitions;
+        self.with_connection(async |connection| {
+            decide_alone(connection, partitions, key, placed).await
+        })
+        .await
     }
 
     /// A cancellation, in a transaction of its own on this lane's connection.
@@ -296,8 +349,9 @@ impl PgNaturalKey {
         &self,
         placements: &[(Cow<'_, str>, &OrderPlaced)],
     ) -> Result<Vec<Result<Outcome, HandleError>>, HandleError> {
+        let partitions = self.partitions;
         self.with_connection(async |connection| {
-            let rows = reserve(connection, placements).await?;
+            let rows = reserve(connection, partitions, placements).await?;
             let mut results: Vec<Result<Outcome, HandleError>> =
                 Vec::with_capacity(placements.len());
             for ((key, placed), row) in placements.iter().zip(&rows) {
@@ -314,7 +368,7 @@ impl PgNaturalKey {
                     Ok(Some(outcome)) => Ok(outcome),
                     // Stock too short for all the batch wanted of the book, or a copy another
                     // lane committed meanwhile: decided alone, exactly as without batching.
-                    Ok(None) => decide_alone(connection, key, placed).await,
+                    Ok(None) => decide_alone(connection, partitions, key, placed).await,
                     Err(error) => Err(error),
                 });
             }
@@ -324,9 +378,11 @@ impl PgNaturalKey {
     }
 }
 
-/// [`RESERVE_SQL`] on `placements`: a row for each, in order.
+/// [`RESERVE_SQL`] on `placements`: a row for each, in order. On a shard of `partitions`,
+/// each placement names its book's partition, whose ownership the statement checks.
 async fn reserve(
     connection: &mut PgConnection,
+    partitions: Option<NonZeroU32>,
     placements: &[(Cow<'_, str>, &OrderPlaced)],
 ) -> Result<Vec<PgRow>, HandleError> {
     let mut orders = Vec::with_capacity(placements.len());
@@ -335,7 +391,8 @@ async fn reserve(
     let mut keys = Vec::with_capacity(placements.len());
     let mut indexes = Vec::with_capacity(placements.len());
     let mut event_ids = Vec::with_capacity(placements.len());
-    let mut partitions = Vec::with_capacity(placements.len());
+    let mut relay_partitions = Vec::with_capacity(placements.len());
+    let mut shard_partitions = Vec::with_capacity(placements.len());
     for (index, (key, placed)) in placements.iter().enumerate() {
         orders.push(placed.order_id.as_uuid());
         books.push(placed.book_id.as_uuid());
@@ -343,7 +400,12 @@ async fn reserve(
         keys.push(key.as_ref());
         indexes.push(int_column("batch index", index)?);
         event_ids.push(Uuid::now_v7());
-        partitions.push(partition(placed.order_id));
+        relay_partitions.push(partition(placed.order_id));
+        shard_partitions.push(
+            partitions
+                .map(|partitions| shard_partition(placed.book_id, partitions))
+                .transpose()?,
+        );
     }
     sqlx::query(RESERVE_SQL)
         .bind(&orders)
@@ -352,10 +414,18 @@ async fn reserve(
         .bind(&keys)
         .bind(&indexes)
         .bind(&event_ids)
-        .bind(&partitions)
+        .bind(&relay_partitions)
+        .bind(&shard_partitions)
         .fetch_all(&mut *connection)
         .await
         .map_err(HandleError::from_sqlx)
+}
+
+/// `book`'s partition as the statement takes it: `partition_of` is below `partitions`, which
+/// the stream's configuration keeps far below `i16::MAX`.
+fn shard_partition(book: BookId, partitions: NonZeroU32) -> Result<i16, HandleError> {
+    i16::try_from(partition_of(book, partitions))
+        .map_err(|_| HandleError::Internal("a partition number past i16::MAX"))
 }
 
 /// What the statement's row says of one placement; `earlier_in_batch` is the quantity of a copy
@@ -366,6 +436,12 @@ fn decision(
     placed: &OrderPlaced,
     earlier_in_batch: Option<Quantity>,
 ) -> Result<Option<Outcome>, HandleError> {
+    let not_owned: bool = row.try_get("not_owned").map_err(HandleError::from_sqlx)?;
+    if not_owned {
+        return Err(HandleError::NotOwned {
+            book: placed.book_id,
+        });
+    }
     let book_found: bool = row.try_get("book_found").map_err(HandleError::from_sqlx)?;
     let inserted: Option<&str> = row
         .try_get("inserted_status")
@@ -407,10 +483,11 @@ fn placement_effect(
 /// waited for a lock: then the key is read again.
 async fn decide_alone(
     connection: &mut PgConnection,
+    partitions: Option<NonZeroU32>,
     key: &str,
     placed: &OrderPlaced,
 ) -> Result<Outcome, HandleError> {
-    let rows = reserve(connection, &[(Cow::Borrowed(key), placed)]).await?;
+    let rows = reserve(connection, partitions, &[(Cow::Borrowed(key), placed)]).await?;
     let row = rows
         .first()
         .ok_or(HandleError::Internal("the statement returned no row"))?;

@@ -81,7 +81,7 @@ impl Backstop {
             &advisories,
             &ConsumerSettings {
                 durable_name: format!("{consumer}-max-deliveries"),
-                filter_subject: advisory_subject(&name, consumer),
+                filters: vec![advisory_subject(&name, consumer)],
                 ack_wait: Duration::from_secs(30),
                 max_deliver: -1,
                 backoff: Vec::new(),

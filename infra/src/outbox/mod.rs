@@ -71,13 +71,13 @@ const WRITTEN: [&str; 6] = [
 ];
 
 /// Writes one row into `table` through `conn`, the transaction that made the event's
-/// decision. `subject_token` is the subject below the stream's prefix.
+/// decision. `below_prefix` is its subject below the stream's prefix (`placed.<book_id>`).
 pub async fn insert(
     conn: &impl ConnectionTrait,
     table: OutboxTable,
     event_id: Uuid,
     order_id: OrderId,
-    subject_token: &str,
+    below_prefix: &str,
     payload: String,
 ) -> Result<(), DbErr> {
     let statement = Query::insert()
@@ -87,7 +87,7 @@ pub async fn insert(
             event_id.into(),
             partition(order_id).into(),
             order_id.as_uuid().into(),
-            subject_token.into(),
+            below_prefix.into(),
             payload.into(),
             Utc::now().into(),
         ])

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use inventory_domain::{Acked, DeadLetterReason, Effect, ErrorKind, EventKind, Message, Outcome};
+use inventory_domain::{Acked, DeadLetterReason, Effect, ErrorKind, Message, Outcome, Subject};
 use inventory_infra::db::{self, NoAnswer};
 use inventory_infra::delivery::{self, Delivery};
 use inventory_infra::jetstream::{DeadLetters, Origin};
@@ -158,6 +158,7 @@ impl<H: MessageHandler> Worker<H> {
         span.record("stream_seq", origin.stream_sequence);
         span.record("delivered", origin.deliveries);
         if let Some(action) = policy::admit(origin.deliveries, &self.lanes.retry) {
+            let action = self.unless_another_shards(message, action).await;
             return Admitted::Settled(self.perform(message, &origin, action).await);
         }
         match self.decode(message) {
@@ -172,6 +173,23 @@ impl<H: MessageHandler> Worker<H> {
         }
     }
 
+    /// `action`, the dead letter of a delivery past the cap, unless the message is another
+    /// shard's: handed here past the cap (this instance's view of the assignment lags), it is
+    /// theirs to decide, or to dead-letter, and goes back soon, as a "not owned" placement
+    /// does. One that cannot be decoded or asked about keeps its dead letter.
+    async fn unless_another_shards(&self, message: &Delivery, action: Action) -> Action {
+        match self.decode(message) {
+            Ok(decoded) if matches!(self.handler.decides(&decoded).await, Ok(false)) => {
+                policy::decide(
+                    Err((&ErrorKind::NotOwned, "not owned")),
+                    0,
+                    &self.lanes.retry,
+                )
+            }
+            _ => action,
+        }
+    }
+
     fn decode(&self, message: &Delivery) -> Result<Message, (DeadLetterReason, String)> {
         if message.payload.len() > self.lanes.max_body_bytes {
             return Err((
@@ -183,13 +201,20 @@ impl<H: MessageHandler> Worker<H> {
                 ),
             ));
         }
-        let kind = EventKind::from_subject(&message.subject).ok_or_else(|| {
+        let subject = Subject::parse(&message.subject).ok_or_else(|| {
             (
                 DeadLetterReason::Invalid,
                 format!("subject {} carries no order event", message.subject),
             )
         })?;
-        Message::decode(kind, &message.payload).map_err(|error| (error.reason(), error.to_string()))
+        let decoded = Message::decode(subject.kind, &message.payload)
+            .map_err(|error| (error.reason(), error.to_string()))?;
+        // A subject that routed the message by a book other than the body's sent it where
+        // another book's stock is decided.
+        subject
+            .check(&decoded.event)
+            .map_err(|mismatch| (DeadLetterReason::Invalid, mismatch))?;
+        Ok(decoded)
     }
 
     /// Asks the policy what becomes of the handler's answer, and does it.
@@ -235,6 +260,7 @@ impl<H: MessageHandler> Worker<H> {
             ErrorKind::Permanent(_) => tracing::warn!(%error, "permanent failure"),
             ErrorKind::Internal => tracing::error!(%error, "broken invariant; stopping"),
             ErrorKind::Transient => tracing::warn!(%error, "transient failure"),
+            ErrorKind::NotOwned => tracing::info!(%error, "not owned here"),
         }
         kind
     }

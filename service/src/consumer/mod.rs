@@ -88,7 +88,7 @@ impl RuntimeSettings {
     /// The durable consumer `durable_name`, reading what `reads` names of `topology`'s
     /// subjects, with the `serve` defaults: what a caller changes is set on the value returned.
     pub fn new(topology: Topology, durable_name: &str, reads: Reads, concurrency: usize) -> Self {
-        let filter_subject = match reads {
+        let filter = match reads {
             Reads::Orders => format!("{}.>", topology.subject_prefix),
             Reads::Reservations => format!(
                 "{}.{}",
@@ -99,7 +99,7 @@ impl RuntimeSettings {
         Self {
             consumer: ConsumerSettings {
                 durable_name: durable_name.to_owned(),
-                filter_subject,
+                filters: vec![filter],
                 ack_wait: Self::ACK_WAIT,
                 max_deliver: -1,
                 backoff: Vec::new(),

@@ -109,6 +109,8 @@ pub fn decide(
             }
         }
         Err((ErrorKind::Transient, _)) => Action::Nak(retry.delay_after(delivered)),
+        // Another shard's message: whatever its count, it is theirs to decide, soon.
+        Err((ErrorKind::NotOwned, _)) => Action::Nak(retry.retry_delay),
         Err((ErrorKind::Internal, error)) => Action::Halt(error.to_owned()),
     }
 }
@@ -267,6 +269,21 @@ mod tests {
                     reason: DeadLetterReason::MaxDeliveries,
                     detail: format!("last of {delivered} deliveries failed: connection refused"),
                 },
+                "max_deliver {max_deliver}, delivery {delivered}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_message_another_shard_owns_is_retried_soon_even_on_the_last_delivery() {
+        for (max_deliver, delivered) in [(10, 1), (10, 9), (3, 3), (3, 4), (-1, 1_000)] {
+            assert_eq!(
+                decide(
+                    Err((&ErrorKind::NotOwned, "not owned")),
+                    delivered,
+                    &retry(max_deliver)
+                ),
+                Action::Nak(MS(500)),
                 "max_deliver {max_deliver}, delivery {delivered}"
             );
         }
