@@ -10,27 +10,9 @@ use inventory_domain::BookId;
 use inventory_domain::shard::partition_of;
 use inventory_infra::partition_owner::{PartitionOwners, PartitionRow};
 use inventory_tests::binary::{self, BinaryRun};
-use inventory_tests::nats::{NatsServer, binary_since_2_10};
 use inventory_tests::{Backend, TestDb};
 
 const P: NonZeroU32 = NonZeroU32::new(8).unwrap();
-
-/// A sharded stream of `P` partitions on a server of the test's own, and the binary pointed at
-/// it; `None` after saying why there is no server for it.
-async fn sharded(test: &str) -> Option<(NatsServer, BinaryRun)> {
-    let bin = match binary_since_2_10() {
-        Ok(bin) => bin,
-        Err(why) => {
-            eprintln!("{test}: skipped: {why}");
-            return None;
-        }
-    };
-    let server = NatsServer::start_binary(&bin).await;
-    let mut run = BinaryRun::new("shard_cli", "warn").await;
-    run.nats_url = server.url();
-    run.run(&["shard", "init", "--partitions", &P.to_string()]);
-    Some((server, run))
-}
 
 fn text(output: &Output) -> (String, String) {
     (
@@ -76,7 +58,7 @@ fn active(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shard_assign_records_owners_in_the_shards_database_and_refuses_anothers_partitions() {
-    let Some((_server, run)) = sharded("shard_assign").await else {
+    let Some((_server, run)) = BinaryRun::sharded("shard_assign", "warn", P).await else {
         return;
     };
     let a = &run.db;
@@ -112,7 +94,7 @@ async fn shard_assign_records_owners_in_the_shards_database_and_refuses_anothers
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shard_of_names_the_partition_and_its_shard_and_status_lists_every_partition() {
-    let Some((_server, run)) = sharded("shard_of").await else {
+    let Some((_server, run)) = BinaryRun::sharded("shard_of", "warn", P).await else {
         return;
     };
     let book = BookId::from(uuid::Uuid::new_v4());
@@ -158,7 +140,7 @@ async fn shard_of_names_the_partition_and_its_shard_and_status_lists_every_parti
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shard_bucket_makes_an_unsharded_serve_refuse_to_start() {
-    let Some((_server, run)) = sharded("shard_serve").await else {
+    let Some((_server, run)) = BinaryRun::sharded("shard_serve", "warn", P).await else {
         return;
     };
     let (status, output) = binary::ended(run.spawn(&["serve"]));
