@@ -19,4 +19,5 @@ mod operating;
 mod prometheus;
 mod relay_binary;
 mod serve_binary;
+mod shard_binary;
 mod shard_serve;

@@ -16,7 +16,7 @@ use inventory_domain::{BookId, OrderId};
 use inventory_infra::jetstream;
 use inventory_tests::binary::{self, BinaryRun};
 use inventory_tests::broker::eventually;
-use inventory_tests::nats::{NatsServer, binary_since_2_10};
+use inventory_tests::nats::NatsServer;
 use inventory_tests::{Backend, TestDb};
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
@@ -25,21 +25,8 @@ const P: NonZeroU32 = NonZeroU32::new(8).unwrap();
 /// The durable consumer `serve` and `shard init` name the partitions' after.
 const SERVE_CONSUMER: &str = "inventory-reserve-stock";
 
-/// A stream sharded onto `P` partitions on a server of the test's own, and the binary pointed
-/// at it; `None` after saying why there is no server for it.
 async fn sharded(test: &str, log_filter: &'static str) -> Option<(NatsServer, BinaryRun)> {
-    let bin = match binary_since_2_10() {
-        Ok(bin) => bin,
-        Err(why) => {
-            eprintln!("{test}: skipped: {why}");
-            return None;
-        }
-    };
-    let server = NatsServer::start_binary(&bin).await;
-    let mut run = BinaryRun::new("shard_serve", log_filter).await;
-    run.nats_url = server.url();
-    run.run(&["shard", "init", "--partitions", &P.to_string()]);
-    Some((server, run))
+    BinaryRun::sharded(test, log_filter, P).await
 }
 
 /// `inventory <args>` with `DATABASE_URL` set to `url`, to its end; it must succeed.

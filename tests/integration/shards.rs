@@ -22,12 +22,17 @@ use inventory_tests::nats::{
 
 const P: NonZeroU32 = NonZeroU32::new(16).unwrap();
 
-/// A nats-server 2.10 or later of the test's own, or `None` after saying why there is none.
-async fn current_server(test: &str) -> Option<NatsServer> {
+/// A nats-server 2.10 or later of the test's own, its JetStream and names for the test's
+/// streams (`label`), or `None` after saying why there is no such server.
+async fn current_server(label: &str) -> Option<(NatsServer, Context, TestNames)> {
     match binary_since_2_10() {
-        Ok(bin) => Some(NatsServer::start_binary(&bin).await),
+        Ok(bin) => {
+            let server = NatsServer::start_binary(&bin).await;
+            let js = context(&server).await;
+            Some((server, js, unique_names(label)))
+        }
         Err(why) => {
-            eprintln!("{test}: skipped: {why}");
+            eprintln!("{label}: skipped: {why}");
             None
         }
     }
@@ -52,6 +57,23 @@ async fn consumer_info(js: &Context, topology: &Topology, name: &str) -> Option<
     stream.consumer_info(name).await.ok()
 }
 
+/// The streams, and the unsharded durable consumer as `serve` makes it (`<prefix>.>`).
+async fn unsharded_consumer(js: &Context, names: &TestNames) -> consumer::PullConsumer {
+    let (stream, _) = jetstream::ensure_streams(js, &names.topology())
+        .await
+        .unwrap();
+    stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(names.consumer.clone()),
+            filter_subject: names.subjects(),
+            ack_policy: AckPolicy::Explicit,
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
 async fn publish(js: &Context, subject: String) {
     js.publish(subject, "{}".into())
         .await
@@ -62,11 +84,9 @@ async fn publish(js: &Context, subject: String) {
 
 #[tokio::test]
 async fn shard_init_maps_each_book_to_its_partition_and_sets_up_the_bucket_and_consumers() {
-    let Some(server) = current_server("shard_init_maps_each_book").await else {
+    let Some((_server, js, names)) = current_server("shard_init").await else {
         return;
     };
-    let js = context(&server).await;
-    let names = unique_names("shard_init");
     let topology = names.topology();
     let settings = settings(&names, P);
 
@@ -156,11 +176,9 @@ async fn shard_init_maps_each_book_to_its_partition_and_sets_up_the_bucket_and_c
 
 #[tokio::test]
 async fn shard_init_again_resumes_and_another_partition_count_is_refused() {
-    let Some(server) = current_server("shard_init_again").await else {
+    let Some((_server, js, names)) = current_server("shard_again").await else {
         return;
     };
-    let js = context(&server).await;
-    let names = unique_names("shard_again");
     let topology = names.topology();
     let first = jetstream::init(&js, &topology, &settings(&names, P))
         .await
@@ -191,23 +209,11 @@ async fn shard_init_again_resumes_and_another_partition_count_is_refused() {
 /// unsharded consumer never delivers a message the partitions deliver.
 #[tokio::test]
 async fn shard_init_hands_over_from_the_unsharded_consumer_without_a_second_arbiter() {
-    let Some(server) = current_server("shard_init_hands_over").await else {
+    let Some((_server, js, names)) = current_server("shard_handover").await else {
         return;
     };
-    let js = context(&server).await;
-    let names = unique_names("shard_handover");
     let topology = names.topology();
-    let (stream, _) = jetstream::ensure_streams(&js, &topology).await.unwrap();
-    let unsharded = stream
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some(names.consumer.clone()),
-            filter_subject: names.subjects(),
-            ack_policy: AckPolicy::Explicit,
-            deliver_policy: DeliverPolicy::All,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let unsharded = unsharded_consumer(&js, &names).await;
     let before: Vec<BookId> = (0..20)
         .map(|_| BookId::from(uuid::Uuid::new_v4()))
         .collect();
@@ -272,11 +278,9 @@ async fn shard_init_hands_over_from_the_unsharded_consumer_without_a_second_arbi
 
 #[tokio::test]
 async fn shard_claims_are_compare_and_set_and_the_watch_sees_them() {
-    let Some(server) = current_server("shard_claims").await else {
+    let Some((_server, js, names)) = current_server("shard_claims").await else {
         return;
     };
-    let js = context(&server).await;
-    let names = unique_names("shard_claims");
     let topology = names.topology();
     assert!(Shards::open(&js, &topology).await.unwrap().is_none());
     jetstream::init(&js, &topology, &settings(&names, P))
@@ -329,4 +333,44 @@ async fn shard_init_refuses_a_server_before_2_10() {
         js.get_stream(&names.stream).await.is_err(),
         "nothing was created"
     );
+}
+
+/// With a message before the cut-over delivered and not yet acked (an unsharded serve still at
+/// work on it), init stops after its drain timeout, saying so, and leaves what it set up; run
+/// again once the message is acked, it resumes.
+#[tokio::test]
+async fn shard_init_that_cannot_drain_exits_with_its_work_kept_and_resumes() {
+    let Some((_server, js, names)) = current_server("shard_drain").await else {
+        return;
+    };
+    let topology = names.topology();
+    let unsharded = unsharded_consumer(&js, &names).await;
+    let book = BookId::from(uuid::Uuid::new_v4());
+    publish(&js, format!("{}.placed.{book}", names.subject_prefix)).await;
+    let mut messages = unsharded.fetch().max_messages(1).messages().await.unwrap();
+    let in_flight = messages.next().await.unwrap().unwrap();
+
+    let impatient = InitSettings {
+        drain_timeout: Duration::from_secs(1),
+        ..settings(&names, P)
+    };
+    let stopped = jetstream::init(&js, &topology, &impatient)
+        .await
+        .expect_err("nobody finishes the message before the cut-over");
+    assert!(
+        matches!(&stopped, InitError::NotDrained { ack_pending: 1, .. }),
+        "{stopped}"
+    );
+    assert!(
+        Shards::open(&js, &topology).await.unwrap().is_some(),
+        "the bucket and the transform stay"
+    );
+
+    in_flight.double_ack().await.unwrap();
+    let resumed = jetstream::init(&js, &topology, &impatient).await.unwrap();
+    assert!(
+        resumed.unsharded_deleted && !resumed.transform_set,
+        "{resumed:?}"
+    );
+    assert_eq!(resumed.partition_consumers_created, 0);
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use inventory_infra::jetstream;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
-use crate::nats::{TestNames, unique_names};
+use crate::nats::{NatsServer, TestNames, binary_since_2_10, unique_names};
 use crate::{Backend, TestDb, run_to_end_from_drop};
 
 /// The `inventory` binary under test: `INVENTORY_BIN` if set (e.g. a release build for the
@@ -64,6 +64,28 @@ impl BinaryRun {
             binary: inventory(),
             log_filter,
         }
+    }
+
+    /// A run whose orders stream is sharded onto `partitions` (`inventory shard init`) on a
+    /// nats-server 2.10+ of the test's own (stream subject transforms), and that server; `None`
+    /// after saying why there is no such server. `test` names the test in that message.
+    pub async fn sharded(
+        test: &str,
+        log_filter: &'static str,
+        partitions: std::num::NonZeroU32,
+    ) -> Option<(NatsServer, Self)> {
+        let bin = match binary_since_2_10() {
+            Ok(bin) => bin,
+            Err(why) => {
+                eprintln!("{test}: skipped: {why}");
+                return None;
+            }
+        };
+        let server = NatsServer::start_binary(&bin).await;
+        let mut run = Self::new("shard", log_filter).await;
+        run.nats_url = server.url();
+        run.run(&["shard", "init", "--partitions", &partitions.to_string()]);
+        Some((server, run))
     }
 
     /// The flags that point a command at the test's streams.

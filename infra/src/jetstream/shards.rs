@@ -425,8 +425,9 @@ pub enum InitError {
     NoPartitionStart { stream: String },
     #[error(
         "consumer {consumer} did not finish the messages stored up to sequence {up_to} within \
-         {timeout:?} ({pending} pending, {ack_pending} waiting for an ack, delivered up to {delivered}): an \
-         unsharded `inventory serve` must be running to finish them. Everything set up so far \
+         {timeout:?} ({pending} pending, {ack_pending} waiting for an ack, delivered up to \
+         sequence {delivered}): the unsharded `inventory serve` that ran when init began must \
+         finish them (one started now refuses: the stream is sharded). Everything set up so far \
          stays; run `inventory shard init` again to resume"
     )]
     NotDrained {
@@ -761,15 +762,41 @@ async fn drain_and_delete(
 
 /// Whether everything the consumer takes up to `up_to` was delivered and acked: its ack floor
 /// is there, or nothing waits for an ack and it has delivered past it (or has nothing left).
+/// The ack floor alone can stay below `up_to` for good: it stops at the last message the
+/// consumer took, and the last ones before `up_to` may be none of its filters'.
 fn drained(info: &consumer::Info, up_to: u64) -> bool {
-    info.ack_floor.stream_sequence >= up_to
-        || (info.num_ack_pending == 0
-            && (info.num_pending == 0 || info.delivered.stream_sequence >= up_to))
+    is_drained(
+        Progress {
+            ack_floor: info.ack_floor.stream_sequence,
+            delivered: info.delivered.stream_sequence,
+            pending: info.num_pending,
+            ack_pending: info.num_ack_pending,
+        },
+        up_to,
+    )
+}
+
+/// A consumer's progress as its info gives it.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    ack_floor: u64,
+    delivered: u64,
+    pending: u64,
+    ack_pending: usize,
+}
+
+fn is_drained(progress: Progress, up_to: u64) -> bool {
+    progress.ack_floor >= up_to
+        || (progress.ack_pending == 0 && (progress.pending == 0 || progress.delivered >= up_to))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const P4: NonZeroU32 = NonZeroU32::new(4).unwrap();
+    const P64: NonZeroU32 = NonZeroU32::new(64).unwrap();
+    const P1000: NonZeroU32 = NonZeroU32::new(1000).unwrap();
 
     fn topology() -> Topology {
         Topology::default()
@@ -777,15 +804,11 @@ mod tests {
 
     #[test]
     fn names_and_filters_follow_the_partition() {
-        let p64 = NonZeroU32::new(64).unwrap();
         assert_eq!(
-            partition_consumer("inventory-reserve-stock", 7, p64),
+            partition_consumer("inventory-reserve-stock", 7, P64),
             "inventory-reserve-stock-p07"
         );
-        assert_eq!(
-            partition_consumer("c", 7, NonZeroU32::new(1000).unwrap()),
-            "c-p007"
-        );
+        assert_eq!(partition_consumer("c", 7, P1000), "c-p007");
         assert_eq!(partition_consumer("c", 0, NonZeroU32::MIN), "c-p0");
         assert_eq!(partition_filter(&topology(), 7), "orders.*.7.*");
         assert_eq!(unroutable_filters(&topology()), ["orders.*", "orders.*.*"]);
@@ -794,7 +817,7 @@ mod tests {
 
     #[test]
     fn the_partitions_are_read_back_from_the_transform_and_only_from_ours() {
-        let p = NonZeroU32::new(64).unwrap();
+        let p = P64;
         let transform = partition_transform(&topology(), p);
         assert_eq!(transform.source, "orders.*.*");
         assert_eq!(
@@ -820,9 +843,30 @@ mod tests {
     }
 
     #[test]
+    fn the_unsharded_consumer_is_drained_once_nothing_up_to_the_cut_over_waits() {
+        let progress = |ack_floor, delivered, pending, ack_pending| Progress {
+            ack_floor,
+            delivered,
+            pending,
+            ack_pending,
+        };
+        let up_to = 100;
+        // Acked up to the cut-over, whatever came after it.
+        assert!(is_drained(progress(100, 120, 5, 3), up_to));
+        // Its last message was before the cut-over, delivered and acked: nothing left.
+        assert!(is_drained(progress(90, 90, 0, 0), up_to));
+        // Delivered past the cut-over with nothing waiting for an ack: later ones still pending.
+        assert!(is_drained(progress(90, 101, 4, 0), up_to));
+        // One not yet acked (or nak'ed, waiting for its redelivery), perhaps before the cut-over.
+        assert!(!is_drained(progress(90, 101, 4, 1), up_to));
+        // Not yet delivered up to the cut-over.
+        assert!(!is_drained(progress(50, 60, 40, 0), up_to));
+    }
+
+    #[test]
     fn a_watch_applies_only_what_is_newer_than_it_saw() {
         let mut assignment = Assignment {
-            partitions: NonZeroU32::new(4).unwrap(),
+            partitions: P4,
             owners: BTreeMap::new(),
         };
         let mut seen = BTreeMap::new();
