@@ -292,3 +292,298 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
     assert!(dead_letter_reasons(&js, &run).await.is_empty(), "{log}");
     assert!(log.contains("not owned"), "{log}");
 }
+
+/// One message of the differential workload: its subject below the prefix, its body, and its
+/// `Nats-Msg-Id` (none: the stream keeps a copy, as it keeps a redelivery's duplicate).
+#[derive(Clone)]
+struct Send {
+    subject: String,
+    body: String,
+    msg_id: Option<String>,
+}
+
+/// The workload of both runs, in two phases (the second published once the first settled, so
+/// that a cancellation after its placement, and a conflicting resend, come after what they
+/// follow in either run): orders of one to three lines over `books`, each line placed, some
+/// delivered twice (an exact copy), some resent under a new message id, some cancelled before
+/// their placement and some after, some resent with another quantity; and one order-level
+/// cancellation, which a sharded stream cannot route.
+fn differential_workload(books: &[BookId]) -> (Vec<Send>, Vec<Send>) {
+    let placement = |order: OrderId, book: BookId, quantity: u32, id: &str| Send {
+        subject: format!("placed.{book}"),
+        body: format!(
+            r#"{{"message_id":"{id}","order_id":"{order}","book_id":"{book}","quantity":{quantity}}}"#
+        ),
+        msg_id: Some(id.to_owned()),
+    };
+    let line_cancellation = |order: OrderId, book: BookId, id: &str| Send {
+        subject: format!("cancelled.{book}"),
+        body: format!(r#"{{"message_id":"{id}","order_id":"{order}","book_id":"{book}"}}"#),
+        msg_id: Some(id.to_owned()),
+    };
+    let (mut first, mut second) = (Vec::new(), Vec::new());
+    let mut line = 0_usize;
+    for n in 0..120_usize {
+        let order = OrderId::new_v7();
+        for k in 0..=(n % 3) {
+            let book = books[(n * 5 + k * 7) % books.len()];
+            let quantity = 1 + u32::try_from(line % 3).unwrap();
+            let original = placement(order, book, quantity, &format!("p-{order}-{book}"));
+            if line % 9 == 0 {
+                first.push(line_cancellation(
+                    order,
+                    book,
+                    &format!("cb-{order}-{book}"),
+                ));
+            }
+            first.push(original.clone());
+            if line % 5 == 0 {
+                first.push(Send {
+                    msg_id: None,
+                    ..original.clone()
+                });
+            }
+            if line % 7 == 0 {
+                first.push(placement(
+                    order,
+                    book,
+                    quantity,
+                    &format!("r-{order}-{book}"),
+                ));
+            }
+            if line % 6 == 0 {
+                second.push(line_cancellation(
+                    order,
+                    book,
+                    &format!("ca-{order}-{book}"),
+                ));
+            }
+            if line % 13 == 0 {
+                second.push(placement(
+                    order,
+                    book,
+                    quantity + 1,
+                    &format!("x-{order}-{book}"),
+                ));
+            }
+            line += 1;
+        }
+    }
+    first.push(Send {
+        subject: "cancelled".to_owned(),
+        body: format!(
+            r#"{{"message_id":"oc-1","order_id":"{}"}}"#,
+            OrderId::new_v7()
+        ),
+        msg_id: Some("oc-1".to_owned()),
+    });
+    (first, second)
+}
+
+async fn publish_all(js: &jetstream::Context, run: &BinaryRun, sends: &[Send]) {
+    for send in sends {
+        let subject = format!("{}.{}", run.names.subject_prefix, send.subject);
+        let mut headers = HeaderMap::new();
+        if let Some(id) = &send.msg_id {
+            headers.insert("Nats-Msg-Id", id.as_str());
+        }
+        js.publish_with_headers(subject, headers, send.body.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+}
+
+/// Waits until none of `consumers` has a message to deliver or one unacked, twice in a row.
+async fn settle(js: &jetstream::Context, run: &BinaryRun, consumers: &[String]) {
+    let stream = js.get_stream(&run.names.stream).await.unwrap();
+    let mut quiet = 0;
+    for _ in 0..240 {
+        let mut busy = false;
+        for name in consumers {
+            let info = stream.consumer_info(name).await.unwrap();
+            busy |= info.num_pending > 0 || info.num_ack_pending > 0;
+        }
+        quiet = if busy { 0 } else { quiet + 1 };
+        if quiet == 2 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("the consumers never settled");
+}
+
+/// What a run decided, over all its databases: every reservation, every line's cancellation,
+/// each book's reserved count, and the dead letters' reasons.
+#[derive(Debug, PartialEq, Eq)]
+struct Decided {
+    reservations: BTreeSet<String>,
+    lines_cancelled: BTreeSet<String>,
+    reserved: BTreeSet<String>,
+    dead_letters: Vec<String>,
+}
+
+async fn rows(db: &TestDb, sql: &str) -> BTreeSet<String> {
+    db.conn
+        .query_all_raw(Statement::from_string(DbBackend::Postgres, sql))
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.try_get_by_index::<String>(0).unwrap())
+        .collect()
+}
+
+async fn decided(js: &jetstream::Context, run: &BinaryRun, dbs: &[&TestDb]) -> Decided {
+    let mut decided = Decided {
+        reservations: BTreeSet::new(),
+        lines_cancelled: BTreeSet::new(),
+        reserved: BTreeSet::new(),
+        dead_letters: dead_letter_reasons(js, run).await,
+    };
+    for db in dbs {
+        decided.reservations.extend(
+            rows(
+                db,
+                "SELECT order_id || ' ' || book_id || ' ' || quantity || ' ' || status \
+                 FROM stock_reservations",
+            )
+            .await,
+        );
+        decided.lines_cancelled.extend(
+            rows(
+                db,
+                "SELECT order_id || ' ' || book_id FROM line_cancellations",
+            )
+            .await,
+        );
+        decided
+            .reserved
+            .extend(rows(db, "SELECT book_id || ' ' || reserved FROM stock_items").await);
+    }
+    decided.dead_letters.sort();
+    decided
+}
+
+/// The sharded differential: the same workload through one database and through three shards
+/// (K = 3, P = 8) decides the same, each book's rows on its own shard only; the order-level
+/// cancellation, which the one database takes, is the shards' one `unroutable` dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_shards_decide_what_one_database_decides() {
+    let Some((server, sharded)) =
+        BinaryRun::sharded("three_shards_decide_what_one_database_decides", "warn", P).await
+    else {
+        return;
+    };
+    let js = jetstream::context(async_nats::connect(server.url()).await.unwrap());
+    let shard_dbs = [
+        TestDb::labelled(Backend::Postgres, "shard_2").await,
+        TestDb::labelled(Backend::Postgres, "shard_3").await,
+    ];
+    let urls = [
+        sharded.database_url.clone(),
+        shard_dbs[0].url.clone(),
+        shard_dbs[1].url.clone(),
+    ];
+    let ranges = [("s1", 0..3), ("s2", 3..6), ("s3", 6..8)];
+    let mut books = Vec::new();
+    let mut books_of = Vec::new();
+    for ((name, range), url) in ranges.iter().zip(&urls) {
+        let partitions = format!("{}-{}", range.start, range.end - 1);
+        run_on(
+            &sharded,
+            url,
+            &["shard", "assign", "--partitions", &partitions, "--to", name],
+        );
+        let mine = books_in(&sharded, url, 4, |partition| range.contains(&partition));
+        books.extend(mine.iter().copied());
+        books_of.push(mine);
+    }
+    let (first, second) = differential_workload(&books);
+
+    // One database, unsharded, on a stream of its own on the same server.
+    let mut single = BinaryRun::new("unsharded", "warn").await;
+    single.nats_url = server.url();
+    for book in &books {
+        single.put_stock(&book.to_string(), "Dune", 100);
+    }
+    let one = single.spawn(&["serve"]);
+    let serving: Vec<Child> = ranges
+        .iter()
+        .zip(&urls)
+        .map(|((name, _), url)| serve_on(&sharded, url, &["--shard", name]))
+        .collect();
+    let mut shard_consumers: Vec<String> = (0..P.get())
+        .map(|p| jetstream::partition_consumer(SERVE_CONSUMER, p, P))
+        .collect();
+    shard_consumers.push(jetstream::unroutable_consumer(SERVE_CONSUMER));
+    let single_consumers = [SERVE_CONSUMER.to_owned()];
+    eventually("the unsharded serve's consumer set up", || async {
+        match js.get_stream(&single.names.stream).await {
+            Ok(stream) => stream.consumer_info(SERVE_CONSUMER).await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    for phase in [&first, &second] {
+        publish_all(&js, &single, phase).await;
+        publish_all(&js, &sharded, phase).await;
+        settle(&js, &single, &single_consumers).await;
+        settle(&js, &sharded, &shard_consumers).await;
+    }
+    let (status, log) = binary::stop(one);
+    assert!(status.success(), "{log}");
+    for instance in serving {
+        let (status, log) = binary::stop(instance);
+        assert!(status.success(), "{log}");
+    }
+
+    let once = decided(&js, &single, &[&single.db]).await;
+    let mut shards = decided(&js, &sharded, &[&sharded.db, &shard_dbs[0], &shard_dbs[1]]).await;
+    let unroutable = shards
+        .dead_letters
+        .iter()
+        .position(|reason| reason == "unroutable");
+    shards
+        .dead_letters
+        .remove(unroutable.expect("the order-level cancellation, unroutable"));
+    assert_eq!(
+        shards, once,
+        "three shards decided otherwise than one database"
+    );
+    assert!(
+        once.dead_letters
+            .iter()
+            .all(|reason| reason == "conflicting-reservation"),
+        "{:?}",
+        once.dead_letters
+    );
+    let released = once
+        .reservations
+        .iter()
+        .filter(|row| row.ends_with(" released"))
+        .count();
+    assert_eq!(
+        released,
+        once.lines_cancelled.len(),
+        "one release per cancelled line"
+    );
+    eprintln!(
+        "[shard differential] {} messages; on one database and on three shards alike: {} \
+         reservations, {released} released, {} lines cancelled, dead letters {:?}",
+        first.len() + second.len(),
+        once.reservations.len(),
+        once.lines_cancelled.len(),
+        once.dead_letters
+    );
+    for (db, mine) in [&sharded.db, &shard_dbs[0], &shard_dbs[1]]
+        .into_iter()
+        .zip(&books_of)
+    {
+        let theirs: BTreeSet<String> = mine.iter().map(ToString::to_string).collect();
+        assert!(
+            reserved_books(db).await.is_subset(&theirs),
+            "a row outside its shard"
+        );
+    }
+}
