@@ -329,7 +329,7 @@ fn differential_workload(books: &[BookId]) -> (Vec<Send>, Vec<Send>) {
             let book = books[(n * 5 + k * 7) % books.len()];
             let quantity = 1 + u32::try_from(line % 3).unwrap();
             let original = placement(order, book, quantity, &format!("p-{order}-{book}"));
-            if line % 9 == 0 {
+            if line.is_multiple_of(9) {
                 first.push(line_cancellation(
                     order,
                     book,
@@ -337,13 +337,13 @@ fn differential_workload(books: &[BookId]) -> (Vec<Send>, Vec<Send>) {
                 ));
             }
             first.push(original.clone());
-            if line % 5 == 0 {
+            if line.is_multiple_of(5) {
                 first.push(Send {
                     msg_id: None,
                     ..original.clone()
                 });
             }
-            if line % 7 == 0 {
+            if line.is_multiple_of(7) {
                 first.push(placement(
                     order,
                     book,
@@ -351,14 +351,14 @@ fn differential_workload(books: &[BookId]) -> (Vec<Send>, Vec<Send>) {
                     &format!("r-{order}-{book}"),
                 ));
             }
-            if line % 6 == 0 {
+            if line.is_multiple_of(6) {
                 second.push(line_cancellation(
                     order,
                     book,
                     &format!("ca-{order}-{book}"),
                 ));
             }
-            if line % 13 == 0 {
+            if line.is_multiple_of(13) {
                 second.push(placement(
                     order,
                     book,
