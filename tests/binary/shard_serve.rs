@@ -90,16 +90,6 @@ async fn place(
         .unwrap();
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.conn
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get_by_index(0)
-        .unwrap()
-}
-
 /// The books of the reservations on `db`.
 async fn reserved_books(db: &TestDb) -> BTreeSet<String> {
     db.conn
@@ -194,8 +184,14 @@ async fn each_shard_decides_only_its_partitions_books_and_the_order_level_cancel
 
     let per_shard = orders / 2;
     eventually("every order reserved on its shard", || async {
-        count(&run.db, "SELECT count(*) FROM stock_reservations").await == per_shard
-            && count(&other, "SELECT count(*) FROM stock_reservations").await == per_shard
+        run.db
+            .scalar("SELECT count(*) FROM stock_reservations")
+            .await
+            == per_shard
+            && other
+                .scalar("SELECT count(*) FROM stock_reservations")
+                .await
+                == per_shard
     })
     .await;
     eventually("the order-level cancellation dead-lettered", || async {
@@ -217,11 +213,8 @@ async fn each_shard_decides_only_its_partitions_books_and_the_order_level_cancel
     assert_eq!(reserved_books(&other).await, names(&b_books), "shard b");
     for db in [&run.db, &other] {
         assert_eq!(
-            count(
-                db,
-                "SELECT coalesce(sum(reserved), 0)::int8 FROM stock_items"
-            )
-            .await,
+            db.scalar("SELECT coalesce(sum(reserved), 0)::int8 FROM stock_items")
+                .await,
             per_shard,
             "each order once"
         );
@@ -284,11 +277,13 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
     let (status, log) = binary::stop(instance);
     assert!(status.success(), "{log}");
     assert_eq!(
-        count(&stale, "SELECT count(*) FROM stock_reservations").await,
+        stale
+            .scalar("SELECT count(*) FROM stock_reservations")
+            .await,
         0,
         "{log}"
     );
-    assert_eq!(count(&stale, "SELECT count(*) FROM outbox").await, 0);
+    assert_eq!(stale.scalar("SELECT count(*) FROM outbox").await, 0);
     assert!(dead_letter_reasons(&js, &run).await.is_empty(), "{log}");
     assert!(log.contains("not owned"), "{log}");
 }

@@ -51,16 +51,6 @@ async fn own(db: &TestDb, book: BookId, state: &str) {
         .unwrap();
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.conn
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get_by_index(0)
-        .unwrap()
-}
-
 fn on_shard(db: &TestDb) -> NaturalKey {
     NaturalKey::new(&db.conn, ConsumerName::parse("shard-test").unwrap())
         .on_shard(PARTITIONS)
@@ -103,16 +93,16 @@ async fn a_placement_in_a_partition_the_database_does_not_own_decides_nothing() 
 
     assert_eq!(db.reserved(owned).await, 4);
     assert_eq!(db.reserved(other).await, 0);
-    let other_rows = count(
-        &db,
-        &format!("SELECT count(*) FROM stock_reservations WHERE book_id = '{other}'"),
-    )
-    .await;
+    let other_rows = db
+        .scalar(&format!(
+            "SELECT count(*) FROM stock_reservations WHERE book_id = '{other}'"
+        ))
+        .await;
     assert_eq!(
         other_rows, 0,
         "a reservation written outside the partitions owned"
     );
-    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 3);
+    assert_eq!(db.scalar("SELECT count(*) FROM outbox").await, 3);
 
     // Ownership given up: a new order is refused; a copy of a decided one is still a
     // duplicate, which the key it left behind decides.
@@ -199,7 +189,7 @@ async fn a_line_cancellation_in_a_partition_not_owned_changes_nothing() {
     assert!(not_owned(&handler.handle(&line(other)).await));
     assert_eq!(db.reserved(other).await, 2);
     assert_eq!(
-        count(&db, "SELECT count(*) FROM line_cancellations").await,
+        db.scalar("SELECT count(*) FROM line_cancellations").await,
         0
     );
     assert!(matches!(
@@ -207,7 +197,7 @@ async fn a_line_cancellation_in_a_partition_not_owned_changes_nothing() {
         Outcome::Processed(Effect::Released { copies: 0 })
     ));
     assert_eq!(
-        count(&db, "SELECT count(*) FROM line_cancellations").await,
+        db.scalar("SELECT count(*) FROM line_cancellations").await,
         1
     );
 }

@@ -8,7 +8,6 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use inventory_infra::jetstream;
-use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 use crate::nats::{NatsServer, TestNames, binary_since_2_10, unique_names};
 use crate::{Backend, TestDb, run_to_end_from_drop};
@@ -166,14 +165,7 @@ impl BinaryRun {
 
     /// The one `int8` `sql` reads from the test's database.
     pub async fn scalar(&self, sql: &str) -> i64 {
-        let row = self
-            .db
-            .conn
-            .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
-            .await
-            .unwrap()
-            .unwrap();
-        row.try_get_by_index::<i64>(0).unwrap()
+        self.db.scalar(sql).await
     }
 
     /// Starts a command with its output captured, e.g. `serve`.

@@ -58,7 +58,7 @@ use inventory_domain::{
 use inventory_infra::CrashPoint;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::{Faults, HandleError, MessageHandler, StockRepository};
-use sea_orm::{ConnectionTrait, Statement};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -140,6 +140,17 @@ impl TestDb {
             .await
             .unwrap();
         book_id
+    }
+
+    /// The one `int8` `sql` reads from this database (PostgreSQL).
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        let row = self
+            .conn
+            .query_one_raw(Statement::from_string(DbBackend::Postgres, sql))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get_by_index::<i64>(0).unwrap()
     }
 
     pub async fn reserved(&self, book_id: BookId) -> i64 {
