@@ -35,8 +35,13 @@ fn run_on(run: &BinaryRun, url: &str, args: &[&str]) {
     assert!(output.status.success(), "{args:?}: {output:?}");
 }
 
+/// Few lanes and a small pool: a shard's instance gives each of its partitions a lane of its
+/// own, each holding a connection, and the tests beside these share PostgreSQL's connections.
+const SMALL: [&str; 5] = ["serve", "--concurrency", "2", "--db-pool-size", "2"];
+
+/// `serve` with [`SMALL`] lanes and `args`, on the database at `url`.
 fn serve_on(run: &BinaryRun, url: &str, args: &[&str]) -> Child {
-    run.command(&[&["serve"], args].concat())
+    run.command(&[&SMALL[..], args].concat())
         .env("DATABASE_URL", url)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -502,7 +507,7 @@ async fn three_shards_decide_what_one_database_decides() {
     for book in &books {
         single.put_stock(&book.to_string(), "Dune", 100);
     }
-    let one = single.spawn(&["serve"]);
+    let one = single.spawn(&SMALL);
     let serving: Vec<Child> = ranges
         .iter()
         .zip(&urls)
