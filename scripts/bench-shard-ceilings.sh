@@ -94,7 +94,7 @@ hot_run() { # hot_run <configuration> <orders>
   local configuration=$1 orders=$2 hot
   hot=$(head -1 "$work/books")
   start_nats "hot-$configuration"
-  databases=("${tag}_$configuration")
+  databases=("${tag}_${configuration//-/_}")
   create_database "${databases[0]}"
   "$inventory" shard init --partitions $partitions >>"$work/setup.log" 2>&1
   local range=0-$((partitions - 1))

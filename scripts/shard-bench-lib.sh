@@ -125,7 +125,7 @@ start_serves() { # start_serves <log name>
     pids+=($!)
   done
   for i in "${!databases[@]}"; do
-    until grep -q 'serving a shard' "$work/serve-$1-$i.log"; do
+    until grep -qs 'serving a shard' "$work/serve-$1-$i.log"; do
       kill -0 "${serves[$i]}" 2>/dev/null || {
         tail -20 "$work/serve-$1-$i.log" >&2
         return 1
