@@ -118,11 +118,15 @@ for k in $counts; do
   publisher=$!
   pids+=("$publisher")
   sleep "$warmup"
+  # The CPU read first, then the orders reserved and the time: both windows as long, the
+  # second a snapshot's reading later than the first.
+  read -r s0 p0 n0 m0 _ < <(snapshot "$nats" "${serves[@]}")
   r0=$(reserved "${databases[@]}")
-  read -r s0 p0 n0 m0 t0 < <(snapshot "$nats" "${serves[@]}")
+  t0=$(date +%s.%N)
   sleep "$seconds"
-  read -r s1 p1 n1 m1 t1 < <(snapshot "$nats" "${serves[@]}")
+  read -r s1 p1 n1 m1 _ < <(snapshot "$nats" "${serves[@]}")
   r1=$(reserved "${databases[@]}")
+  t1=$(date +%s.%N)
   load_after=$(uptime | sed 's/.*load average: //')
   wait "$publisher" || {
     cat "$work/publish-$k.log" >&2
