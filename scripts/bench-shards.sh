@@ -65,7 +65,13 @@ snapshot() { # snapshot <nats pid> <serve pid>…
 reserved() { # reserved <database>…
   local database sum=0
   for database in "$@"; do
-    sum=$((sum + $(psql "$(url_of "$database")" -Atqc 'SELECT count(*) FROM stock_reservations')))
+    # Retried: other sessions on the server can hold every connection for a moment.
+    local count=""
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+      count=$(psql "$(url_of "$database")" -Atqc 'SELECT count(*) FROM stock_reservations' 2>/dev/null) && break
+      sleep 0.5
+    done
+    sum=$((sum + count))
   done
   echo "$sum"
 }
@@ -169,6 +175,7 @@ for k in $counts; do
         k, r / t, s * us, p * us, n * us, (s + p + n) * us, fill, i[1], i[2], i[3], i[4],
         pub, (m - s - p - n) * us, average, check
     }')")
+  printf '%s\n' "${results[-1]}" >&2
 
   stop "${serves[@]}" "$nats"
   drop_databases
