@@ -66,9 +66,10 @@ ticks_of() { # ticks_of <pid>…
   echo "$sum"
 }
 
-# The PostgreSQL processes a run pays for: the postmaster (with the time of its children that
-# ended), the auxiliary processes, and the backends of the run's databases; other databases'
-# backends (another session's work on the same server) are left out.
+# The PostgreSQL processes a run pays for: the postmaster, the auxiliary processes, and the live
+# backends of the run's databases (serve's pools live through a window). Other databases'
+# backends (another session's work on the same server) are left out, and so is the time of the
+# postmaster's children that ended, which would count the backends of other sessions' tests.
 postgres_ticks() {
   local pid command sum=0 fields
   for pid in $(pgrep -x postgres); do
@@ -78,12 +79,7 @@ postgres_ticks() {
       continue
     fi
     fields=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null) || continue
-    if [[ $command != postgres:* ]]; then
-      # The postmaster: the backends that ended are in its children's time.
-      sum=$((sum + $(awk '{ print $12 + $13 + $14 + $15 }' <<<"$fields")))
-    else
-      sum=$((sum + $(awk '{ print $12 + $13 }' <<<"$fields")))
-    fi
+    sum=$((sum + $(awk '{ print $12 + $13 }' <<<"$fields")))
   done
   echo "$sum"
 }
