@@ -40,7 +40,10 @@ use crate::consumers::HandlerKind;
 use crate::db::connect;
 use crate::fresh::FreshDatabase;
 use crate::workload::{self, CopyKind, Delivery, DuplicateStream};
-use crate::{bench_e2e, bench_pg_bound, bench_prefilter, bench_relay, bench_sqlite, guard_cost};
+use crate::{
+    bench_e2e, bench_pg_bound, bench_prefilter, bench_publish_rate, bench_relay, bench_sqlite,
+    guard_cost,
+};
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 use inventory_infra::MessageHandler;
@@ -103,6 +106,10 @@ pub enum BenchCommand {
     /// A Redis pre-filter in front of the one-statement natural key: µs per fresh message and
     /// per duplicate with and without it, side by side in one run.
     Prefilter(bench_prefilter::PrefilterArgs),
+    /// OrderPlaced on its book's subject at a set rate (or as fast as the stream stores them),
+    /// PubAcks awaited asynchronously, many in flight: a steady load over many books, or one
+    /// stream's store rate. Prints JSON: messages, seconds, msg/s, the publisher's CPU.
+    PublishRate(Box<bench_publish_rate::PublishRateArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -230,6 +237,7 @@ pub async fn run(command: BenchCommand) -> Result<bool> {
         BenchCommand::SqliteBound(args) => bench_sqlite::run(&args).await.map(|()| true),
         BenchCommand::PostgresBound(args) => bench_pg_bound::run(&args).await.map(|()| true),
         BenchCommand::Prefilter(args) => bench_prefilter::run(&args).await.map(|()| true),
+        BenchCommand::PublishRate(args) => bench_publish_rate::run(&args).await.map(|()| true),
     }
 }
 

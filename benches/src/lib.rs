@@ -67,6 +67,7 @@ pub mod bench_e2e;
 mod bench_hand;
 pub mod bench_pg_bound;
 pub mod bench_prefilter;
+pub mod bench_publish_rate;
 pub mod bench_relay;
 pub mod bench_sqlite;
 pub mod cache;
