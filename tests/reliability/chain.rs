@@ -386,7 +386,8 @@ impl Check<'_> {
             assert_eq!(outbox::rows(&self.db.conn, table).await, [], "{table}");
         }
 
-        // The orders stream: each placement and cancellation once, the cancellation after.
+        // The orders stream: each placement (on its book's subject) and cancellation once, the
+        // cancellation after.
         let orders = outbox::subjects_by_order(&self.orders_stream, &topology.subject_prefix);
         assert_eq!(
             orders.len(),
@@ -394,11 +395,10 @@ impl Check<'_> {
             "orders on the orders stream"
         );
         for p in self.planned {
-            let expected: &[&str] = if p.cancel_after.is_some() {
-                &["placed", "cancelled"]
-            } else {
-                &["placed"]
-            };
+            let mut expected = vec![format!("placed.{}", p.book)];
+            if p.cancel_after.is_some() {
+                expected.push("cancelled".to_owned());
+            }
             assert_eq!(orders[&p.order.as_uuid()], expected, "order {}", p.order);
         }
 

@@ -9,6 +9,8 @@
 //! through HAProxy committing again.
 
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use inventory_tests::patroni::{PatroniPair, connect};
@@ -81,7 +83,13 @@ async fn fail_over(replication: Replication) -> Run {
     let _ = db.close().await;
 
     let (progress, mut acknowledged) = watch::channel(0);
-    let writer = tokio::spawn(write_rows(pair.url(), progress));
+    // The cut-off takes Patroni a loop or two while the writer goes on, however fast: in that
+    // variant the writer's last row is set once the kill's row is known.
+    let rows = Arc::new(AtomicI64::new(match replication {
+        Replication::CutOff => i64::MAX,
+        Replication::Synchronous => ROWS,
+    }));
+    let writer = tokio::spawn(write_rows(pair.url(), progress, Arc::clone(&rows)));
     let mut kill_after = KILL_AFTER;
     if replication == Replication::CutOff {
         acknowledged
@@ -90,11 +98,20 @@ async fn fail_over(replication: Replication) -> Run {
             .expect("the writer runs");
         pair.cut_off_standby().await;
         kill_after = kill_after.max(*acknowledged.borrow() + ROWS_CUT_OFF);
+        rows.store(kill_after + ROWS - KILL_AFTER, Ordering::Relaxed);
     }
-    acknowledged
+    if acknowledged
         .wait_for(|rows| *rows >= kill_after)
         .await
-        .expect("the writer runs");
+        .is_err()
+    {
+        // The writer gave up before the kill: say why, with what Patroni said meanwhile.
+        panic!(
+            "the writer stopped before the kill: {:?}\n{}",
+            writer.await.map(|written| written.err()),
+            pair.logs()
+        );
+    }
     let killed = pair.kill_leader().await;
     // The leader's port refuses from here: nothing acknowledged later was committed there.
     let killed_at = Instant::now();
@@ -134,7 +151,7 @@ async fn fail_over(replication: Replication) -> Run {
         "[patroni {replication:?}] pair ready in {:.1} s; {killed} (leader) killed after {}+ \
          acknowledged rows{}; Patroni promoted {new_leader} {:.1} s after the kill, a write \
          through HAProxy committed again {:.1} s after the kill (the writer stood {:.1} s \
-         between two acknowledgements); {} of {ROWS} rows acknowledged ({} failed attempts), \
+         between two acknowledgements); {} of {} rows acknowledged ({} failed attempts), \
          {} on the new leader, {} acknowledged rows lost{}, {} committed by an attempt whose \
          acknowledgement was lost",
         pair.time_to_ready().as_secs_f64(),
@@ -148,6 +165,7 @@ async fn fail_over(replication: Replication) -> Run {
         back.as_secs_f64(),
         blocked.unwrap_or_default().as_secs_f64(),
         acknowledged.len(),
+        rows.load(Ordering::Relaxed),
         writes.failed_attempts,
         present.len(),
         lost.len(),
@@ -169,18 +187,24 @@ struct Writes {
     committed_unacknowledged: usize,
 }
 
-/// Rows 1..=[`ROWS`], one autocommitted insert each, through `url`; a failed attempt (the
+/// Rows 1..=`rows` (read before each row), one autocommitted insert each, through `url`; a failed attempt (the
 /// leader dead, HAProxy leading nowhere yet or to a node not yet promoted) is retried on a new
 /// connection. An insert whose acknowledgement was lost may have committed: the retry then
 /// finds the row (`ON CONFLICT DO NOTHING`) and that counts as acknowledged, which it now is.
-async fn write_rows(url: String, progress: watch::Sender<i64>) -> Result<Writes, String> {
+async fn write_rows(
+    url: String,
+    progress: watch::Sender<i64>,
+    rows: Arc<AtomicI64>,
+) -> Result<Writes, String> {
     let mut writes = Writes {
         acknowledged: Vec::with_capacity(ROWS as usize),
         failed_attempts: 0,
         committed_unacknowledged: 0,
     };
     let mut db: Option<DatabaseConnection> = None;
-    for id in 1..=ROWS {
+    let mut id = 0;
+    while id < rows.load(Ordering::Relaxed) {
+        id += 1;
         let insert =
             format!("INSERT INTO failover_writes (id) VALUES ({id}) ON CONFLICT DO NOTHING");
         let first_attempt = Instant::now();
