@@ -35,20 +35,6 @@ books=${BOOKS:-1000}
 warmup=${WARMUP:-10}
 idle=${IDLE:-20}
 partitions=64
-server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
-nats_server=${NATS_SERVER_BIN:-target/nats-current/bin/nats-server}
-unset DATABASE_URL RUST_LOG
-
-bin=${BIN_DIR:-}
-if [ -z "$bin" ]; then
-  cargo build --release --locked --bins >&2
-  bin=${CARGO_TARGET_DIR:-target}/release
-fi
-inventory=$bin/inventory
-study=$bin/inventory-study
-ticks_per_second=$(getconf CLK_TCK)
-
-work=$(mktemp -d)
 tag=bench_shards_$$
 # shellcheck source=scripts/shard-bench-lib.sh
 . scripts/shard-bench-lib.sh

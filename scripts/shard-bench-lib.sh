@@ -1,9 +1,24 @@
-# shellcheck shell=bash disable=SC2154 # the variables named below are the sourcing script's
+# shellcheck shell=bash disable=SC2154,SC2034 # the variables named below are shared with the sourcing script
 # Sourced by scripts/bench-shards.sh and scripts/bench-shard-ceilings.sh: a nats-server of a
-# run's own, its databases on the local PostgreSQL, CPU ticks from /proc. Expects `server` (a
-# postgres:// URL whose user may create databases), `nats_server` (the binary), `tag` (the
-# prefix of the run's databases) and `work` (a scratch directory); `pids` collects what to stop.
+# run's own, its databases on the local PostgreSQL, CPU ticks from /proc. Expects `tag` (the
+# prefix of the run's databases); sets `work` (a scratch directory); `pids` collects what to stop.
+# What both scripts run on: PostgreSQL (DATABASE_URL), nats-server 2.10+ (NATS_SERVER_BIN) and
+# the release binaries (BIN_DIR, else built here).
 
+server=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
+nats_server=${NATS_SERVER_BIN:-target/nats-current/bin/nats-server}
+unset DATABASE_URL RUST_LOG
+
+bin=${BIN_DIR:-}
+if [ -z "$bin" ]; then
+  cargo build --release --locked --bins >&2
+  bin=${CARGO_TARGET_DIR:-target}/release
+fi
+inventory=$bin/inventory
+study=$bin/inventory-study
+ticks_per_second=$(getconf CLK_TCK)
+
+work=$(mktemp -d)
 pids=()
 
 log() { printf '==> %s\n' "$*" >&2; }
