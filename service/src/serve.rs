@@ -625,13 +625,14 @@ pub async fn start_with<S: Served>(args: ServeArgs, served: S) -> anyhow::Result
     if let Some(relay) = relay {
         crate::relay::spawn(relay, &mut background);
     }
+    let context = ServeContext::new(&js, &args, &metrics, &liveness, &shutdown);
     let mut running = Vec::with_capacity(runtimes.len() + 1);
     for runtime in runtimes {
         running.push(start_consumer(
             runtime,
             handler.clone(),
             label,
-            &ServeContext::new(&js, &args, &metrics, &liveness, &shutdown),
+            &context,
             &mut background,
         ));
     }
@@ -640,7 +641,7 @@ pub async fn start_with<S: Served>(args: ServeArgs, served: S) -> anyhow::Result
             runtime,
             Unroutable,
             "unroutable",
-            &ServeContext::new(&js, &args, &metrics, &liveness, &shutdown),
+            &context,
             &mut background,
         ));
     }
