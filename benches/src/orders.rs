@@ -6,7 +6,11 @@
 //! makes a new one. The message id is the outbox row's event id, the relay's `Nats-Msg-Id`.
 //!
 //! Place and cancel of one order both lock the order's `orders` row before writing their
-//! outbox row, so an order's messages are numbered in the order their transactions commit.
+//! outbox rows, so an order's messages are numbered in the order their transactions commit.
+//!
+//! A cancel sends one OrderCancelled per line, on the line's book's subject with the book in
+//! its body: a stream sharded by book routes each to the shard that holds the line's
+//! reservation, where a cancellation of the whole order would reach none (docs/scaling.md).
 
 use crate::produce::Produce as _;
 use anyhow::Context as _;
@@ -14,7 +18,8 @@ use chrono::Utc;
 use inventory_domain::{BookId, Message, MessageId, OrderId, Quantity};
 use sea_orm::sea_query::OnConflict;
 use sea_orm::{
-    ActiveModelTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, QuerySelect, Set,
+    ActiveModelTrait, ColumnTrait, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait,
+    QueryFilter, QueryOrder, QuerySelect, Set,
 };
 use uuid::Uuid;
 
@@ -36,16 +41,24 @@ pub enum Placement {
     AlreadyPlaced { message_id: MessageId },
 }
 
-/// What `cancel` did.
+/// What `cancel` did, with its messages in book order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cancellation {
     Cancelled {
-        message_id: MessageId,
+        messages: Vec<CancelMessage>,
     },
-    /// Cancelled before: nothing new was written.
+    /// Cancelled before: nothing new was written. The messages are those made then.
     AlreadyCancelled {
-        message_id: MessageId,
+        messages: Vec<CancelMessage>,
     },
+}
+
+/// One OrderCancelled of a cancel: a line's, by its book. An order cancelled before its lines
+/// had messages of their own has its one message for the whole order, with no book.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CancelMessage {
+    pub book_id: Option<BookId>,
+    pub message_id: MessageId,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +110,7 @@ impl OrdersRepository {
             let existing = quantity_from(line.quantity)?;
             return if existing == quantity {
                 Ok(Placement::AlreadyPlaced {
-                    message_id: stored_message_id(line.message_id)?,
+                    message_id: stored_message_id("message_id", line.message_id)?,
                 })
             } else {
                 Err(OrdersError::OtherQuantity {
@@ -115,6 +128,7 @@ impl OrdersRepository {
             book_id: Set(book_id.as_uuid()),
             quantity: Set(quantity_column(quantity.get())?),
             message_id: Set(message_id.as_str().to_owned()),
+            cancel_message_id: Set(None),
         }
         .insert(&txn)
         .await?;
@@ -123,7 +137,7 @@ impl OrdersRepository {
         Ok(Placement::Placed { message_id })
     }
 
-    /// Cancels `order_id`, once.
+    /// Cancels `order_id`, once: each of its lines, under a message of its own.
     pub async fn cancel(&self, order_id: OrderId) -> Result<Cancellation, OrdersError> {
         let txn = begin_write(&self.db).await?;
         let order = orders::Entity::find_by_id(order_id.as_uuid())
@@ -131,24 +145,61 @@ impl OrdersRepository {
             .one(&txn)
             .await?
             .ok_or(OrdersError::UnknownOrder(order_id))?;
-        if let Some(message_id) = order.cancel_message_id {
-            return Ok(Cancellation::AlreadyCancelled {
-                message_id: stored_message_id(message_id)?,
+        let lines = order_lines::Entity::find()
+            .filter(order_lines::Column::OrderId.eq(order_id.as_uuid()))
+            .order_by_asc(order_lines::Column::BookId)
+            .all(&txn)
+            .await?;
+        if order.cancelled_at.is_some() {
+            let messages = match order.cancel_message_id {
+                Some(whole_order) => vec![CancelMessage {
+                    book_id: None,
+                    message_id: stored_message_id("cancel_message_id", whole_order)?,
+                }],
+                None => lines
+                    .into_iter()
+                    .map(|line| {
+                        Ok(CancelMessage {
+                            book_id: Some(BookId::from(line.book_id)),
+                            // None is unreadable: every line of a cancelled order has one.
+                            message_id: stored_message_id(
+                                "cancel_message_id",
+                                line.cancel_message_id.unwrap_or_default(),
+                            )?,
+                        })
+                    })
+                    .collect::<Result<_, DataError>>()?,
+            };
+            return Ok(Cancellation::AlreadyCancelled { messages });
+        }
+        let mut messages = Vec::with_capacity(lines.len());
+        for line in lines {
+            let book_id = BookId::from(line.book_id);
+            let (event_id, message_id) = new_message_id();
+            let message = Message::cancelled_line(order_id, book_id).resent_as(message_id.clone());
+            order_lines::ActiveModel {
+                order_id: Set(line.order_id),
+                book_id: Set(line.book_id),
+                cancel_message_id: Set(Some(message_id.as_str().to_owned())),
+                ..Default::default()
+            }
+            .update(&txn)
+            .await?;
+            write_message(&txn, event_id, &message).await?;
+            messages.push(CancelMessage {
+                book_id: Some(book_id),
+                message_id,
             });
         }
-        let (event_id, message_id) = new_message_id();
-        let message = Message::cancelled(order_id).resent_as(message_id.clone());
         orders::ActiveModel {
             order_id: Set(order_id.as_uuid()),
             cancelled_at: Set(Some(Utc::now())),
-            cancel_message_id: Set(Some(message_id.as_str().to_owned())),
             ..Default::default()
         }
         .update(&txn)
         .await?;
-        write_message(&txn, event_id, &message).await?;
         txn.commit().await?;
-        Ok(Cancellation::Cancelled { message_id })
+        Ok(Cancellation::Cancelled { messages })
     }
 }
 
@@ -198,9 +249,9 @@ async fn write_message(
     .await
 }
 
-fn stored_message_id(stored: String) -> Result<MessageId, DataError> {
+fn stored_message_id(column: &'static str, stored: String) -> Result<MessageId, DataError> {
     MessageId::parse(stored.clone()).map_err(|_| DataError::Unreadable {
-        column: "message_id",
+        column,
         value: stored,
     })
 }
@@ -222,7 +273,9 @@ pub enum OrdersCommand {
         #[command(flatten)]
         database: OrdersDatabaseArgs,
     },
-    /// Cancels an order, once, with its OrderCancelled.
+    /// Cancels an order, once: an OrderCancelled for each of its lines, on its book's subject.
+    /// After a failure, run it again: nothing is cancelled twice and the messages keep their
+    /// ids.
     Cancel {
         #[arg(long)]
         order_id: OrderId,
@@ -261,11 +314,22 @@ pub async fn run(command: OrdersCommand) -> anyhow::Result<()> {
             );
         }
         OrdersCommand::Cancel { order_id, .. } => {
-            let (verb, message_id) = match orders.cancel(order_id).await? {
-                Cancellation::Cancelled { message_id } => ("cancelled", message_id),
-                Cancellation::AlreadyCancelled { message_id } => ("already cancelled", message_id),
+            let (verb, messages) = match orders.cancel(order_id).await? {
+                Cancellation::Cancelled { messages } => ("cancelled", messages),
+                Cancellation::AlreadyCancelled { messages } => ("already cancelled", messages),
             };
-            println!("{verb}: order {order_id} message {message_id}");
+            for CancelMessage {
+                book_id,
+                message_id,
+            } in messages
+            {
+                match book_id {
+                    Some(book_id) => {
+                        println!("{verb}: order {order_id} book {book_id} message {message_id}");
+                    }
+                    None => println!("{verb}: order {order_id} message {message_id}"),
+                }
+            }
         }
     }
     Ok(())

@@ -28,6 +28,8 @@
 //! - `m20261206_000012_create_line_cancellations`: one row per cancelled order line, and
 //!   `lock_line(order_id, book_id)` on PostgreSQL, the order's lock that a placement takes,
 //!   reading whether its order or its line is cancelled.
+//! - `m20261206_000013_add_line_cancel_message_ids`: `order_lines.cancel_message_id`, the
+//!   line's OrderCancelled, made once: the orders producer cancels an order line by line.
 
 pub use sea_orm_migration::prelude::*;
 
@@ -75,6 +77,7 @@ mod m20261201_000009_index_parked_outbox_rows;
 mod m20261201_000010_create_lock_order;
 mod m20261206_000011_create_partition_owner;
 mod m20261206_000012_create_line_cancellations;
+mod m20261206_000013_add_line_cancel_message_ids;
 mod outbox_table;
 
 pub struct Migrator;
@@ -95,6 +98,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000010_create_lock_order::Migration),
             Box::new(m20261206_000011_create_partition_owner::Migration),
             Box::new(m20261206_000012_create_line_cancellations::Migration),
+            Box::new(m20261206_000013_add_line_cancel_message_ids::Migration),
         ]
     }
 }

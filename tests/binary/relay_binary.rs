@@ -292,7 +292,10 @@ async fn the_orders_relay_publishes_what_orders_place_and_cancel_wrote() {
         seen,
         [
             (format!("{prefix}.placed.{BOOK}").as_str(), placed.as_str()),
-            (format!("{prefix}.cancelled").as_str(), cancelled.as_str()),
+            (
+                format!("{prefix}.cancelled.{BOOK}").as_str(),
+                cancelled.as_str()
+            ),
         ]
     );
     let (status, logs) = stop(relay);

@@ -1,11 +1,14 @@
 //! The orders producer with its outbox: an order and its message in one transaction; a retry
 //! of a command writes nothing new and reports the message made the first time, id and all.
 
-use inventory_benches::orders::{Cancellation, OrdersError, OrdersRepository, Placement};
+use inventory_benches::entities::orders;
+use inventory_benches::orders::{
+    CancelMessage, Cancellation, OrdersError, OrdersRepository, Placement,
+};
 use inventory_benches::produce::Produce as _;
-use inventory_domain::{Event, EventKind, Message, OrderId, Quantity};
+use inventory_domain::{Event, EventKind, Message, MessageId, OrderId, Quantity};
 use inventory_tests::{Backend, TestDb};
-use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
+use sea_orm::{ActiveModelTrait, ConnectionTrait, Set, Statement, TransactionTrait};
 
 /// The messages waiting in `orders_outbox`, in write order, decoded as a consumer of ORDERS
 /// decodes them; each row's event id must be its message id.
@@ -53,16 +56,27 @@ async fn an_order_and_its_message_once(db: TestDb) {
         orders.place(order, book, quantity(3)).await,
         Err(OrdersError::OtherQuantity { .. })
     ));
-    let Cancellation::Cancelled {
-        message_id: cancel_id,
-    } = orders.cancel(order).await.unwrap()
+    let second_book = db.dune(5).await;
+    let Placement::Placed {
+        message_id: second_id,
+    } = orders.place(order, second_book, quantity(1)).await.unwrap()
     else {
+        panic!("a second line is placed");
+    };
+    // One cancellation per line, on its book's subject, in book order.
+    let Cancellation::Cancelled { messages } = orders.cancel(order).await.unwrap() else {
         panic!("an open order is cancelled");
     };
+    let mut books = [book, second_book];
+    books.sort_by_key(|book| book.as_uuid());
+    assert_eq!(
+        messages.iter().map(|m| m.book_id).collect::<Vec<_>>(),
+        books.map(Some)
+    );
     assert_eq!(
         orders.cancel(order).await.unwrap(),
         Cancellation::AlreadyCancelled {
-            message_id: cancel_id.clone()
+            messages: messages.clone()
         }
     );
     let other_book = db.dune(5).await;
@@ -76,11 +90,38 @@ async fn an_order_and_its_message_once(db: TestDb) {
     ));
 
     let waiting = waiting(&db).await;
-    let expected = [
+    let placed = [
         Message::placed(order, book, quantity(2)).resent_as(message_id),
-        Message::cancelled(order).resent_as(cancel_id),
+        Message::placed(order, second_book, quantity(1)).resent_as(second_id),
     ];
+    let cancelled = messages.iter().map(|cancel| {
+        Message::cancelled_line(order, cancel.book_id.unwrap()).resent_as(cancel.message_id.clone())
+    });
+    let expected: Vec<Message> = placed.into_iter().chain(cancelled).collect();
     assert_eq!(waiting, expected);
+
+    // An order cancelled before lines had messages of their own, under one for the whole
+    // order: a retry reports that one.
+    let (legacy, whole_order) = (OrderId::new_v7(), MessageId::generate());
+    orders.place(legacy, book, quantity(1)).await.unwrap();
+    orders::ActiveModel {
+        order_id: Set(legacy.as_uuid()),
+        cancelled_at: Set(Some(chrono::Utc::now())),
+        cancel_message_id: Set(Some(whole_order.as_str().to_owned())),
+        ..Default::default()
+    }
+    .update(&db.conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        orders.cancel(legacy).await.unwrap(),
+        Cancellation::AlreadyCancelled {
+            messages: vec![CancelMessage {
+                book_id: None,
+                message_id: whole_order
+            }]
+        }
+    );
 }
 
 inventory_tests::on_both_backends!(an_order_and_its_message_once);

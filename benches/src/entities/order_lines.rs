@@ -9,6 +9,8 @@ pub struct Model {
     pub book_id: Uuid,
     pub quantity: i32,
     pub message_id: String,
+    /// The line's OrderCancelled, made once.
+    pub cancel_message_id: Option<String>,
 }
 
 #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
