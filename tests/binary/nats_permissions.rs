@@ -1,18 +1,20 @@
-//! The NATS user of `deploy/nats/inventory-user.conf`, on a nats-server of the test's own with
-//! that user beside an administrator: `serve --strategy natural` works end to end as it (a
-//! reservation, a dead letter, the relay's event), and what the service has no business doing
-//! (publishing orders, deleting a stream) is refused.
+//! The NATS users of `deploy/nats/inventory-user.conf` and `inventory-shard-user.conf`, each on
+//! a nats-server of the test's own beside an administrator: `serve --strategy natural`, and
+//! `serve --shard` on a sharded stream, work end to end as them (a reservation, a dead letter,
+//! the relay's event), and what the service has no business doing (publishing orders, deleting
+//! a stream) is refused.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use inventory_domain::BookId;
+use inventory_domain::{BookId, OrderId};
 use inventory_infra::jetstream::{self, Context, NatsSecurity, Topology};
 use inventory_tests::binary::{BinaryRun, free_port, http_get, inventory, sample, stop};
-use inventory_tests::nats::{NatsServer, stream_messages};
+use inventory_tests::nats::{NatsServer, binary_since_2_10, stream_messages};
 
 const BOOK: &str = "0190f5c4-3c2e-7b4a-9d3e-aaaaaaaaaaaa";
 const INVENTORY_USER: &str = include_str!("../../deploy/nats/inventory-user.conf");
+const SHARD_USER: &str = include_str!("../../deploy/nats/inventory-shard-user.conf");
 const PASSWORD: &str = "inventory-pa55";
 const ADMIN_PASSWORD: &str = "admin-pa55";
 
@@ -58,13 +60,52 @@ fn publish(run: &BinaryRun, server: &NatsServer, book: &str) {
     assert!(output.status.success(), "{output:?}");
 }
 
+/// A server configuration with an administrator and `service_user`, the password set.
+fn config(service_user: &str) -> String {
+    format!(
+        "authorization {{\n  users = [\n    {{ user: admin, password: \"{ADMIN_PASSWORD}\" }}\n{}\n  ]\n}}\n",
+        service_user.replace("$INVENTORY_NATS_PASSWORD", &format!("\"{PASSWORD}\""))
+    )
+}
+
+/// Waits until the service has reserved `reserved` copies of [`BOOK`] and the DLQ and the
+/// events stream hold `dead_letters` and `events`, then stops it: it must have drained and met no
+/// permissions violation.
+async fn settled_then_stopped(
+    run: &BinaryRun,
+    admin: &Context,
+    service: Child,
+    (reserved, dead_letters, events): (i64, u64, u64),
+) {
+    let topology = Topology::default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let seen = loop {
+        let seen = (
+            run.db.reserved(BookId::parse(BOOK).unwrap()).await,
+            stream_messages(admin, &topology.dlq_stream).await,
+            stream_messages(admin, &topology.events_stream).await,
+        );
+        if seen == (reserved, dead_letters, events) || Instant::now() > deadline {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let (status, log) = stop(service);
+    assert_eq!(
+        seen,
+        (reserved, dead_letters, events),
+        "(reserved, dead letters, events); the service's log:\n{log}"
+    );
+    assert!(status.success(), "{log}");
+    assert!(
+        !log.to_lowercase().contains("permissions violation"),
+        "{log}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete_streams() {
-    let config = format!(
-        "authorization {{\n  users = [\n    {{ user: admin, password: \"{ADMIN_PASSWORD}\" }}\n{}\n  ]\n}}\n",
-        INVENTORY_USER.replace("$INVENTORY_NATS_PASSWORD", &format!("\"{PASSWORD}\""))
-    );
-    let server = NatsServer::start_with_config(&config).await;
+    let server = NatsServer::start_with_config(&config(INVENTORY_USER)).await;
     let admin = connect(&server, &user("admin", ADMIN_PASSWORD)).await;
     // The administrator creates the streams; the service only looks them up.
     let topology = Topology::default();
@@ -86,21 +127,6 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
         .unwrap();
     publish(&run, &server, BOOK);
     publish(&run, &server, &BookId::new_v7().to_string());
-
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let reserved = run.db.reserved(BookId::parse(BOOK).unwrap()).await;
-        let dead_letters = stream_messages(&admin, &topology.dlq_stream).await;
-        let events = stream_messages(&admin, &topology.events_stream).await;
-        if (reserved, dead_letters, events) == (2, 1, 1) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "reserved {reserved}, dead letters {dead_letters}, events {events}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 
     // The dead letter as the service's metrics see it in the DLQ (read every 30 s): the user
     // may read what its alarms stay on for.
@@ -129,11 +155,59 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
         "the service user deleted the stream"
     );
     assert_eq!(stream_messages(&admin, &topology.stream).await, 2);
+    settled_then_stopped(&run, &admin, service, (2, 1, 1)).await;
+}
 
-    let (status, log) = stop(service);
-    assert!(status.success(), "{log}");
-    assert!(
-        !log.to_lowercase().contains("permissions violation"),
-        "{log}"
-    );
+/// A shard's instance as the shard user, on a stream an administrator sharded and assigned: it
+/// reads the assignment and watches it, serves its partitions' consumers and the unroutable
+/// one, dead-letters on their subjects and publishes its relay's events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shard_user_serves_a_shard_end_to_end() {
+    let bin = match binary_since_2_10() {
+        Ok(bin) => bin,
+        Err(why) => {
+            eprintln!("the_shard_user_serves_a_shard_end_to_end: skipped: {why}");
+            return;
+        }
+    };
+    let server = NatsServer::start_binary_with_config(&bin, &config(SHARD_USER)).await;
+    let admin = connect(&server, &user("admin", ADMIN_PASSWORD)).await;
+    let topology = Topology::default();
+    jetstream::ensure_streams(&admin, &topology).await.unwrap();
+    jetstream::ensure_prefix_stream(&admin, &topology.events_stream())
+        .await
+        .unwrap();
+    let run = BinaryRun::new("nats_permissions_shard", "info,sqlx=warn").await;
+    for args in [
+        &["shard", "init", "--partitions", "4"][..],
+        &["shard", "assign", "--partitions", "0-3", "--to", "a"],
+    ] {
+        let output = command(&run, &server, "admin", ADMIN_PASSWORD)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{args:?}: {output:?}");
+    }
+    run.put_stock(BOOK, "Dune", 10);
+    let service: Child = command(&run, &server, "inventory-shard", PASSWORD)
+        .args(["serve", "--shard", "a", "--ack-wait", "2s"])
+        .args(["--concurrency", "2", "--db-pool-size", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    publish(&run, &server, BOOK);
+    // An unknown book's placement, and a cancellation of a whole order, which no shard takes.
+    publish(&run, &server, &BookId::new_v7().to_string());
+    let output = command(&run, &server, "admin", ADMIN_PASSWORD)
+        .args([
+            "publish",
+            "cancelled",
+            "--order-id",
+            &OrderId::new_v7().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    settled_then_stopped(&run, &admin, service, (2, 2, 1)).await;
 }

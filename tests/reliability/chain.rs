@@ -386,7 +386,7 @@ impl Check<'_> {
             assert_eq!(outbox::rows(&self.db.conn, table).await, [], "{table}");
         }
 
-        // The orders stream: each placement (on its book's subject) and cancellation once, the
+        // The orders stream: each placement and cancellation once, on its book's subject, the
         // cancellation after.
         let orders = outbox::subjects_by_order(&self.orders_stream, &topology.subject_prefix);
         assert_eq!(
@@ -397,7 +397,7 @@ impl Check<'_> {
         for p in self.planned {
             let mut expected = vec![format!("placed.{}", p.book)];
             if p.cancel_after.is_some() {
-                expected.push("cancelled".to_owned());
+                expected.push(format!("cancelled.{}", p.book));
             }
             assert_eq!(orders[&p.order.as_uuid()], expected, "order {}", p.order);
         }

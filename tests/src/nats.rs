@@ -154,6 +154,11 @@ impl NatsServer {
         Self::start_configured(Some(config), &[]).await
     }
 
+    /// [`start_with_config`](Self::start_with_config) with the binary `bin`.
+    pub async fn start_binary_with_config(bin: &Path, config: &str) -> Self {
+        Self::start_from(bin, Some(config), &[]).await
+    }
+
     async fn start_configured(config: Option<&str>, args: &[&str]) -> Self {
         Self::start_from(&server_binary(), config, args).await
     }
