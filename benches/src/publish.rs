@@ -155,6 +155,11 @@ pub enum PublishEvent {
     Cancelled {
         #[arg(long)]
         order_id: OrderId,
+        /// Cancels this one line of the order, on `orders.cancelled.<book_id>`: the cancellation
+        /// a stream sharded by book routes to the book's shard. The whole order by default,
+        /// which a sharded stream dead-letters as `unroutable`.
+        #[arg(long)]
+        book_id: Option<BookId>,
         /// The message id; a new UUID v7 by default.
         #[arg(long)]
         message_id: Option<String>,
@@ -210,6 +215,7 @@ fn messages(event: &PublishEvent) -> Result<(Vec<Message>, bool)> {
         }
         PublishEvent::Cancelled {
             order_id,
+            book_id,
             message_id: given_id,
             correlation_id,
             resend_with_new_id,
@@ -218,10 +224,7 @@ fn messages(event: &PublishEvent) -> Result<(Vec<Message>, bool)> {
                 key: message_id(given_id)?,
                 correlation_id,
                 occurred_at: Some(chrono_now()),
-                event: Event::Cancelled(OrderCancelled {
-                    order_id,
-                    book_id: None,
-                }),
+                event: Event::Cancelled(OrderCancelled { order_id, book_id }),
             }],
             resend_with_new_id,
         )),
@@ -238,7 +241,13 @@ fn describe(message: &Message, receipt: &PublishReceipt) -> String {
             "OrderPlaced order_id={} book_id={} quantity={}",
             placed.order_id, placed.book_id, placed.quantity
         ),
-        Event::Cancelled(cancelled) => format!("OrderCancelled order_id={}", cancelled.order_id),
+        Event::Cancelled(cancelled) => match cancelled.book_id {
+            Some(book_id) => format!(
+                "OrderCancelled order_id={} book_id={book_id}",
+                cancelled.order_id
+            ),
+            None => format!("OrderCancelled order_id={}", cancelled.order_id),
+        },
         Event::StockReserved(reserved) => format!(
             "StockReserved order_id={} book_id={} quantity={}",
             reserved.order_id, reserved.book_id, reserved.quantity

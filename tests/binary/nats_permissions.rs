@@ -68,39 +68,45 @@ fn config(service_user: &str) -> String {
     )
 }
 
-/// Waits until the service has reserved `reserved` copies of [`BOOK`] and the DLQ and the
-/// events stream hold `dead_letters` and `events`, then stops it: it must have drained and met no
-/// permissions violation.
-async fn settled_then_stopped(
-    run: &BinaryRun,
-    admin: &Context,
-    service: Child,
-    (reserved, dead_letters, events): (i64, u64, u64),
-) {
-    let topology = Topology::default();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let seen = loop {
-        let seen = (
-            run.db.reserved(BookId::parse(BOOK).unwrap()).await,
-            stream_messages(admin, &topology.dlq_stream).await,
-            stream_messages(admin, &topology.events_stream).await,
-        );
-        if seen == (reserved, dead_letters, events) || Instant::now() > deadline {
-            break seen;
+/// The service under test, as a process.
+struct Service(Option<Child>);
+
+impl Service {
+    /// Waits until the service has reserved `reserved` copies of [`BOOK`] and the DLQ and the
+    /// events stream hold `dead_letters` and `events`; on a timeout, stops it and fails with
+    /// its log.
+    async fn until_settled(&mut self, run: &BinaryRun, admin: &Context, expected: (i64, u64, u64)) {
+        let topology = Topology::default();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let seen = (
+                run.db.reserved(BookId::parse(BOOK).unwrap()).await,
+                stream_messages(admin, &topology.dlq_stream).await,
+                stream_messages(admin, &topology.events_stream).await,
+            );
+            if seen == expected {
+                return;
+            }
+            if Instant::now() > deadline {
+                let (_, log) = stop(self.0.take().expect("running"));
+                panic!(
+                    "(reserved, dead letters, events) {seen:?}, not {expected:?}; the service's \
+                     log:\n{log}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let (status, log) = stop(service);
-    assert_eq!(
-        seen,
-        (reserved, dead_letters, events),
-        "(reserved, dead letters, events); the service's log:\n{log}"
-    );
-    assert!(status.success(), "{log}");
-    assert!(
-        !log.to_lowercase().contains("permissions violation"),
-        "{log}"
-    );
+    }
+
+    /// Stops the service: it must have drained and met no permissions violation.
+    fn stop_cleanly(mut self) {
+        let (status, log) = stop(self.0.take().expect("running"));
+        assert!(status.success(), "{log}");
+        assert!(
+            !log.to_lowercase().contains("permissions violation"),
+            "{log}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,13 +124,15 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
     run.put_stock(BOOK, "Dune", 10);
     let metrics_port = free_port();
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
-    let service: Child = command(&run, &server, "inventory", PASSWORD)
-        .args(["serve", "--strategy", "natural", "--ack-wait", "2s"])
-        .args(["--metrics-addr", &metrics_addr])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut service = Service(Some(
+        command(&run, &server, "inventory", PASSWORD)
+            .args(["serve", "--strategy", "natural", "--ack-wait", "2s"])
+            .args(["--metrics-addr", &metrics_addr])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
     publish(&run, &server, BOOK);
     publish(&run, &server, &BookId::new_v7().to_string());
 
@@ -155,7 +163,8 @@ async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete
         "the service user deleted the stream"
     );
     assert_eq!(stream_messages(&admin, &topology.stream).await, 2);
-    settled_then_stopped(&run, &admin, service, (2, 1, 1)).await;
+    service.until_settled(&run, &admin, (2, 1, 1)).await;
+    service.stop_cleanly();
 }
 
 /// A shard's instance as the shard user, on a stream an administrator sharded and assigned: it
@@ -178,36 +187,54 @@ async fn the_shard_user_serves_a_shard_end_to_end() {
         .await
         .unwrap();
     let run = BinaryRun::new("nats_permissions_shard", "info,sqlx=warn").await;
-    for args in [
-        &["shard", "init", "--partitions", "4"][..],
-        &["shard", "assign", "--partitions", "0-3", "--to", "a"],
-    ] {
+    let as_admin = |args: &[&str]| {
         let output = command(&run, &server, "admin", ADMIN_PASSWORD)
             .args(args)
             .output()
             .unwrap();
         assert!(output.status.success(), "{args:?}: {output:?}");
-    }
+    };
+    as_admin(&["shard", "init", "--partitions", "4"]);
+    as_admin(&["shard", "assign", "--partitions", "0-3", "--to", "a"]);
     run.put_stock(BOOK, "Dune", 10);
-    let service: Child = command(&run, &server, "inventory-shard", PASSWORD)
-        .args(["serve", "--shard", "a", "--ack-wait", "2s"])
-        .args(["--concurrency", "2", "--db-pool-size", "2"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    publish(&run, &server, BOOK);
+    let mut service = Service(Some(
+        command(&run, &server, "inventory-shard", PASSWORD)
+            .args(["serve", "--shard", "a", "--ack-wait", "2s"])
+            .args(["--concurrency", "2", "--db-pool-size", "2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let order = OrderId::new_v7().to_string();
+    as_admin(&[
+        "publish",
+        "placed",
+        "--book-id",
+        BOOK,
+        "--quantity",
+        "2",
+        "--order-id",
+        &order,
+    ]);
     // An unknown book's placement, and a cancellation of a whole order, which no shard takes.
     publish(&run, &server, &BookId::new_v7().to_string());
-    let output = command(&run, &server, "admin", ADMIN_PASSWORD)
-        .args([
-            "publish",
-            "cancelled",
-            "--order-id",
-            &OrderId::new_v7().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{output:?}");
-    settled_then_stopped(&run, &admin, service, (2, 2, 1)).await;
+    as_admin(&[
+        "publish",
+        "cancelled",
+        "--order-id",
+        &OrderId::new_v7().to_string(),
+    ]);
+    service.until_settled(&run, &admin, (2, 2, 1)).await;
+    // The line's cancellation, on its book's subject: released, with its event.
+    as_admin(&[
+        "publish",
+        "cancelled",
+        "--order-id",
+        &order,
+        "--book-id",
+        BOOK,
+    ]);
+    service.until_settled(&run, &admin, (0, 2, 2)).await;
+    service.stop_cleanly();
 }
