@@ -30,6 +30,8 @@
 //!   reading whether its order or its line is cancelled.
 //! - `m20261206_000013_add_line_cancel_message_ids`: `order_lines.cancel_message_id`, the
 //!   line's OrderCancelled, made once: the orders producer cancels an order line by line.
+//! - `m20261206_000014_add_outbox_shard_partition`: on both outbox tables, each event's
+//!   partition of the orders stream on a shard (NULL unsharded).
 
 pub use sea_orm_migration::prelude::*;
 
@@ -78,6 +80,7 @@ mod m20261201_000010_create_lock_order;
 mod m20261206_000011_create_partition_owner;
 mod m20261206_000012_create_line_cancellations;
 mod m20261206_000013_add_line_cancel_message_ids;
+mod m20261206_000014_add_outbox_shard_partition;
 mod outbox_table;
 
 pub struct Migrator;
@@ -99,6 +102,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261206_000011_create_partition_owner::Migration),
             Box::new(m20261206_000012_create_line_cancellations::Migration),
             Box::new(m20261206_000013_add_line_cancel_message_ids::Migration),
+            Box::new(m20261206_000014_add_outbox_shard_partition::Migration),
         ]
     }
 }

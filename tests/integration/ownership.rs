@@ -102,7 +102,15 @@ async fn a_placement_in_a_partition_the_database_does_not_own_decides_nothing() 
         other_rows, 0,
         "a reservation written outside the partitions owned"
     );
-    assert_eq!(db.scalar("SELECT count(*) FROM outbox").await, 3);
+    // Each event's row carries its book's partition, for a move to drain it by.
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE shard_partition = {}",
+            partition(owned)
+        ))
+        .await,
+        3
+    );
 
     // Ownership given up: a new order is refused; a copy of a decided one is still a
     // duplicate, which the key it left behind decides.
@@ -199,5 +207,29 @@ async fn a_line_cancellation_in_a_partition_not_owned_changes_nothing() {
     assert_eq!(
         db.scalar("SELECT count(*) FROM line_cancellations").await,
         1
+    );
+
+    // A release on a shard: its event carries the book's partition; unsharded, none.
+    let mine = placed(owned, 3);
+    assert!(handler.handle(&mine).await.unwrap().processed());
+    let release = Message::cancelled_line(mine.event.order_id(), owned);
+    assert!(matches!(
+        handler.handle(&release).await.unwrap(),
+        Outcome::Processed(Effect::Released { copies: 3 })
+    ));
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE subject = 'stock.released' \
+             AND shard_partition = {}",
+            partition(owned)
+        ))
+        .await,
+        1
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM outbox WHERE shard_partition IS NULL")
+            .await,
+        1,
+        "the unsharded handler's reservation"
     );
 }

@@ -160,8 +160,9 @@ WITH input AS (
        A placement after the cancellation (released) decided nothing and writes none. The body
        is StockEvent::body's, built here; a test holds the two equal
        (the_statements_write_the_domains_body_for_every_kind). */
-    INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
-    SELECT decided.event_id, decided.relay_partition, decided.order_id,
+    INSERT INTO outbox (event_id, relay_partition, shard_partition, order_id, subject, payload,
+                        created_at)
+    SELECT decided.event_id, decided.relay_partition, decided.shard_partition, decided.order_id,
            'stock.' || inserted.status,
            jsonb_strip_nulls(jsonb_build_object(
                'event_id', decided.event_id, 'order_id', decided.order_id,
@@ -221,7 +222,8 @@ pub const LOCK_LINE_BOOK_SQL: &str =
 pub const LOCK_ORDER_SQL: &str = "SELECT lock_order($1)";
 
 /// One reservation released: its status, the copies given back to stock, and the release's
-/// event ($3 its id, $4 its partition, $5 its body), only if the reservation still held them.
+/// event ($3 its id, $4 its relay partition, $5 its body, $6 its book's partition on a shard),
+/// only if the reservation still held them.
 pub const RELEASE_SQL: &str = "\
 WITH released AS (
     UPDATE stock_reservations SET status = 'released'
@@ -231,8 +233,9 @@ WITH released AS (
     UPDATE stock_items SET reserved = stock_items.reserved - released.quantity
     FROM released WHERE stock_items.book_id = released.book_id
 )
-INSERT INTO outbox (event_id, relay_partition, order_id, subject, payload, created_at)
-SELECT $3, $4, $1, 'stock.released', $5, now() FROM released";
+INSERT INTO outbox (event_id, relay_partition, shard_partition, order_id, subject, payload,
+                    created_at)
+SELECT $3, $4, $6, $1, 'stock.released', $5, now() FROM released";
 
 pub struct PgNaturalKey {
     options: Arc<PgConnectOptions>,
@@ -603,6 +606,11 @@ async fn cancel(
                 .bind(event.event_id)
                 .bind(partition(cancelled.order_id))
                 .bind(event.body())
+                .bind(
+                    partitions
+                        .map(|partitions| shard_partition(book.into(), partitions))
+                        .transpose()?,
+                )
                 .execute(&mut *txn)
                 .await
                 .map_err(HandleError::from_sqlx)?;
