@@ -801,8 +801,8 @@ impl FailoverRun {
         let mut scenario = Scenario::new(label, &shards[0].fresh.url, &server.url(), 1);
         // A small pool (and so as many lanes): a shard's database may be on the local server,
         // whose connections other tests share. The partition consumers keep `shard init`'s
-        // ack wait (serve cannot change their start, so not their settings either): no
-        // instance is killed here, so nothing waits on it.
+        // ack wait (`--update-consumer` would also reset their start, which the server
+        // refuses): no instance is killed here, so no delivery waits on it.
         scenario
             .serve_args
             .extend(["--db-pool-size", "4"].map(str::to_owned));
