@@ -19,9 +19,10 @@
 //! - `patroni`: the leader of a Patroni pair (synchronous replication, HAProxy following the
 //!   primary by health checks) SIGKILLed under a writer: no acknowledged commit lost; and the
 //!   same with the standby cut off, which loses some.
-//! - `patroni_service`: the same failover under two natural-key instances reaching the pair
-//!   through HAProxy, never restarted: every order reserved exactly once; and the same with the
-//!   standby cut off, which loses reservations the service acked.
+//! - `patroni_service`: the same failover as one shard of two on a sharded stream, its two
+//!   `serve --shard` instances reaching the pair through HAProxy, never restarted: every order
+//!   reserved exactly once on its book's shard, the other shard acking throughout; and the same
+//!   with the standby cut off, which loses reservations the failed shard acked.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.

@@ -1,10 +1,13 @@
 //! `inventory serve` as a process of a scenario: its own streams, consumer and database, its
-//! log in a file, SIGKILL and restart at will. And [`FailoverRun`], two instances riding a
-//! failover of their database, with what the failover tests read from it: the ack floor's
-//! stalls, the instances' counters, each order's wait and its events.
+//! log in a file, SIGKILL and restart at will. And [`FailoverRun`], instances riding a
+//! failover of their database, unsharded or on one shard of several, with what the failover
+//! tests read from it: the ack floor's stalls, the other shards' acks meanwhile, the
+//! instances' counters, each order's wait and its events.
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::num::NonZeroU32;
+use std::ops::{Range, RangeInclusive};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -16,9 +19,11 @@ use inventory_infra::StockRepository;
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Topology};
 use inventory_tests::binary::{free_port, http_get, sample};
-use inventory_tests::nats::{TestNames, unique_names};
+use inventory_tests::nats::{NatsServer, TestNames, binary_since_2_10, unique_names};
 use inventory_tests::outbox;
-use inventory_tests::workload::{self, Ledger, StreamState, Workload};
+use inventory_tests::workload::{
+    self, ConsumerState, ConsumersState, Ledger, StreamState, Workload,
+};
 use nix::sys::signal::Signal;
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 use tokio::task::JoinHandle;
@@ -292,6 +297,26 @@ impl Scenario {
     /// in-flight gauge is read for (none for a relay).
     pub(crate) fn start(&self, label: &str, args: &[String], consumer: &str) -> Instance {
         let metrics_port = free_port();
+        let mut command = self.command(label, args);
+        command.args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")]);
+        Instance {
+            child: Some(command.spawn().unwrap()),
+            label: label.to_owned(),
+            metrics_port,
+            consumer: consumer.to_owned(),
+        }
+    }
+
+    /// Runs `inventory <args>` to its end, e.g. a `shard` command; it must succeed.
+    pub(crate) fn run(&self, label: &str, args: &[&str]) {
+        let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
+        let status = self.command(label, &args).status().unwrap();
+        assert!(status.success(), "{args:?}: {status}\n{}", self.log_tails());
+    }
+
+    /// `inventory <args>` on the scenario's streams, database and NATS, its output appended
+    /// to `<label>.log`.
+    fn command(&self, label: &str, args: &[String]) -> Command {
         let log = self.logs.join(format!("{label}.log"));
         let file = File::options()
             .create(true)
@@ -302,7 +327,6 @@ impl Scenario {
         let mut command = Command::new(binary());
         command
             .args(args)
-            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--stream", &topology.stream])
             .args(["--subject-prefix", &topology.subject_prefix])
             .args(["--dlq-stream", &topology.dlq_stream])
@@ -316,12 +340,7 @@ impl Scenario {
             .stdin(Stdio::null())
             .stdout(Stdio::from(file.try_clone().unwrap()))
             .stderr(Stdio::from(file));
-        Instance {
-            child: Some(command.spawn().unwrap()),
-            label: label.to_owned(),
-            metrics_port,
-            consumer: consumer.to_owned(),
-        }
+        command
     }
 
     /// Lines of all instances' logs that contain `text`: evidence that a fault was felt.
@@ -549,12 +568,24 @@ fn catches_sigterm(pid: u32) -> bool {
 /// Waits until at least `fraction` of `total` messages are acked (or until two minutes pass,
 /// which fails the test with the instances' log tails).
 pub(crate) async fn until_acked(js: &Context, scenario: &Scenario, total: u64, fraction: f64) {
+    let consumers = [scenario.names.consumer.clone()];
+    until_all_acked(js, scenario, &consumers, total, fraction).await;
+}
+
+/// [`until_acked`] by `consumers` together: their ack floor (see [`ConsumersState::combined`])
+/// that far into the stream.
+async fn until_all_acked(
+    js: &Context,
+    scenario: &Scenario,
+    consumers: &[String],
+    total: u64,
+    fraction: f64,
+) {
     let target = (total as f64 * fraction) as u64;
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        if let Some(state) =
-            workload::stream_state(js, &scenario.topology, &scenario.names.consumer).await
-            && state.ack_floor >= target
+        if let Some(state) = workload::consumers_state(js, &scenario.topology, consumers).await
+            && state.combined(0..consumers.len()).ack_floor >= target
         {
             return;
         }
@@ -574,10 +605,23 @@ pub(crate) async fn fresh_with_books(
     label: &str,
     books: usize,
 ) -> (FreshDatabase, Vec<BookId>) {
+    fresh_with_books_where(server_url, label, books, |_| true).await
+}
+
+/// [`fresh_with_books`] with books that `wanted` takes, e.g. those of a shard's partitions.
+pub(crate) async fn fresh_with_books_where(
+    server_url: &str,
+    label: &str,
+    books: usize,
+    wanted: impl Fn(BookId) -> bool,
+) -> (FreshDatabase, Vec<BookId>) {
     let fresh = FreshDatabase::create(Some(server_url), label, 4)
         .await
         .unwrap();
-    let ids: Vec<BookId> = (0..books).map(|_| BookId::new_v7()).collect();
+    let ids: Vec<BookId> = std::iter::repeat_with(BookId::new_v7)
+        .filter(|book| wanted(*book))
+        .take(books)
+        .collect();
     let stock = StockRepository::new(fresh.conn.clone());
     for &book in &ids {
         stock
@@ -661,21 +705,46 @@ pub(crate) fn serve_fault_args() -> Vec<String> {
     .into()
 }
 
-/// Two natural-key instances riding a failover of their PostgreSQL, which they reach through
-/// a proxy only, never restarted: a producer publishing a workload with the producer's
-/// duplicates, and the ack floor watched. What the failover tests share; each brings its own
-/// servers and its own failover between [`Self::start`] and [`Self::finish`].
+/// Natural-key instances riding a failover of a PostgreSQL they reach through a proxy only,
+/// never restarted: a producer publishing a workload with the producer's duplicates, and the
+/// ack floors watched. Unsharded, two instances on one database; sharded, each shard's
+/// instances on its own database, the first shard's the one that fails over. What the
+/// failover tests share; each brings its own servers and its own failover between the start
+/// and [`Self::finish`].
 pub(crate) struct FailoverRun {
     pub(crate) scenario: Scenario,
     pub(crate) js: Context,
     /// Messages the producer publishes.
     pub(crate) total: u64,
     _client: async_nats::Client,
-    db: DatabaseConnection,
+    shards: Vec<RunShard>,
     workload: Workload,
-    instances: Vec<Instance>,
     watch: AckFloorWatch,
     producer: JoinHandle<()>,
+    /// A sharded run's own nats-server (2.10 or later), kept until the run is finished.
+    _server: Option<NatsServer>,
+}
+
+/// A shard of a sharded [`FailoverRun`]: its name, its database with `books` in stock (each
+/// on one of `partitions`), the partitions assigned to it and its instances' count.
+pub(crate) struct ShardSpec<'a> {
+    pub(crate) name: &'static str,
+    pub(crate) fresh: &'a FreshDatabase,
+    pub(crate) books: &'a [BookId],
+    pub(crate) partitions: RangeInclusive<u32>,
+    pub(crate) instances: usize,
+}
+
+/// A shard while the run goes on; an unsharded run's one shard has no name.
+struct RunShard {
+    name: &'static str,
+    db: DatabaseConnection,
+    books: Vec<BookId>,
+    /// The durable consumers its instances pull: its partitions', or the unsharded one.
+    consumers: Vec<String>,
+    /// Each consumer's partition; none when unsharded.
+    partitions: Vec<u32>,
+    instances: Vec<Instance>,
 }
 
 impl FailoverRun {
@@ -693,12 +762,129 @@ impl FailoverRun {
         let nats = inventory_tests::nats::shared_url().await;
         let scenario = Scenario::new(label, &fresh.url, &nats, 1);
         let (client, js) = scenario.connect().await;
-        let workload = Workload::new(books, orders, orders / 5, orders / 10, 14);
-        let instances = ["a", "b"]
+        let shard = RunShard {
+            name: "",
+            db: fresh.conn.clone(),
+            books: books.to_vec(),
+            consumers: vec![scenario.names.consumer.clone()],
+            partitions: Vec::new(),
+            instances: ["a", "b"]
+                .iter()
+                .map(|label| scenario.spawn(label))
+                .collect(),
+        };
+        Self::produce(
+            scenario,
+            client,
+            js,
+            vec![shard],
+            None,
+            (orders, chunks, pause),
+        )
+    }
+
+    /// [`Self::start`] on a stream sharded onto `partitions` (`inventory shard init`) on a
+    /// nats-server 2.10+ of the run's own, with `shards` assigned their partitions, each
+    /// served by its instances (`serve --shard`) from its own database; the producer's orders
+    /// go round robin over all the shards' books.
+    pub(crate) async fn start_sharded(
+        label: &str,
+        partitions: NonZeroU32,
+        shards: &[ShardSpec<'_>],
+        orders: usize,
+        chunks: usize,
+        pause: Duration,
+    ) -> Self {
+        // The slow tier's set-up installs one (scripts/test.sh): a skip would hide the test.
+        let bin = binary_since_2_10().unwrap_or_else(|why| panic!("{why}"));
+        let server = NatsServer::start_binary(&bin).await;
+        let mut scenario = Scenario::new(label, &shards[0].fresh.url, &server.url(), 1);
+        // A small pool (and so as many lanes): a shard's database may be on the local server,
+        // whose connections other tests share. The partition consumers keep `shard init`'s
+        // ack wait (`--update-consumer` would also reset their start, which the server
+        // refuses): no instance is killed here, so no delivery waits on it.
+        scenario
+            .serve_args
+            .extend(["--db-pool-size", "4"].map(str::to_owned));
+        let (client, js) = scenario.connect().await;
+        let base = scenario.names.consumer.clone();
+        scenario.run(
+            "init",
+            &[
+                "shard",
+                "init",
+                "--partitions",
+                &partitions.to_string(),
+                "--consumer",
+                &base,
+            ],
+        );
+        let shards = shards
             .iter()
-            .map(|label| scenario.spawn(label))
+            .map(|spec| {
+                let (first, last) = (*spec.partitions.start(), *spec.partitions.end());
+                scenario.run(
+                    &format!("assign-{}", spec.name),
+                    &[
+                        "shard",
+                        "assign",
+                        "--partitions",
+                        &format!("{first}-{last}"),
+                        "--to",
+                        spec.name,
+                        "--database-url",
+                        &spec.fresh.url,
+                    ],
+                );
+                let serve = ["--shard", spec.name, "--database-url", &spec.fresh.url];
+                RunShard {
+                    name: spec.name,
+                    db: spec.fresh.conn.clone(),
+                    books: spec.books.to_vec(),
+                    consumers: spec
+                        .partitions
+                        .clone()
+                        .map(|partition| {
+                            jetstream::partition_consumer(&base, partition, partitions)
+                        })
+                        .collect(),
+                    partitions: spec.partitions.clone().collect(),
+                    instances: (1..=spec.instances)
+                        .map(|n| scenario.spawn_with(&format!("{}{n}", spec.name), &serve))
+                        .collect(),
+                }
+            })
             .collect();
-        let watch = AckFloorWatch::start(&js, &scenario);
+        Self::produce(
+            scenario,
+            client,
+            js,
+            shards,
+            Some(server),
+            (orders, chunks, pause),
+        )
+    }
+
+    /// The workload over every shard's books, the watch of every shard's consumers, and the
+    /// producer of `(orders, chunks, pause)` as [`Self::start`] says.
+    fn produce(
+        scenario: Scenario,
+        client: async_nats::Client,
+        js: Context,
+        shards: Vec<RunShard>,
+        server: Option<NatsServer>,
+        (orders, chunks, pause): (usize, usize, Duration),
+    ) -> Self {
+        let books: Vec<BookId> = shards
+            .iter()
+            .flat_map(|shard| shard.books.iter().copied())
+            .collect();
+        let workload = Workload::new(&books, orders, orders / 5, orders / 10, 14);
+        let consumers = shards
+            .iter()
+            .flat_map(|shard| shard.consumers.iter().cloned())
+            .collect();
+        let watch = AckFloorWatch::start(&js, &scenario.topology, consumers);
         let producer =
             scenario.start_producer(&js, &workload.sends, workload.sends.len() / chunks, pause);
         Self {
@@ -706,18 +892,36 @@ impl FailoverRun {
             scenario,
             js,
             _client: client,
-            db: fresh.conn.clone(),
+            shards,
             workload,
-            instances,
             watch,
             producer,
+            _server: server,
         }
     }
 
+    /// Waits until the first shard, the one that fails over, has acked at least `fraction` of
+    /// the messages (see [`until_acked`]).
+    pub(crate) async fn until_acked(&self, fraction: f64) {
+        let consumers = &self.shards[0].consumers;
+        until_all_acked(&self.js, &self.scenario, consumers, self.total, fraction).await;
+    }
+
+    /// The first shard's ack floor now.
+    pub(crate) async fn ack_floor(&self) -> u64 {
+        let consumers = &self.shards[0].consumers;
+        workload::consumers_state(&self.js, &self.scenario.topology, consumers)
+            .await
+            .expect("the consumers' state")
+            .combined(0..consumers.len())
+            .ack_floor
+    }
+
     /// After the failover (the primary killed at `killed`, another promoted at `promoted`):
-    /// waits for the producer, the consumer to settle and the outbox to drain, stops the
-    /// instances (asserting a clean exit), reads the ledger and the events, and removes the
-    /// streams. Asserts that the kill came before the last publication.
+    /// waits for the producer, every shard's consumers to settle and its outbox to drain,
+    /// stops the instances (asserting that each still runs, and exits cleanly), reads each
+    /// shard's ledger against its part of the workload, the events, and how the other shards
+    /// acked while the first was out. Asserts that the kill came before the last publication.
     pub(crate) async fn finish(
         self,
         killed: Instant,
@@ -728,31 +932,65 @@ impl FailoverRun {
             scenario,
             js,
             total,
-            db,
+            shards,
             workload,
-            instances,
             watch,
             producer,
+            _server,
             ..
         } = self;
         producer.await.unwrap();
         let topology = &scenario.topology;
-        let state = workload::settle(&js, topology, &scenario.names.consumer, total, limit).await;
-        // The relay runs inside serve: its events must be out before the instances stop.
-        wait_until_empty(&db, "outbox", &scenario, limit).await;
+        let mut states = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            states.push(workload::settle_all(&js, topology, &shard.consumers, total, limit).await);
+            // The relay runs inside serve: its events must be out before the instances stop.
+            wait_until_empty(&shard.db, "outbox", &scenario, limit).await;
+        }
         let samples = watch.stop().await;
-        let counters = Counters::read(&instances, &scenario.names.consumer);
-        stop_all(&scenario, instances);
+        let counters: Vec<Counters> = shards
+            .iter()
+            .map(|shard| Counters::read(&shard.instances, &shard.consumers))
+            .collect();
 
-        let report = workload::check_ledger(&db, &workload, state, Ledger::Reservations).await;
-        let events = outbox::stored(&js, &topology.events_stream).await;
-        let stalls = Stalls::of(&samples, killed, promoted);
+        let published = published(&js, topology).await;
+        let first = 0..shards[0].consumers.len();
+        let stalls = Stalls::of(&samples, first.clone(), killed, promoted);
         assert!(
             stalls.at_kill.stream_last_seq < total,
             "the kill came after the last publication: {:?}",
             stalls.at_kill
         );
-        let longest_wait = longest_wait(&js, topology, &db).await;
+        let back = killed + stalls.first_advance_after_kill;
+        let mut kept_acking = Vec::new();
+        let mut offset = first.end;
+        for shard in &shards[1..] {
+            let consumers = offset..offset + shard.consumers.len();
+            offset = consumers.end;
+            kept_acking.push(KeptAcking::of(
+                (shard, consumers),
+                (&shards[0], first.clone()),
+                &samples,
+                &published,
+                killed..back,
+            ));
+        }
+        let dbs: Vec<DatabaseConnection> = shards.iter().map(|shard| shard.db.clone()).collect();
+        let longest_wait = longest_wait(&published, &dbs).await;
+
+        let mut ridden = Vec::with_capacity(shards.len());
+        for ((shard, state), counters) in shards.into_iter().zip(states).zip(counters) {
+            stop_all(&scenario, shard.instances);
+            let part = workload.on_books(&shard.books);
+            let report =
+                workload::check_ledger(&shard.db, &part, state, Ledger::Reservations).await;
+            ridden.push(RiddenShard {
+                name: shard.name,
+                report,
+                counters,
+            });
+        }
+        let events = outbox::stored(&js, &topology.events_stream).await;
         for stream in [
             &topology.stream,
             &topology.events_stream,
@@ -763,9 +1001,9 @@ impl FailoverRun {
         Ridden {
             scenario,
             total,
-            report,
+            shards: ridden,
             stalls,
-            counters,
+            kept_acking,
             events,
             workload,
             longest_wait,
@@ -778,54 +1016,216 @@ pub(crate) struct Ridden {
     /// Kept for its instances' logs.
     pub(crate) scenario: Scenario,
     total: u64,
-    pub(crate) report: workload::Report,
+    shards: Vec<RiddenShard>,
+    /// The first shard's ack floor, which the failover stalled.
     stalls: Stalls,
-    counters: Counters,
+    /// The other shards', while the first was out.
+    kept_acking: Vec<KeptAcking>,
     events: Vec<outbox::Stored>,
     workload: Workload,
     /// The longest any order waited from publication to reservation, and that order.
     longest_wait: (Duration, Uuid),
 }
 
+/// A shard of a [`Ridden`]: its ledger against its part of the workload, and its instances'
+/// counters.
+struct RiddenShard {
+    name: &'static str,
+    report: workload::Report,
+    counters: Counters,
+}
+
 impl Ridden {
-    /// The promise after a failover the instances rode out: every order reserved exactly once,
-    /// nothing lost or dead-lettered, each decision's event stored once; and a delivery retried,
-    /// or the failover was never felt.
+    /// The promise after a failover the instances rode out: on every shard, every order of
+    /// its books reserved exactly once and no row of another shard's, nothing lost or
+    /// dead-lettered; each decision's event stored once; and on the first shard a delivery
+    /// retried, or the failover was never felt.
     pub(crate) fn assert_rode_it_out(&self) {
-        self.report.assert_holds();
+        for shard in &self.shards {
+            shard.report.assert_holds();
+        }
         assert_one_reserved_event_per_order(&self.events, &self.workload, &self.scenario.topology);
         assert!(
-            self.counters.retried > 0.0,
+            self.shards[0].counters.retried > 0.0,
             "no delivery was retried: the failover was never felt"
         );
     }
 
-    /// Where the kill found the stream: published and acked.
+    /// The ledger of shard `name`.
+    pub(crate) fn report(&self, name: &str) -> &workload::Report {
+        &self
+            .shards
+            .iter()
+            .find(|shard| shard.name == name)
+            .unwrap_or_else(|| panic!("no shard {name}"))
+            .report
+    }
+
+    /// Every other shard went on acking while the first had no writable leader (from the kill
+    /// to its first ack after the promotion): in each half of that window enough of its
+    /// messages arrived to tell, and it acked some of them within that half.
+    pub(crate) fn assert_other_shards_kept_acking(&self) {
+        assert!(!self.kept_acking.is_empty(), "no other shard");
+        for kept in &self.kept_acking {
+            for (half, &(arrived, acked)) in ["first", "second"].iter().zip(&kept.halves) {
+                let name = kept.name;
+                assert!(
+                    arrived >= MIN_ARRIVED,
+                    "only {arrived} messages of shard {name} arrived in the {half} half of the \
+                     outage, too few to tell: the producer must publish through it; {}",
+                    kept.describe()
+                );
+                assert!(
+                    acked > 0,
+                    "shard {name} acked none of the {arrived} messages that arrived in the \
+                     {half} half of the outage; {}",
+                    kept.describe()
+                );
+            }
+        }
+    }
+
+    /// Where the kill found the stream: published, and acked by the first shard.
     pub(crate) fn at_kill(&self) -> String {
         format!(
-            "{} of {} messages published and {} acked",
+            "{} of {} messages published and the ack floor at {}",
             self.stalls.at_kill.stream_last_seq, self.total, self.stalls.at_kill.ack_floor
         )
     }
 
-    /// From the kill on: the ack floor's stalls, the longest wait, the counters, the events
-    /// and the ledger.
+    /// From the kill on: the first shard's ack floor's stalls, the other shards' acks
+    /// meanwhile, the longest wait, each shard's counters and ledger, and the events.
     pub(crate) fn describe(&self) -> String {
         let (longest_wait, waited) = self.longest_wait;
+        let shards: Vec<String> = self
+            .shards
+            .iter()
+            .map(|shard| {
+                let what = format!("{}; {}", shard.counters.describe(), shard.report.summary());
+                if shard.name.is_empty() {
+                    what
+                } else {
+                    format!("shard {}: {what}", shard.name)
+                }
+            })
+            .collect();
+        let duplicate_pubacks: f64 = self
+            .shards
+            .iter()
+            .map(|shard| shard.counters.duplicate_pubacks)
+            .sum();
+        let kept: Vec<String> = self.kept_acking.iter().map(KeptAcking::describe).collect();
         format!(
             "the ack floor moved again {:.1?} after the kill; longest ack-floor stall {:.1?}; \
-             longest wait from publication to reservation {longest_wait:.1?} (order {waited}); \
-             {}; {} events, {} republished (duplicate PubAcks); {}",
+             {}longest wait from publication to reservation {longest_wait:.1?} (order \
+             {waited}); {}; {} events, {duplicate_pubacks} republished (duplicate PubAcks)",
             self.stalls.first_advance_after_kill,
             self.stalls.longest,
-            self.counters.describe(),
+            kept.iter()
+                .map(|kept| format!("{kept}; "))
+                .collect::<String>(),
+            shards.join("; "),
             self.events.len(),
-            self.counters.duplicate_pubacks,
-            self.report.summary()
         )
     }
 }
 
+/// Messages of a shard that must arrive in each half of the first shard's outage for
+/// [`Ridden::assert_other_shards_kept_acking`] to tell anything.
+const MIN_ARRIVED: usize = 20;
+
+/// How a shard that did not fail over acked while the first shard was out: from the kill to
+/// the first shard's first ack after the promotion. Counted from the stored messages and the
+/// shard's consumers' ack floors, so only what NATS recorded as acked counts.
+struct KeptAcking {
+    name: &'static str,
+    /// For each half of the window: the shard's messages that arrived in the stream in it, and
+    /// how many of those it had acked by the half's end.
+    halves: [(usize, usize); 2],
+    /// The window's length.
+    window: Duration,
+    /// About once a second through the window: the time since the kill, and the first
+    /// shard's and this shard's acked messages.
+    timeline: Vec<(Duration, usize, usize)>,
+}
+
+impl KeptAcking {
+    /// `shard` and `first` with their places in the samples' consumers; `published` the
+    /// stream's messages by sequence; `outage` from the kill to the first shard's first ack
+    /// after the promotion.
+    fn of(
+        (shard, consumers): (&RunShard, Range<usize>),
+        (first, first_consumers): (&RunShard, Range<usize>),
+        samples: &[(Instant, ConsumersState)],
+        published: &[Published],
+        outage: Range<Instant>,
+    ) -> Self {
+        let Range {
+            start: killed,
+            end: back,
+        } = outage;
+        let at_or_after = |moment: Instant| {
+            samples
+                .iter()
+                .find(|(at, _)| *at >= moment)
+                .expect("a sample after the first shard's outage")
+        };
+        let before = samples
+            .iter()
+            .take_while(|(at, _)| *at <= killed)
+            .last()
+            .expect("a sample before the kill");
+        let middle = at_or_after(killed + (back - killed) / 2);
+        let end = at_or_after(back);
+        let half = |(_, from): &(Instant, ConsumersState), (_, to): &(Instant, ConsumersState)| {
+            let floors = &to.consumers[consumers.clone()];
+            let arrived = from.stream_last_seq + 1..=to.stream_last_seq;
+            acked_messages(published, &shard.partitions, floors, arrived)
+        };
+        let timeline = (0..)
+            .map(|second| killed + Duration::from_secs(second))
+            .take_while(|moment| *moment < back)
+            .chain([back])
+            .map(|moment| {
+                let (at, state) = at_or_after(moment);
+                let all = 1..=state.stream_last_seq;
+                let acked = |partitions, consumers: &Range<usize>| {
+                    let floors = &state.consumers[consumers.clone()];
+                    acked_messages(published, partitions, floors, all.clone()).1
+                };
+                (
+                    *at - killed,
+                    acked(&first.partitions, &first_consumers),
+                    acked(&shard.partitions, &consumers),
+                )
+            })
+            .collect();
+        Self {
+            name: shard.name,
+            halves: [half(before, middle), half(middle, end)],
+            window: back - killed,
+            timeline,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let [(arrived_1, acked_1), (arrived_2, acked_2)] = self.halves;
+        let timeline: Vec<String> = self
+            .timeline
+            .iter()
+            .map(|(since, first, acked)| format!("{:.1} s: {first}/{acked}", since.as_secs_f64()))
+            .collect();
+        format!(
+            "shard {} while the first was out ({:.1?}): {acked_1} of {arrived_1} of its \
+             messages that arrived in the first half acked in it, {acked_2} of {arrived_2} in \
+             the second (timeline since the kill, the first shard's acked messages / this \
+             shard's: {})",
+            self.name,
+            self.window,
+            timeline.join(", ")
+        )
+    }
+}
 /// Each decision's event once: every order exactly one `stock.reserved` (stock is plenty, so
 /// nothing is rejected), none for anything else, no event id twice.
 fn assert_one_reserved_event_per_order(
@@ -844,25 +1244,21 @@ fn assert_one_reserved_event_per_order(
     }
 }
 
-/// The consumer's ack floor sampled every 100 ms in the background.
+/// The consumers' state sampled every 100 ms in the background.
 struct AckFloorWatch {
     stop: CancellationToken,
-    task: tokio::task::JoinHandle<Vec<(Instant, StreamState)>>,
+    task: tokio::task::JoinHandle<Vec<(Instant, ConsumersState)>>,
 }
 
 impl AckFloorWatch {
-    fn start(js: &Context, scenario: &Scenario) -> Self {
+    fn start(js: &Context, topology: &Topology, consumers: Vec<String>) -> Self {
         let stop = CancellationToken::new();
-        let (js, topology, consumer) = (
-            js.clone(),
-            scenario.topology.clone(),
-            scenario.names.consumer.clone(),
-        );
+        let (js, topology) = (js.clone(), topology.clone());
         let token = stop.clone();
         let task = tokio::spawn(async move {
             let mut samples = Vec::new();
             while !token.is_cancelled() {
-                if let Some(state) = workload::stream_state(&js, &topology, &consumer).await {
+                if let Some(state) = workload::consumers_state(&js, &topology, &consumers).await {
                     samples.push((Instant::now(), state));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -872,54 +1268,69 @@ impl AckFloorWatch {
         Self { stop, task }
     }
 
-    async fn stop(self) -> Vec<(Instant, StreamState)> {
+    async fn stop(self) -> Vec<(Instant, ConsumersState)> {
         self.stop.cancel();
         self.task.await.unwrap()
     }
 }
 
-/// How long the ack floor stood still while messages waited.
+/// How long the ack floors of some consumers (the first shard's) stood still while messages
+/// waited. Each consumer's own floor only rises, so their sum rises with any one of them.
 struct Stalls {
-    /// The last sample before the kill: how far the producer and the consumer had come.
+    /// The last sample before the kill: how far the producer and the consumers had come.
     at_kill: StreamState,
     /// From the kill to the first sample after the promotion with a higher ack floor than at
     /// the promotion (nothing can commit in between).
     first_advance_after_kill: Duration,
-    /// The longest time between two advances of the ack floor with messages waiting.
+    /// The longest time between two advances of an ack floor with messages waiting.
     longest: Duration,
 }
 
 impl Stalls {
-    fn of(samples: &[(Instant, StreamState)], killed: Instant, promoted: Instant) -> Self {
+    fn of(
+        samples: &[(Instant, ConsumersState)],
+        consumers: Range<usize>,
+        killed: Instant,
+        promoted: Instant,
+    ) -> Self {
+        let floors = |state: &ConsumersState| -> u64 {
+            state.consumers[consumers.clone()]
+                .iter()
+                .map(|consumer| consumer.ack_floor)
+                .sum()
+        };
         let at_kill = samples
             .iter()
             .take_while(|(at, _)| *at <= killed)
             .last()
-            .map(|(_, state)| *state)
+            .map(|(_, state)| state.combined(consumers.clone()))
             .expect("a sample before the kill");
-        let floor_at_promotion = samples
+        let floors_at_promotion = samples
             .iter()
             .take_while(|(at, _)| *at <= promoted)
-            .map(|(_, state)| state.ack_floor)
+            .map(|(_, state)| floors(state))
             .max()
             .unwrap_or(0);
         let first_advance_after_kill = samples
             .iter()
-            .find(|(at, state)| *at > promoted && state.ack_floor > floor_at_promotion)
+            .find(|(at, state)| *at > promoted && floors(state) > floors_at_promotion)
             .map(|(at, _)| *at - killed)
             .expect("the ack floor never moved after the promotion");
         let mut longest = Duration::ZERO;
         let mut last_advance: Option<(Instant, u64)> = None;
-        for &(at, state) in samples {
+        for (at, state) in samples {
+            let floor = floors(state);
             match last_advance {
-                Some((since, floor)) if state.ack_floor > floor => {
-                    longest = longest.max(at - since);
-                    last_advance = Some((at, state.ack_floor));
+                Some((since, before)) if floor > before => {
+                    longest = longest.max(*at - since);
+                    last_advance = Some((*at, floor));
                 }
                 // Nothing waits: standing still is not a stall.
-                Some(_) if state.settled() => last_advance = Some((at, state.ack_floor)),
+                Some(_) if state.combined(consumers.clone()).settled() => {
+                    last_advance = Some((*at, floor));
+                }
                 Some(_) => {}
-                None => last_advance = Some((at, state.ack_floor)),
+                None => last_advance = Some((*at, floor)),
             }
         }
         Self {
@@ -930,7 +1341,7 @@ impl Stalls {
     }
 }
 
-/// What the instances counted, summed over both.
+/// What a shard's instances counted, summed over them and their consumers.
 struct Counters {
     processed: f64,
     duplicates: f64,
@@ -939,7 +1350,7 @@ struct Counters {
 }
 
 impl Counters {
-    fn read(instances: &[Instance], consumer: &str) -> Self {
+    fn read(instances: &[Instance], consumers: &[String]) -> Self {
         let sum = |name: &str| -> f64 {
             instances
                 .iter()
@@ -951,9 +1362,14 @@ impl Counters {
                 .sum()
         };
         let outcome = |outcome: &str| {
-            sum(&format!(
-                "inventory_messages_total{{consumer=\"{consumer}\",outcome=\"{outcome}\"}}"
-            ))
+            consumers
+                .iter()
+                .map(|consumer| {
+                    sum(&format!(
+                        "inventory_messages_total{{consumer=\"{consumer}\",outcome=\"{outcome}\"}}"
+                    ))
+                })
+                .sum()
         };
         Self {
             processed: outcome("processed"),
@@ -971,41 +1387,86 @@ impl Counters {
     }
 }
 
-/// The longest any order waited from its first message's arrival in the stream to the commit
-/// of its reservation (the row's `created_at`), and that order.
-async fn longest_wait(
-    js: &Context,
-    topology: &Topology,
-    db: &DatabaseConnection,
-) -> (Duration, Uuid) {
+/// Of the messages with a sequence in `sequences`, those of `partitions` (arrived), and how
+/// many of them lie below their partition consumer's floor in `floors` (acked); `floors` in
+/// the order of `partitions`. Only what NATS recorded counts.
+fn acked_messages(
+    published: &[Published],
+    partitions: &[u32],
+    floors: &[ConsumerState],
+    sequences: RangeInclusive<u64>,
+) -> (usize, usize) {
+    published
+        .iter()
+        .zip(1..)
+        .filter(|(_, sequence)| sequences.contains(sequence))
+        .filter_map(|(message, sequence)| {
+            let index = partitions
+                .iter()
+                .position(|&partition| Some(partition) == message.partition)?;
+            Some(sequence <= floors[index].ack_floor)
+        })
+        .fold((0, 0), |(arrived, acked), yes| {
+            (arrived + 1, acked + usize::from(yes))
+        })
+}
+
+/// A message of the orders stream as stored; they are read in order of sequence, from 1.
+struct Published {
+    order: Uuid,
+    /// When the stream stored it, in nanoseconds since the epoch.
+    at: i128,
+    /// Its partition on a sharded stream: the subject is `<prefix>.placed.<partition>.<book>`
+    /// (`shard init`'s transform).
+    partition: Option<u32>,
+}
+
+async fn published(js: &Context, topology: &Topology) -> Vec<Published> {
     let mut stream = js.get_stream(&topology.stream).await.unwrap();
     let last = stream.info().await.unwrap().state.last_sequence;
-    let mut published: HashMap<Uuid, i128> = HashMap::new();
+    let prefix = format!("{}.", topology.subject_prefix);
+    let mut published = Vec::new();
     for sequence in 1..=last {
         let message = stream.get_raw_message(sequence).await.unwrap();
         let body: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
-        let order: Uuid = body["order_id"].as_str().unwrap().parse().unwrap();
-        let at = message.time.unix_timestamp_nanos();
-        published
-            .entry(order)
-            .and_modify(|first| *first = (*first).min(at))
-            .or_insert(at);
+        published.push(Published {
+            order: body["order_id"].as_str().unwrap().parse().unwrap(),
+            at: message.time.unix_timestamp_nanos(),
+            partition: message
+                .subject
+                .strip_prefix(&prefix)
+                .and_then(|rest| rest.split('.').nth(1)?.parse().ok()),
+        });
     }
-    let rows = db
-        .query_all_raw(Statement::from_string(
-            DbBackend::Postgres,
-            "SELECT order_id, created_at FROM stock_reservations",
-        ))
-        .await
-        .unwrap();
-    rows.iter()
-        .map(|row| {
+    published
+}
+
+/// The longest any order waited from its first message's arrival in the stream to the commit
+/// of its reservation (the row's `created_at`) on any of `dbs`, and that order.
+async fn longest_wait(published: &[Published], dbs: &[DatabaseConnection]) -> (Duration, Uuid) {
+    let mut first: HashMap<Uuid, i128> = HashMap::new();
+    for message in published {
+        first
+            .entry(message.order)
+            .and_modify(|at| *at = (*at).min(message.at))
+            .or_insert(message.at);
+    }
+    let mut longest = None;
+    for db in dbs {
+        let rows = db
+            .query_all_raw(Statement::from_string(
+                DbBackend::Postgres,
+                "SELECT order_id, created_at FROM stock_reservations",
+            ))
+            .await
+            .unwrap();
+        for row in rows {
             let order: Uuid = row.try_get("", "order_id").unwrap();
             let created: chrono::DateTime<chrono::Utc> = row.try_get("", "created_at").unwrap();
             let reserved = i128::from(created.timestamp_nanos_opt().unwrap());
-            let waited = u64::try_from(reserved - published[&order]).unwrap_or(0);
-            (Duration::from_nanos(waited), order)
-        })
-        .max()
-        .expect("reservations")
+            let waited = u64::try_from(reserved - first[&order]).unwrap_or(0);
+            longest = longest.max(Some((Duration::from_nanos(waited), order)));
+        }
+    }
+    longest.expect("reservations")
 }

@@ -121,6 +121,27 @@ impl Workload {
         reserved
     }
 
+    /// The part of the workload on `books`, e.g. a shard's: their orders and messages.
+    pub fn on_books(&self, books: &[BookId]) -> Self {
+        let orders: HashMap<OrderId, (BookId, i64)> = self
+            .orders
+            .iter()
+            .filter(|(_, (book, _))| books.contains(book))
+            .map(|(&order, &line)| (order, line))
+            .collect();
+        let sends = self
+            .sends
+            .iter()
+            .filter(|send| orders.contains_key(&send.message.event.order_id()))
+            .cloned()
+            .collect();
+        Self {
+            books: books.to_vec(),
+            orders,
+            sends,
+        }
+    }
+
     pub fn count(&self, kind: SendKind) -> usize {
         self.sends.iter().filter(|send| send.kind == kind).count()
     }
@@ -272,21 +293,84 @@ pub async fn stream_state(
     topology: &Topology,
     consumer: &str,
 ) -> Option<StreamState> {
+    let state = consumers_state(js, topology, &[consumer.to_owned()]).await?;
+    Some(state.combined(0..1))
+}
+
+/// One durable consumer's place in its stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerState {
+    /// The highest stream sequence below which every message it takes was acked or terminated.
+    pub ack_floor: u64,
+    pub pending: u64,
+    pub ack_pending: usize,
+    pub redelivered: usize,
+}
+
+/// The streams and some consumers of the orders stream read together, e.g. a sharded stream's
+/// partition consumers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConsumersState {
+    pub stream_messages: u64,
+    /// Read before the consumers: none of them can have a message past it undelivered.
+    pub stream_last_seq: u64,
+    pub dead_letters: u64,
+    pub consumers: Vec<ConsumerState>,
+}
+
+impl ConsumersState {
+    /// The consumers `which` as one: their counts summed, and as ack floor the lowest of their
+    /// floors. A consumer with nothing pending or unacked counts as acked up to the stream's
+    /// last sequence: a filtered consumer's own floor stops at its last message.
+    pub fn combined(&self, which: std::ops::Range<usize>) -> StreamState {
+        let consumers = &self.consumers[which];
+        let floor = |consumer: &ConsumerState| {
+            if consumer.pending == 0 && consumer.ack_pending == 0 {
+                consumer.ack_floor.max(self.stream_last_seq)
+            } else {
+                consumer.ack_floor
+            }
+        };
+        StreamState {
+            stream_messages: self.stream_messages,
+            stream_last_seq: self.stream_last_seq,
+            ack_floor: consumers.iter().map(floor).min().unwrap_or(0),
+            pending: consumers.iter().map(|consumer| consumer.pending).sum(),
+            ack_pending: consumers.iter().map(|consumer| consumer.ack_pending).sum(),
+            redelivered: consumers.iter().map(|consumer| consumer.redelivered).sum(),
+            dead_letters: self.dead_letters,
+        }
+    }
+}
+
+/// Reads the streams' state and that of each of `consumers`, in their order; `None` while the
+/// broker cannot answer.
+pub async fn consumers_state(
+    js: &Context,
+    topology: &Topology,
+    consumers: &[String],
+) -> Option<ConsumersState> {
     let read = async {
         let mut stream = js.get_stream(&topology.stream).await.ok()?;
         let stream_info = stream.info().await.ok()?.state.clone();
-        let mut consumer: PullConsumer = stream.get_consumer(consumer).await.ok()?;
-        let info = consumer.info().await.ok()?.clone();
+        let mut states = Vec::with_capacity(consumers.len());
+        for name in consumers {
+            let mut consumer: PullConsumer = stream.get_consumer(name).await.ok()?;
+            let info = consumer.info().await.ok()?.clone();
+            states.push(ConsumerState {
+                ack_floor: info.ack_floor.stream_sequence,
+                pending: info.num_pending,
+                ack_pending: info.num_ack_pending,
+                redelivered: info.num_redelivered,
+            });
+        }
         let mut dlq = js.get_stream(&topology.dlq_stream).await.ok()?;
         let dead_letters = dlq.info().await.ok()?.state.messages;
-        Some(StreamState {
+        Some(ConsumersState {
             stream_messages: stream_info.messages,
             stream_last_seq: stream_info.last_sequence,
-            ack_floor: info.ack_floor.stream_sequence,
-            pending: info.num_pending,
-            ack_pending: info.num_ack_pending,
-            redelivered: info.num_redelivered,
             dead_letters,
+            consumers: states,
         })
     };
     tokio::time::timeout(Duration::from_secs(5), read)
@@ -304,7 +388,18 @@ pub async fn settle(
     min_messages: u64,
     limit: Duration,
 ) -> StreamState {
-    wait_for_consumer(js, topology, consumer, min_messages, limit, false).await
+    settle_all(js, topology, &[consumer.to_owned()], min_messages, limit).await
+}
+
+/// [`settle`] for `consumers` together (see [`ConsumersState::combined`]).
+pub async fn settle_all(
+    js: &Context,
+    topology: &Topology,
+    consumers: &[String],
+    min_messages: u64,
+    limit: Duration,
+) -> StreamState {
+    wait_for_consumers(js, topology, consumers, min_messages, limit, false).await
 }
 
 /// [`settle`], or until the consumer has nothing left to deliver (nothing pending, nothing
@@ -317,13 +412,21 @@ pub async fn quiesce(
     min_messages: u64,
     limit: Duration,
 ) -> StreamState {
-    wait_for_consumer(js, topology, consumer, min_messages, limit, true).await
+    wait_for_consumers(
+        js,
+        topology,
+        &[consumer.to_owned()],
+        min_messages,
+        limit,
+        true,
+    )
+    .await
 }
 
-async fn wait_for_consumer(
+async fn wait_for_consumers(
     js: &Context,
     topology: &Topology,
-    consumer: &str,
+    consumers: &[String],
     min_messages: u64,
     limit: Duration,
     or_quiet: bool,
@@ -332,7 +435,8 @@ async fn wait_for_consumer(
     let mut quiet_since = None;
     let mut last = None;
     loop {
-        if let Some(state) = stream_state(js, topology, consumer).await {
+        let state = consumers_state(js, topology, consumers).await;
+        if let Some(state) = state.map(|state| state.combined(0..consumers.len())) {
             if state.settled() && state.stream_last_seq >= min_messages {
                 return state;
             }
