@@ -360,29 +360,52 @@ async fn shard_to_serve(
 
 /// Ends once the partitions assigned to `shard` differ from those it serves, with an error
 /// that says so: the process stops, for its supervisor to start it again on the new
-/// assignment. A watch that fails ends it too, so a lost view of the bucket is never kept
-/// quiet; the database's ownership check decides meanwhile.
+/// assignment. A watch that fails (a missed heartbeat after a pause, NATS reconnecting) is
+/// opened again, with a warning, rather than restarting the process: a new watch's first
+/// assignment is the bucket's now, so a change made meanwhile is still seen, and the
+/// database's ownership check decides in between.
 async fn watch_assignment(shard: ServedShard, stop: CancellationToken) -> anyhow::Result<()> {
+    use backon::Retryable as _;
     use futures::StreamExt as _;
-    let mut changes = Box::pin(shard.shards.watch().await?);
     loop {
-        let assignment = tokio::select! {
+        let opened = (|| shard.shards.watch())
+            .retry(WATCH_REOPENS)
+            .notify(|error, _| tracing::warn!(%error, "watching the shard assignment"));
+        let mut changes = tokio::select! {
             () = stop.cancelled() => return Ok(()),
-            next = changes.next() => match next {
-                Some(assignment) => assignment?,
-                None => anyhow::bail!("the watch of the shard assignment ended"),
-            },
+            opened = opened => Box::pin(opened?),
         };
-        let now = assignment.partitions_of(&shard.name);
-        if now != shard.assigned {
-            anyhow::bail!(
-                "the partitions of shard {} changed from {:?} to {now:?}: restart to serve them",
-                shard.name,
-                shard.assigned
-            );
-        }
+        let why = loop {
+            let next = tokio::select! {
+                () = stop.cancelled() => return Ok(()),
+                next = changes.next() => next,
+            };
+            match next {
+                Some(Ok(assignment)) => {
+                    let now = assignment.partitions_of(&shard.name);
+                    if now != shard.assigned {
+                        anyhow::bail!(
+                            "the partitions of shard {} changed from {:?} to {now:?}: restart to \
+                             serve them",
+                            shard.name,
+                            shard.assigned
+                        );
+                    }
+                }
+                Some(Err(error)) => break error.to_string(),
+                None => break "it ended".to_owned(),
+            }
+        };
+        tracing::warn!(%why, "the watch of the shard assignment stopped; watching it again");
     }
 }
+
+/// How often a failed watch of the shard assignment is opened again: after 200 ms, doubling up
+/// to 5 s, until it opens.
+const WATCH_REOPENS: backon::ExponentialBuilder = backon::ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(200))
+    .with_max_delay(Duration::from_secs(5))
+    .without_max_times();
 
 /// The settings of the consumer of `partition`, one of a shard's `assigned`: the strategy's
 /// settings, its durable name suffixed, its filter the partition's, and the instance's lanes

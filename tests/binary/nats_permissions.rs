@@ -68,6 +68,18 @@ fn config(service_user: &str) -> String {
     )
 }
 
+/// The administrator's connection, once it created the streams: the service only looks them
+/// up.
+async fn streams_created(server: &NatsServer) -> Context {
+    let admin = connect(server, &user("admin", ADMIN_PASSWORD)).await;
+    let topology = Topology::default();
+    jetstream::ensure_streams(&admin, &topology).await.unwrap();
+    jetstream::ensure_prefix_stream(&admin, &topology.events_stream())
+        .await
+        .unwrap();
+    admin
+}
+
 /// The service under test, as a process.
 struct Service(Option<Child>);
 
@@ -112,13 +124,8 @@ impl Service {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_user_serves_end_to_end_and_may_not_publish_orders_or_delete_streams() {
     let server = NatsServer::start_with_config(&config(INVENTORY_USER)).await;
-    let admin = connect(&server, &user("admin", ADMIN_PASSWORD)).await;
-    // The administrator creates the streams; the service only looks them up.
+    let admin = streams_created(&server).await;
     let topology = Topology::default();
-    jetstream::ensure_streams(&admin, &topology).await.unwrap();
-    jetstream::ensure_prefix_stream(&admin, &topology.events_stream())
-        .await
-        .unwrap();
 
     let run = BinaryRun::new("nats_permissions", "info,sqlx=warn").await;
     run.put_stock(BOOK, "Dune", 10);
@@ -180,12 +187,7 @@ async fn the_shard_user_serves_a_shard_end_to_end() {
         }
     };
     let server = NatsServer::start_binary_with_config(&bin, &config(SHARD_USER)).await;
-    let admin = connect(&server, &user("admin", ADMIN_PASSWORD)).await;
-    let topology = Topology::default();
-    jetstream::ensure_streams(&admin, &topology).await.unwrap();
-    jetstream::ensure_prefix_stream(&admin, &topology.events_stream())
-        .await
-        .unwrap();
+    let admin = streams_created(&server).await;
     let run = BinaryRun::new("nats_permissions_shard", "info,sqlx=warn").await;
     let as_admin = |args: &[&str]| {
         let output = command(&run, &server, "admin", ADMIN_PASSWORD)

@@ -587,3 +587,62 @@ async fn three_shards_decide_what_one_database_decides() {
         );
     }
 }
+
+/// An instance whose watch of the assignment breaks (no heartbeat for twice its interval: the
+/// server stalled, or the instance's own host) opens it again and serves on: a broken watch is
+/// no reason to restart the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_watch_of_the_assignment_breaks_watches_again_and_serves_on() {
+    let Some((server, run)) = sharded("an_instance_whose_watch_breaks", "info").await else {
+        return;
+    };
+    let url = run.database_url.clone();
+    run_on(
+        &run,
+        &url,
+        &["shard", "assign", "--partitions", "0-7", "--to", "a"],
+    );
+    let book = books_in(&run, &url, 1, |_| true)[0];
+    // Its log in a file, read while it runs.
+    let log_path = std::env::temp_dir().join(format!(
+        "inventory-watch-{}.log",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let mut instance = run
+        .command(&[&SMALL[..], &["--shard", "a"]].concat())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
+    let js = jetstream::context(async_nats::connect(server.url()).await.unwrap());
+    let reservations = || async {
+        run.db
+            .scalar("SELECT count(*) FROM stock_reservations")
+            .await
+    };
+    place(&js, &run, OrderId::new_v7(), book, "before").await;
+    eventually("the first order reserved", || async {
+        reservations().await == 1
+    })
+    .await;
+
+    // The server silent for longer than twice the watch's idle heartbeat (5 s): its client
+    // gives the watch up.
+    server.pause(Duration::from_secs(15)).await;
+    place(&js, &run, OrderId::new_v7(), book, "after").await;
+    eventually("the order after reserved", || async {
+        reservations().await == 2
+    })
+    .await;
+    assert!(
+        instance.try_wait().unwrap().is_none(),
+        "the instance stopped: {}",
+        log()
+    );
+    // Else this test saw nothing of a broken watch.
+    assert!(log().contains("watching it again"), "{}", log());
+    let (status, _) = binary::stop(instance);
+    assert!(status.success(), "{}", log());
+    let _ = std::fs::remove_file(&log_path);
+}

@@ -235,6 +235,17 @@ impl NatsServer {
         }
     }
 
+    /// SIGSTOP for `pause`, then SIGCONT: the server answers nothing meanwhile, its clients'
+    /// connections open, as while its host stalls.
+    pub async fn pause(&self, pause: Duration) {
+        use nix::sys::signal::{Signal, kill};
+        let child = self.child.as_ref().expect("a running server");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid fits in i32"));
+        kill(pid, Signal::SIGSTOP).expect("SIGSTOP to nats-server");
+        tokio::time::sleep(pause).await;
+        kill(pid, Signal::SIGCONT).expect("SIGCONT to nats-server");
+    }
+
     /// SIGKILL: the server dies at once, as in a crash.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
