@@ -4,7 +4,7 @@
 //! `model` (tests only) runs these decisions against a simulated world of two shards, the
 //! assignment and the stream, and checks that no interleaving decides a placement twice.
 //!
-//! The move's state is a [`MoveRecord`] under [`move_key`] in the assignment bucket: created
+//! The move's state is a [`MoveRecord`] in the assignment bucket: created
 //! when the move begins (a create, so one move per partition), then advanced by compare-and-set
 //! at the revision read, once per step. A mover reads the record and what its step needs
 //! ([`Seen`]), asks [`MoveRecord::next`], does the action, then records the next record. A
@@ -28,13 +28,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(test)]
 mod model;
 
-/// The key of `partition`'s move record in the assignment bucket: `move.<n>`. The assignment's
-/// readers take only `partition.<n>` keys, so a move record routes nothing.
-pub fn move_key(partition: u32) -> String {
-    format!("move.{partition}")
-}
-
-/// A move under way, as its record in the bucket holds it.
+/// A move under way, as its record holds it: `move.<partition>` in the assignment bucket, JSON.
+/// The assignment's readers take only `partition.<n>` keys, so a move record routes nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MoveRecord {
     pub partition: u32,
@@ -50,7 +45,7 @@ pub struct MoveRecord {
 }
 
 /// What a move does next; the record holds the step not yet known to be done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Step {
     Pause,
