@@ -25,6 +25,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::jetstream::Owner;
+
 #[cfg(test)]
 mod model;
 
@@ -83,18 +85,12 @@ pub enum OwnerState {
     Incoming,
 }
 
-/// The partition's key in the assignment bucket.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Assigned {
-    pub shard: String,
-    pub revision: u64,
-}
-
 /// What a mover reads before a step. Each step looks only at what it needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {
-    /// The partition's key in the assignment; `None` when it has no owner.
-    pub assigned: Option<Assigned>,
+    /// The partition's owner in the assignment and its key's revision; `None` when it has
+    /// none.
+    pub assigned: Option<Owner>,
     /// Events of the partition's books the old shard's outbox still holds.
     pub unpublished: u64,
 }
@@ -181,7 +177,7 @@ impl MoveRecord {
     pub fn begin(
         partition: u32,
         to: &str,
-        assigned: Option<Assigned>,
+        assigned: Option<Owner>,
         owner_row: Option<OwnerRow>,
     ) -> Result<Self, BeginRefused> {
         let assigned = assigned.ok_or(BeginRefused::Unassigned { partition })?;
@@ -338,8 +334,8 @@ pub fn books_out_of_balance<B: Ord + Copy>(
 mod tests {
     use super::*;
 
-    fn assigned(shard: &str, revision: u64) -> Option<Assigned> {
-        Some(Assigned {
+    fn assigned(shard: &str, revision: u64) -> Option<Owner> {
+        Some(Owner {
             shard: shard.to_owned(),
             revision,
         })

@@ -31,7 +31,7 @@
 //! abort (313,081, 4 s); a second mover (101,527, 1 s); a second mover and an abort, each
 //! message delivered once (154,166, 2 s). Each of the four deliberate bugs is found in under a
 //! second. The deeper run, two movers, a crash and an abort together with the competing order
-//! (21,693,294 states, 3,372,072 unique, depth 39, 4.5 minutes), runs with
+//! (21,693,294 states, 3,372,072 unique, 4.5 to 6 minutes), runs with
 //! `cargo test -p inventory-infra --lib shard_move::model -- --ignored --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -39,7 +39,8 @@ use std::time::Instant;
 
 use stateright::{Checker, HasDiscoveries, Model, Property};
 
-use super::{Action, Assigned, MoveRecord, Next, OwnerRow, OwnerState, Seen, Step};
+use super::{Action, MoveRecord, Next, OwnerRow, OwnerState, Seen, Step};
+use crate::jetstream::Owner;
 
 /// The old shard's index among the model's shards, and the new one's.
 const FROM: usize = 0;
@@ -161,7 +162,7 @@ enum Mover {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct State {
     shards: [Database; 2],
-    assigned: Assigned,
+    assigned: Owner,
     record: MoveRecord,
     record_revision: u64,
     movers: Vec<Mover>,
@@ -334,7 +335,7 @@ impl Moving {
                 });
             }
             Action::HandOver | Action::CancelHandOver => {
-                let expected = Assigned {
+                let expected = Owner {
                     shard: record.from.clone(),
                     revision: record.assigned_revision,
                 };
@@ -346,7 +347,7 @@ impl Moving {
                 } else {
                     &record.from
                 };
-                state.assigned = Assigned {
+                state.assigned = Owner {
                     shard: shard.clone(),
                     revision: expected.revision + 1,
                 };
@@ -511,7 +512,7 @@ impl Model for Moving {
     type Action = Transition;
 
     fn init_states(&self) -> Vec<State> {
-        let assigned = Assigned {
+        let assigned = Owner {
             shard: SHARD_NAMES[FROM].to_owned(),
             revision: 1,
         };
