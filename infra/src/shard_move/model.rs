@@ -806,6 +806,9 @@ fn the_move_as_designed_keeps_every_property_through_an_abort() {
     assert_keeps_every_property(model, "an abort");
 }
 
+/// A copy from the mover that lost, landing after the other one activated the new shard: with
+/// the copy not refused where the partition is active, it overwrites the decisions made there
+/// since.
 #[test]
 fn the_move_as_designed_keeps_every_property_with_a_second_mover() {
     let model = Moving {
