@@ -16,6 +16,8 @@
 //!   and `DeadLetter`, one read back from the dead-letter stream.
 //! - [`partition_owner`]: `PartitionOwners`, the partitions a shard's database owns, as
 //!   `shard assign` records them.
+//! - [`shard_move`]: moving a partition to another shard, as decisions without I/O: the move's
+//!   record, each step's action, an abort; checked as a model (tests only).
 //! - [`delivery`]: a message as a consumer receives it: pulling, its origin, ack, nak, term.
 //! - [`outbox`]: the events of reservation decisions, written in the decision's transaction.
 //! - [`periodic`]: the loop of the watchers that read a figure now and then.
@@ -34,6 +36,7 @@ pub mod outbox;
 pub mod partition_owner;
 pub mod periodic;
 pub mod redact;
+pub mod shard_move;
 pub mod stock;
 
 pub use consumers::{HandleError, MessageHandler, NaturalKey};

@@ -107,7 +107,7 @@ pub fn partitioning(topology: &Topology, config: &stream::Config) -> Partitionin
 
 /// The shard that owns a partition, and the bucket revision that says so: an update must name
 /// it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Owner {
     pub shard: String,
     pub revision: u64,
