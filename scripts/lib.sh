@@ -33,3 +33,19 @@ pod() {
     ${PODMAN_RUNTIME:+--runtime "$PODMAN_RUNTIME"} \
     ${PODMAN_CGROUP_MANAGER:+--cgroup-manager "$PODMAN_CGROUP_MANAGER"} "$@"
 }
+
+# HAProxy fronts the primary and the standby in the failover tests; they start their own, so
+# the package's service is not used.
+ensure_haproxy() {
+  command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || apt_install haproxy
+}
+
+# Patroni and etcd run a shard's PostgreSQL HA pair (tests/src/patroni.rs: the slow tier's
+# Patroni tests, and scripts/patroni-pair.sh); the pair starts its own processes, so the
+# packages' services are not used.
+ensure_patroni() {
+  local missing=()
+  command -v patroni >/dev/null || missing+=(patroni)
+  command -v etcd >/dev/null || missing+=(etcd-server)
+  if [ "${#missing[@]}" -gt 0 ]; then apt_install "${missing[@]}"; fi
+}

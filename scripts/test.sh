@@ -131,22 +131,6 @@ ensure_deploy_tools() {
   if [ "${#missing[@]}" -gt 0 ]; then apt_install "${missing[@]}"; fi
 }
 
-# HAProxy fronts the primary and the standby in the failover test
-# (tests/reliability/failover.rs); the test starts its own, so the package's service is not used.
-ensure_haproxy() {
-  command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || apt_install haproxy
-}
-
-# Patroni and etcd run the PostgreSQL HA pair of the Patroni failover test
-# (tests/reliability/patroni.rs, slow tier); the test starts its own processes, so the
-# packages' services are not used.
-ensure_patroni() {
-  local missing=()
-  command -v patroni >/dev/null || missing+=(patroni)
-  command -v etcd >/dev/null || missing+=(etcd-server)
-  if [ "${#missing[@]}" -gt 0 ]; then apt_install "${missing[@]}"; fi
-}
-
 ensure_postgres
 ensure_nats
 ensure_redis
