@@ -5,13 +5,14 @@
 //! the next. How they stop, gracefully or at once, and what a lane that ends early does to the
 //! rest.
 //!
-//! A fetched message spends its ack wait and a delivery, so what is fetched and not started is
-//! kept small: a fetcher asks only while a lane waits, for one batch, and asks again only once a
-//! lane started it. So at most one batch a consumer waits for a lane (none with one consumer:
-//! nothing is fetched that a waiting lane does not start), and a stop gives those back. No
-//! fetcher takes a lane's turn: every consumer's fetch waits at the server at once, so a message
-//! on any of them starts within a round trip of a lane being free, whichever others are idle.
-//! Nothing is fetched while the database is suspect, until a lane found it answering again.
+//! Why this is safe. A fetched message spends its ack wait and a delivery, so what is fetched
+//! and not started is kept small: a fetcher asks only while a lane waits, for one batch, and
+//! asks again only once a lane started it. So at most one batch a consumer waits for a lane
+//! (none with one consumer: nothing is fetched that a waiting lane does not start), and a stop
+//! gives those back at once. No fetcher takes a lane's turn: while a lane waits, every
+//! consumer's fetch waits at the server, so a message on any of them starts within a round trip,
+//! whichever others are idle. Nothing is fetched while the database is suspect, until a lane
+//! found it answering again.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,7 +63,7 @@ pub(super) async fn run<H: MessageHandler>(
     // Not labelled by consumer: any consumer's handles count it.
     let task_failures = consumers.first().map(|fed| fed.worker.metrics.clone());
     // Each fetcher has at most one batch here, waiting for a lane.
-    let (hand, handed) = tokio::sync::mpsc::channel(consumers.len().max(1));
+    let (hand, handed) = mpsc::channel(consumers.len().max(1));
     let handed = Arc::new(tokio::sync::Mutex::new(handed));
     let mut running = JoinSet::new();
     for fed in consumers {
@@ -91,10 +92,7 @@ pub(super) async fn run<H: MessageHandler>(
             handler.clone(),
             handed.clone(),
             state.clone(),
-            LaneDatabase {
-                db: db.clone(),
-                work_timeout,
-            },
+            (db.clone(), work_timeout),
             stop.clone(),
             shutdown.immediate.clone(),
         )));
@@ -198,6 +196,23 @@ pub(super) struct LaneState {
     pub(super) database_suspect: bool,
 }
 
+impl LaneState {
+    /// Whether the fetchers may fetch: a lane waits and the database is not suspect.
+    fn lets_fetch(&self) -> bool {
+        self.waiting > 0 && !self.database_suspect
+    }
+
+    /// Changes `state`, waking the fetchers only when whether they may fetch changed: not on
+    /// every lane's coming and going, which would wake every consumer's fetcher each time.
+    pub(super) fn change(state: &watch::Sender<Self>, change: impl FnOnce(&mut Self)) {
+        state.send_if_modified(|state| {
+            let before = state.lets_fetch();
+            change(state);
+            before != state.lets_fetch()
+        });
+    }
+}
+
 /// Why a lane ended before it was told to stop.
 #[derive(Debug)]
 enum LaneError {
@@ -245,7 +260,7 @@ async fn fetcher(
     loop {
         tokio::select! {
             () = stop.cancelled() => return Ok(()),
-            ready = state.wait_for(|state| state.waiting > 0 && !state.database_suspect) => {
+            ready = state.wait_for(LaneState::lets_fetch) => {
                 ready.map_err(|_| LaneError::Halted("the lanes' state closed".into()))?;
             }
         }
@@ -294,19 +309,14 @@ async fn fetcher(
     }
 }
 
-/// Where a lane checks that the database answers, and within what bound.
-struct LaneDatabase {
-    db: DatabaseConnection,
-    work_timeout: Option<Duration>,
-}
-
 /// One lane: wait for a batch a fetcher hands it, handle it to the end with `handler`, repeat,
 /// until `stop`. On `immediate` it gives up the messages it holds, nak'ed to come again at once.
 async fn lane<H: MessageHandler>(
     handler: H,
     handed: Arc<tokio::sync::Mutex<mpsc::Receiver<Handed>>>,
     state: watch::Sender<LaneState>,
-    database: LaneDatabase,
+    // Where it checks that the database answers, and within what bound.
+    (db, work_timeout): (DatabaseConnection, Option<Duration>),
     stop: CancellationToken,
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
@@ -315,17 +325,17 @@ async fn lane<H: MessageHandler>(
         // first to notice: one that took on would burn its messages' deliveries on an outage
         // (a lane already waiting for a batch still handles the one it is handed).
         if state.borrow().database_suspect {
-            if !wait_for_database(&database.db, database.work_timeout, &stop).await {
+            if !wait_for_database(&db, work_timeout, &stop).await {
                 return Ok(());
             }
-            state.send_modify(|state| state.database_suspect = false);
+            LaneState::change(&state, |state| state.database_suspect = false);
         }
-        state.send_modify(|state| state.waiting += 1);
+        LaneState::change(&state, |state| state.waiting += 1);
         let batch = tokio::select! {
             () = stop.cancelled() => None,
             batch = async { handed.lock().await.recv().await } => batch,
         };
-        state.send_modify(|state| state.waiting -= 1);
+        LaneState::change(&state, |state| state.waiting -= 1);
         let Some(Handed {
             messages,
             worker,

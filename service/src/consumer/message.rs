@@ -263,8 +263,9 @@ impl Worker {
                 let kind = self.kind_of(error);
                 if kind == ErrorKind::Transient && error.is_database() {
                     // The database may be down as a whole: no lane takes more until it answers.
-                    self.lane_state
-                        .send_modify(|state| state.database_suspect = true);
+                    LaneState::change(&self.lane_state, |state| {
+                        state.database_suspect = true;
+                    });
                 }
                 let text = error.to_string();
                 policy::decide(Err((&kind, &text)), origin.deliveries, retry)
