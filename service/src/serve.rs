@@ -521,7 +521,7 @@ fn start_consumers<H: MessageHandler>(
         consumers.push((runtime, metrics));
     }
     context.metrics.lanes(lanes_of, lanes);
-    tracing::info!(lanes, consumers = consumers.len(), "lanes");
+    tracing::info!(lanes, consumers = consumers.len(), "starting the lanes");
     let mut consumers = consumers.into_iter();
     let (first, metrics) = consumers.next().context("no consumer to start")?;
     Ok(first.start_sharing(
