@@ -1,15 +1,16 @@
 //! The lanes: an instance's `concurrency` lanes, shared by every consumer started on them (one
-//! unsharded; each partition's of a shard). Each consumer has a fetcher that, while a lane waits,
-//! asks its consumer for a batch and hands it to the first lane free; each lane handles its batch
-//! to the end ([`super::message`]), with its own handler (its own connection), then waits for
-//! the next. How they stop, gracefully or at once, and what a lane that ends early does to the
-//! rest.
+//! unsharded; each partition's of a shard). Each consumer has a fetcher that, while lanes wait,
+//! asks its consumer for a batch for each, shared out among the consumers, and hands them to the
+//! lanes free; each lane handles its batch to the end ([`super::message`]), with its own handler
+//! (its own connection), then waits for the next. How they stop, gracefully or at once, and what
+//! a lane that ends early does to the rest.
 //!
 //! Why this is safe. A fetched message spends its ack wait and a delivery, so what is fetched
-//! and not started is kept small: a fetcher asks only while a lane waits, for one batch, and
-//! asks again only once a lane started it. So at most one batch a consumer waits for a lane
-//! (none with one consumer: nothing is fetched that a waiting lane does not start), and a stop
-//! gives those back at once. No fetcher takes a lane's turn: while a lane waits, every
+//! and not started is kept small: a fetcher asks only while lanes wait, for its share of their
+//! batches (all of them with one consumer, in one request; one batch each when there are more
+//! consumers than waiting lanes), and asks again only once lanes started all it handed. So
+//! about a batch a consumer waits for a lane (none with one consumer: nothing is fetched that a
+//! waiting lane does not start), and a stop gives those back at once. No fetcher takes a lane's turn: while a lane waits, every
 //! consumer's fetch waits at the server, so a message on any of them starts within a round trip,
 //! whichever others are idle. Nothing is fetched while the database is suspect, until a lane
 //! found it answering again.
@@ -62,8 +63,10 @@ pub(super) async fn run<H: MessageHandler>(
     let stop = shutdown.graceful.child_token();
     // Not labelled by consumer: any consumer's handles count it.
     let task_failures = consumers.first().map(|fed| fed.worker.metrics.clone());
-    // Each fetcher has at most one batch here, waiting for a lane.
-    let (hand, handed) = mpsc::channel(consumers.len().max(1));
+    // Room for all that the fetchers fetched at once: a batch for each waiting lane, rounded up
+    // per consumer, so no fetcher holds a batch outside it at a stop.
+    let sharing = consumers.len().max(1);
+    let (hand, handed) = mpsc::channel(lanes + sharing);
     let handed = Arc::new(tokio::sync::Mutex::new(handed));
     let mut running = JoinSet::new();
     for fed in consumers {
@@ -77,6 +80,7 @@ pub(super) async fn run<H: MessageHandler>(
         running.spawn(fetcher(
             Fetcher {
                 consumer: fed.consumer,
+                sharing,
                 worker: fed.worker,
                 client: client.clone(),
                 state: state.subscribe(),
@@ -236,6 +240,8 @@ struct Handed {
 /// What one consumer's fetcher fetches from, and where it hands what it fetched.
 struct Fetcher {
     consumer: PullConsumer,
+    /// How many consumers share the lanes, this one included.
+    sharing: usize,
     worker: Arc<Worker>,
     client: Client,
     state: watch::Receiver<LaneState>,
@@ -249,6 +255,7 @@ struct Fetcher {
 async fn fetcher(
     Fetcher {
         consumer,
+        sharing,
         worker,
         client,
         mut state,
@@ -258,15 +265,23 @@ async fn fetcher(
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
     loop {
-        tokio::select! {
+        // A batch for each waiting lane, shared out among the consumers: with one, a request for
+        // every lane that waits, as they wait; with many, one batch each, so what is fetched
+        // and not started stays about a batch a consumer.
+        let batches = tokio::select! {
             () = stop.cancelled() => return Ok(()),
             ready = state.wait_for(LaneState::lets_fetch) => {
-                ready.map_err(|_| LaneError::Halted("the lanes' state closed".into()))?;
+                ready
+                    .map_err(|_| LaneError::Halted("the lanes' state closed".into()))?
+                    .waiting
+                    .div_ceil(sharing)
+                    .max(1)
             }
-        }
+        };
         let asked = Instant::now();
+        let batch_size = worker.lanes.batch_size;
         let fetched = tokio::select! {
-            fetched = delivery::fetch(&consumer, &client, worker.lanes.batch_size, &stop) => fetched,
+            fetched = delivery::fetch(&consumer, &client, batches * batch_size, &stop) => fetched,
             () = immediate.cancelled() => return Ok(()),
         };
         let failed = fetched.error.is_some();
@@ -292,19 +307,24 @@ async fn fetcher(
             }
             continue;
         }
-        let (taken, took) = oneshot::channel();
-        let batch = Handed {
-            messages: fetched.messages,
-            worker: worker.clone(),
-            taken,
-        };
-        if hand.send(batch).await.is_err() {
-            // Every lane ended.
-            return Ok(());
+        let mut messages = fetched.messages.into_iter().peekable();
+        let mut started = Vec::with_capacity(batches);
+        while messages.peek().is_some() {
+            let (taken, took) = oneshot::channel();
+            let batch = Handed {
+                messages: messages.by_ref().take(batch_size).collect(),
+                worker: worker.clone(),
+                taken,
+            };
+            if hand.send(batch).await.is_err() {
+                // Every lane ended.
+                return Ok(());
+            }
+            started.push(took);
         }
         tokio::select! {
             () = stop.cancelled() => return Ok(()),
-            _ = took => {}
+            _ = futures::future::join_all(started) => {}
         }
     }
 }
