@@ -27,6 +27,7 @@ use inventory_service::args::NatsArgs;
 
 use crate::serve::natural_key_path;
 use inventory_service::consumer::{ConsumerRuntime, Reads, Running, RuntimeSettings};
+use inventory_service::metrics::ConsumerMetrics;
 use inventory_service::shutdown::Shutdown;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -363,33 +364,33 @@ impl Prepared {
                 let handler = kind.build(&fresh.conn, runtime.consumer_name()?, None)?;
                 let metrics =
                     crate::workload::unexported_metrics(&runtime.settings().consumer.durable_name)?;
-                Consuming::Service(match clock {
-                    Some(clock) => runtime.start(
-                        Timed { handler, clock },
-                        metrics,
-                        Shutdown::new(Shutdown::TIMEOUT),
-                    ),
-                    None => runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT)),
-                })
+                let counted = metrics.clone();
+                let shutdown = Shutdown::new(Shutdown::TIMEOUT);
+                let running = match clock {
+                    Some(clock) => runtime.start(Timed { handler, clock }, metrics, shutdown),
+                    None => runtime.start(handler, metrics, shutdown),
+                };
+                Consuming::Service(running, counted)
             }
-            Self::HandWritten(consumer, driver) => Consuming::HandWritten(
+            Self::HandWritten(consumer, driver) => Consuming::HandWritten(Box::new(
                 HandWritten::start(fresh, driver, *consumer, lanes, batch_size, clock).await?,
-            ),
+            )),
         })
     }
 }
 
 /// A consumer of either kind, running.
 enum Consuming {
-    Service(Running),
-    HandWritten(HandWritten),
+    /// The service's lanes, and what became of their deliveries.
+    Service(Running, ConsumerMetrics),
+    HandWritten(Box<HandWritten>),
 }
 
 impl Consuming {
     /// Acked so far, not as duplicates, and as duplicates.
     fn counts(&self) -> (u64, u64) {
         match self {
-            Self::Service(running) => (running.metrics.acked(), running.metrics.duplicates()),
+            Self::Service(_, metrics) => (metrics.acked(), metrics.duplicates()),
             Self::HandWritten(lanes) => (
                 lanes.counts.acked.load(Relaxed),
                 lanes.counts.duplicates.load(Relaxed),
@@ -400,7 +401,7 @@ impl Consuming {
     /// The server confirms: nothing pending, nothing unacked.
     async fn drained(&self) -> Result<bool> {
         let state = match self {
-            Self::Service(running) => running.consumer_state().await?,
+            Self::Service(running, _) => running.consumer_state().await?,
             Self::HandWritten(lanes) => {
                 jetstream::consumer_state(&mut lanes.consumer.clone()).await?
             }
@@ -410,14 +411,14 @@ impl Consuming {
 
     fn is_finished(&self) -> bool {
         match self {
-            Self::Service(running) => running.is_finished(),
+            Self::Service(running, _) => running.is_finished(),
             Self::HandWritten(lanes) => lanes.is_finished(),
         }
     }
 
     async fn stop(self) -> Result<()> {
         match self {
-            Self::Service(running) => running.stop().await.map(drop),
+            Self::Service(running, _) => running.stop().await.map(drop),
             Self::HandWritten(lanes) => lanes.stop().await,
         }
     }

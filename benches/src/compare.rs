@@ -912,6 +912,8 @@ struct Run {
 /// A strategy's consumer loops, running in-process.
 struct Instance {
     running: Running,
+    /// What became of its deliveries.
+    metrics: ConsumerMetrics,
     /// Its own pool; the first instance's is the fresh database's.
     conn: Option<DatabaseConnection>,
 }
@@ -989,7 +991,12 @@ impl Run {
                 let metrics =
                     crate::workload::unexported_metrics(&runtime.settings().consumer.durable_name)?;
                 Ok(Instance {
-                    running: runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT)),
+                    running: runtime.start(
+                        handler,
+                        metrics.clone(),
+                        Shutdown::new(Shutdown::TIMEOUT),
+                    ),
+                    metrics,
                     conn,
                 })
             })
@@ -999,7 +1006,7 @@ impl Run {
         let mut stats = Vec::new();
         let mut failure = None;
         for instance in instances {
-            let stats_of_instance = instance.running.metrics.clone();
+            let stats_of_instance = instance.metrics;
             let ending = instance.running.stop().await;
             if let Some(conn) = instance.conn
                 && let Err(error) = conn.close().await

@@ -42,8 +42,8 @@ pub struct Fetched {
 }
 
 /// Asks `consumer` for up to `max` messages: those it has now, else the first to arrive within
-/// [`FETCH_WAIT`]. Nothing waits in a client buffer: what comes is what the caller starts at
-/// once, so no message spends its ack wait, nor a delivery, before a lane holds it.
+/// [`FETCH_WAIT`]. Nothing waits in a client buffer: what comes is what the caller hands its
+/// lanes, so a message spends its ack wait, and a delivery, only once the caller asked for it.
 ///
 /// A fetch still waiting for its first message when `stop` fires is given up. What the server
 /// sends it in that instant, before it hears of the stop, comes again after its ack wait; a

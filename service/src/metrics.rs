@@ -284,12 +284,16 @@ impl Metrics {
         }
     }
 
-    /// The consumer's settings that a saturation reads against: its lanes here, and its
-    /// max_ack_pending as the server has it.
-    pub fn consumer_limits(&self, consumer: &str, lanes: usize, max_ack_pending: i64) {
+    /// The lanes of this process that serve `consumer` (on a shard, its partitions' consumers,
+    /// under the strategy's name): what a saturation reads against.
+    pub fn lanes(&self, consumer: &str, lanes: usize) {
         self.lanes
             .with_label_values(&[consumer])
             .set(i64::try_from(lanes).unwrap_or(i64::MAX));
+    }
+
+    /// The consumer's max_ack_pending as the server has it.
+    pub fn max_ack_pending(&self, consumer: &str, max_ack_pending: i64) {
         self.max_ack_pending
             .with_label_values(&[consumer])
             .set(max_ack_pending);

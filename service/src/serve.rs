@@ -68,9 +68,9 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Consumer")]
     pub consumer: Option<String>,
     /// Serves this shard of a sharded orders stream (`inventory shard init`): the durable
-    /// consumer of each partition assigned to it (`<consumer>-pNN`), with --concurrency lanes
-    /// spread over them, and the consumer of what no partition takes, from this shard's
-    /// database. Once the stream is sharded, an instance without it does not start.
+    /// consumer of each partition assigned to it (`<consumer>-pNN`), all served by the
+    /// instance's --concurrency lanes, and the consumer of what no partition takes, from this
+    /// shard's database. Once the stream is sharded, an instance without it does not start.
     #[arg(long, help_heading = "Consumer")]
     pub shard: Option<String>,
     /// Messages a lane hands the handler at once, of those already fetched (a batch never
@@ -80,7 +80,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = BATCH_SIZE, value_parser = clap::value_parser!(u16).range(1..=1000), help_heading = "Consumer")]
     pub batch_size: u16,
     /// Messages (or batches) handled at once; by default the pool size on PostgreSQL, 2 on
-    /// SQLite.
+    /// SQLite. The instance's lanes: on a shard, shared by its partitions' consumers, so it
+    /// holds this many lanes, and a database connection each, however many partitions it has.
     #[arg(long, help_heading = "Consumer")]
     pub concurrency: Option<usize>,
     /// How long JetStream waits for an ack before redelivering (when it creates the consumer,
@@ -93,7 +94,8 @@ pub struct ServeArgs {
     pub backoff: Vec<Duration>,
     /// Unacked messages the server lets the consumer hand out, over all instances (when it
     /// creates the consumer, or with --update-consumer). Each instance holds at most
-    /// --concurrency × --batch-size: keep this at least that times the instances.
+    /// --concurrency × --batch-size (on a shard, of a partition's, one batch more): keep this
+    /// at least that times the instances.
     #[arg(long, default_value_t = RuntimeSettings::MAX_ACK_PENDING, help_heading = "Consumer")]
     pub max_ack_pending: i64,
     /// Sets an existing consumer's ack wait, backoff, max ack pending and delivery cap to this
@@ -408,14 +410,12 @@ const WATCH_REOPENS: backon::ExponentialBuilder = backon::ExponentialBuilder::ne
     .without_max_times();
 
 /// The settings of the consumer of `partition`, one of a shard's `assigned`: the strategy's
-/// settings, its durable name suffixed, its filter the partition's, and the instance's lanes
-/// spread over the shard's partitions (at least one each).
+/// settings, its durable name suffixed, its filter the partition's.
 fn partition_settings(
     base: &RuntimeSettings,
     shard: &ServedShard,
     partition: u32,
 ) -> RuntimeSettings {
-    let lanes = base.concurrency.div_ceil(shard.assigned.len()).max(1);
     RuntimeSettings {
         consumer: ConsumerSettings {
             durable_name: jetstream::partition_consumer(
@@ -426,7 +426,6 @@ fn partition_settings(
             filters: vec![jetstream::partition_filter(&base.topology, partition)],
             ..base.consumer.clone()
         },
-        concurrency: lanes,
         ..base.clone()
     }
 }
@@ -497,43 +496,64 @@ impl<'a> ServeContext<'a> {
     }
 }
 
-/// Starts `runtime`'s lanes with `handler`, with what runs beside them: its metrics, its lag
-/// and its dead letters watched, a lane that fails reported to `/livez`.
-fn start_consumer<H: MessageHandler>(
-    mut runtime: ConsumerRuntime,
-    handler: H,
-    label: &'static str,
+/// Starts `lanes` lanes with `handler`, shared by `runtimes` (counted as `lanes_of`'s lanes),
+/// with what runs beside each consumer: its metrics, its lag and its dead letters watched; a
+/// lane that fails is reported to `/livez`.
+fn start_consumers<H: MessageHandler>(
+    runtimes: Vec<ConsumerRuntime>,
+    (handler, label): (H, &'static str),
+    (lanes, lanes_of): (usize, &str),
     context: &ServeContext<'_>,
     background: &mut Background,
-) -> Running {
-    runtime.report_failures_to(context.liveness.clone());
-    let consumer = runtime.settings().consumer.durable_name.clone();
-    tracing::info!(
-        handler = label,
-        consumer = %consumer,
-        stream = %runtime.settings().topology.stream,
-        concurrency = runtime.settings().concurrency,
-        "consuming"
-    );
-    let metrics = context.metrics.consumer(&consumer);
-    context.metrics.consumer_limits(
-        &consumer,
-        runtime.settings().concurrency,
-        runtime.server_consumer().max_ack_pending,
-    );
-    let running = runtime.start(handler, metrics.clone(), context.shutdown.clone());
-    background.spawn("lag-watcher", running.report_lag(metrics, LAG_INTERVAL));
-    background.spawn(
-        "dead-letters-watcher",
-        watch_dead_letters(
-            jetstream::DeadLetterStream::new(context.js.clone(), context.args.topology.topology()),
-            consumer,
-            context.args.horizon.replay_allowance,
-            context.metrics.clone(),
-            context.shutdown.graceful.clone(),
-        ),
-    );
-    running
+) -> anyhow::Result<Running> {
+    let mut consumers = Vec::with_capacity(runtimes.len());
+    for mut runtime in runtimes {
+        runtime.report_failures_to(context.liveness.clone());
+        let consumer = runtime.settings().consumer.durable_name.clone();
+        tracing::info!(
+            handler = label,
+            consumer = %consumer,
+            stream = %runtime.settings().topology.stream,
+            "consuming"
+        );
+        let metrics = context.metrics.consumer(&consumer);
+        context
+            .metrics
+            .max_ack_pending(&consumer, runtime.server_consumer().max_ack_pending);
+        background.spawn(
+            "lag-watcher",
+            runtime.report_lag(
+                metrics.clone(),
+                LAG_INTERVAL,
+                context.shutdown.graceful.clone(),
+            ),
+        );
+        background.spawn(
+            "dead-letters-watcher",
+            watch_dead_letters(
+                jetstream::DeadLetterStream::new(
+                    context.js.clone(),
+                    context.args.topology.topology(),
+                ),
+                consumer,
+                context.args.horizon.replay_allowance,
+                context.metrics.clone(),
+                context.shutdown.graceful.clone(),
+            ),
+        );
+        consumers.push((runtime, metrics));
+    }
+    context.metrics.lanes(lanes_of, lanes);
+    tracing::info!(lanes, consumers = consumers.len(), "starting the lanes");
+    let mut consumers = consumers.into_iter();
+    let (first, metrics) = consumers.next().context("no consumer to start")?;
+    Ok(first.start_sharing(
+        metrics,
+        consumers.collect(),
+        handler,
+        lanes,
+        context.shutdown.clone(),
+    ))
 }
 
 /// `serve` running `served`: wiring, then the runtime until a signal. Ok(true) when it drained
@@ -649,24 +669,23 @@ pub async fn start_with<S: Served>(args: ServeArgs, served: S) -> anyhow::Result
         crate::relay::spawn(relay, &mut background);
     }
     let context = ServeContext::new(&js, &args, &metrics, &liveness, &shutdown);
-    let mut running = Vec::with_capacity(runtimes.len() + 1);
-    for runtime in runtimes {
-        running.push(start_consumer(
-            runtime,
-            handler.clone(),
-            label,
-            &context,
-            &mut background,
-        ));
-    }
+    // The instance's lanes, shared by its consumers: one, or each partition's of a shard.
+    let mut running = vec![start_consumers(
+        runtimes,
+        (handler, label),
+        (settings.concurrency, &settings.consumer.durable_name),
+        &context,
+        &mut background,
+    )?];
     if let Some(runtime) = unroutable {
-        running.push(start_consumer(
-            runtime,
-            Unroutable,
-            "unroutable",
+        let name = runtime.settings().consumer.durable_name.clone();
+        running.push(start_consumers(
+            vec![runtime],
+            (Unroutable, "unroutable"),
+            (1, &name),
             &context,
             &mut background,
-        ));
+        )?);
     }
     if let Some(shard) = shard {
         tracing::info!(shard = %shard.name, partitions = ?shard.assigned, "serving a shard");

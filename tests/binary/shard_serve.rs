@@ -35,11 +35,12 @@ fn run_on(run: &BinaryRun, url: &str, args: &[&str]) {
     assert!(output.status.success(), "{args:?}: {output:?}");
 }
 
-/// Few lanes and a small pool: a shard's instance gives each of its partitions a lane of its
-/// own, each holding a connection, and the tests beside these share PostgreSQL's connections.
-const SMALL: [&str; 5] = ["serve", "--concurrency", "2", "--db-pool-size", "2"];
+/// A small pool, and more lanes than a shard of the differential has partitions, so that its
+/// lanes serve several partitions at once: each lane holds a connection, and the tests beside
+/// these share PostgreSQL's.
+const SMALL: [&str; 5] = ["serve", "--concurrency", "4", "--db-pool-size", "2"];
 
-/// `serve` with [`SMALL`] lanes and `args`, on the database at `url`.
+/// `serve` with [`SMALL`]'s lanes and `args`, on the database at `url`.
 fn serve_on(run: &BinaryRun, url: &str, args: &[&str]) -> Child {
     run.command(&[&SMALL[..], args].concat())
         .env("DATABASE_URL", url)
@@ -291,6 +292,81 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
     assert_eq!(stale.scalar("SELECT count(*) FROM outbox").await, 0);
     assert!(dead_letter_reasons(&js, &run).await.is_empty(), "{log}");
     assert!(log.contains("not owned"), "{log}");
+}
+
+/// An instance serving many partitions holds its `--concurrency` lanes, and a connection each,
+/// however many partitions it has; each partition's message is served all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_holds_its_lanes_connections_whatever_its_partitions() {
+    const MANY: NonZeroU32 = NonZeroU32::new(32).unwrap();
+    let Some((server, run)) = BinaryRun::sharded("an_instance_holds_its_lanes", "warn", MANY).await
+    else {
+        return;
+    };
+    let url = run.database_url.clone();
+    run_on(
+        &run,
+        &url,
+        &["shard", "assign", "--partitions", "0-31", "--to", "a"],
+    );
+    // A book of each partition.
+    let mut books: Vec<BookId> = Vec::new();
+    for book in std::iter::repeat_with(BookId::new_v7) {
+        if books.len() == 32 {
+            break;
+        }
+        if books
+            .iter()
+            .all(|had| partition_of(*had, MANY) != partition_of(book, MANY))
+        {
+            books.push(book);
+        }
+    }
+    for book in &books {
+        run.put_stock(&book.to_string(), "Dune", 100);
+    }
+    let app = format!("lanes-{}", std::process::id());
+    let instance = run
+        .command(&[
+            "serve",
+            "--shard",
+            "a",
+            "--concurrency",
+            "3",
+            "--db-pool-size",
+            "2",
+        ])
+        .env("PGAPPNAME", &app)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let js = jetstream::context(async_nats::connect(server.url()).await.unwrap());
+    for book in &books {
+        let order = OrderId::new_v7();
+        place(&js, &run, order, *book, &format!("o-{order}")).await;
+    }
+    eventually("a placement reserved on every partition", || async {
+        run.db
+            .scalar("SELECT count(*) FROM stock_reservations")
+            .await
+            == 32
+    })
+    .await;
+    let connections = run
+        .db
+        .scalar(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}'"
+        ))
+        .await;
+    let (status, log) = binary::stop(instance);
+    assert!(status.success(), "{log}");
+    eprintln!("[shared lanes] 32 partitions, 3 lanes, a pool of 2: {connections} connections");
+    // The 3 lanes' own, and the pool's 2 (no readiness check was asked for).
+    assert!(
+        connections <= 3 + 2,
+        "{connections} connections for 3 lanes and a pool of 2"
+    );
 }
 
 /// One message of the differential workload: its subject below the prefix, its body, and its

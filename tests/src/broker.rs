@@ -244,9 +244,9 @@ impl RunningService {
             &runtime.settings().consumer.durable_name,
         )
         .unwrap();
-        let running = runtime.start(handler, metrics, Shutdown::new(Shutdown::TIMEOUT));
+        let running = runtime.start(handler, metrics.clone(), Shutdown::new(Shutdown::TIMEOUT));
         Self {
-            metrics: running.metrics.clone(),
+            metrics,
             running,
             liveness,
         }

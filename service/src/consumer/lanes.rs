@@ -1,10 +1,21 @@
-//! The lanes: the fetcher asks the durable consumer for a batch for each lane that waits and
-//! hands them out; each lane handles its batch to the end ([`super::message`]), then waits for
-//! the next. How they stop, gracefully or at once, and what a lane that ends early does to the
-//! rest.
+//! The lanes: an instance's `concurrency` lanes, shared by every consumer started on them (one
+//! unsharded; each partition's of a shard). Each consumer has a fetcher that, while lanes wait,
+//! asks its consumer for a batch for each, shared out among the consumers, and hands them to the
+//! lanes free; each lane handles its batch to the end ([`super::message`]), with its own handler
+//! (its own connection), then waits for the next. How they stop, gracefully or at once, and what
+//! a lane that ends early does to the rest.
+//!
+//! Why this is safe. A fetched message spends its ack wait and a delivery, so what is fetched
+//! and not started is kept small: a fetcher asks only while lanes wait, for its share of their
+//! batches (all of them with one consumer, in one request; one batch each when there are more
+//! consumers than waiting lanes), and asks again only once lanes started all it handed. So
+//! about a batch a consumer waits for a lane (none with one consumer: nothing is fetched that a
+//! waiting lane does not start), and a stop gives those back at once. No fetcher takes a lane's turn: while a lane waits, every
+//! consumer's fetch waits at the server, so a message on any of them starts within a round trip,
+//! whichever others are idle. Nothing is fetched while the database is suspect, until a lane
+//! found it answering again.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use backon::{ExponentialBuilder, Retryable as _};
@@ -12,7 +23,7 @@ use inventory_infra::MessageHandler;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::delivery::{self, Delivery, PullConsumer};
 use inventory_infra::jetstream::{self, Backstop, Client};
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -23,14 +34,13 @@ use super::{Ending, RuntimeError};
 use crate::health::Liveness;
 use crate::shutdown::{self, Shutdown};
 
-/// Runs the consumer until `shutdown.graceful` fires, then waits for every lane to finish its
+/// Runs the consumers until `shutdown.graceful` fires, then waits for every lane to finish its
 /// messages, or until `shutdown.immediate`, when each naks what it holds.
 ///
-/// `concurrency` lanes each take a batch the fetcher fetched for them and handle it to its end.
 /// Each lane holds its own clone of the handler, so a handler that keeps a connection per clone
-/// keeps one per lane, for as long as the loop runs.
+/// keeps one per lane, for as long as the loop runs, however many consumers the lanes serve.
 ///
-/// A lane, or the fetcher, ends only once told to stop. One that ends before (a panic, a broken
+/// A lane, or a fetcher, ends only once told to stop. One that ends before (a panic, a broken
 /// invariant, its consumer gone) is a fault the other lanes cannot serve around: it is reported
 /// (an ERROR line, the task-failure metric, `/livez`), the other lanes stop as on a signal, and
 /// the loop returns an error, so the process exits with one for its supervisor to restart it,
@@ -38,57 +48,62 @@ use crate::shutdown::{self, Shutdown};
 /// panic while draining fails the loop as well.
 pub(super) async fn run<H: MessageHandler>(
     Lanes {
-        consumer,
+        consumers,
+        lanes,
         client,
         db,
-        backstop,
+        work_timeout,
+        state,
         tracker,
     }: Lanes,
-    worker: Worker<H>,
+    handler: H,
     shutdown: Shutdown,
     liveness: Liveness,
 ) -> Result<Ending, RuntimeError> {
-    let consumer = &consumer;
-    let lanes = worker.lanes.concurrency;
     let stop = shutdown.graceful.child_token();
-    // A lane that waits for work says so; the fetcher asks the consumer for as many batches at
-    // once as lanes wait, and hands one to each. One request per instance waits at the server
-    // when idle, and nothing is fetched that a waiting lane does not start.
-    let waiting = Arc::new(Semaphore::new(0));
-    let (hand, handed) = tokio::sync::mpsc::channel(lanes);
+    // Not labelled by consumer: any consumer's handles count it.
+    let task_failures = consumers.first().map(|fed| fed.worker.metrics.clone());
+    // Room for all that the fetchers fetched at once: a batch for each waiting lane, rounded up
+    // per consumer, so no fetcher holds a batch outside it at a stop.
+    let sharing = consumers.len().max(1);
+    let (hand, handed) = mpsc::channel(lanes + sharing);
     let handed = Arc::new(tokio::sync::Mutex::new(handed));
     let mut running = JoinSet::new();
-    running.spawn(fetcher(
-        Fetcher {
-            consumer: consumer.clone(),
-            client,
-            batch_size: worker.lanes.batch_size,
-            waiting: waiting.clone(),
-            hand,
-        },
-        stop.clone(),
-        shutdown.immediate.clone(),
-    ));
+    for fed in consumers {
+        if let Some(backstop) = fed.backstop {
+            let stop = stop.clone();
+            running.spawn(async move {
+                backstop.run(stop).await;
+                Ok(())
+            });
+        }
+        running.spawn(fetcher(
+            Fetcher {
+                consumer: fed.consumer,
+                sharing,
+                worker: fed.worker,
+                client: client.clone(),
+                state: state.subscribe(),
+                hand: hand.clone(),
+            },
+            stop.clone(),
+            shutdown.immediate.clone(),
+        ));
+    }
+    drop(hand);
     for _ in 0..lanes {
         running.spawn(tracker.track_future(lane(
-            worker.clone(),
+            handler.clone(),
             handed.clone(),
-            waiting.clone(),
-            db.clone(),
+            state.clone(),
+            (db.clone(), work_timeout),
             stop.clone(),
             shutdown.immediate.clone(),
         )));
     }
-    if let Some(backstop) = backstop {
-        let stop = stop.clone();
-        running.spawn(async move {
-            backstop.run(stop).await;
-            Ok(())
-        });
-    }
     tracker.close();
     let mut failures = Vec::new();
-    let mut consumer_gone = false;
+    let mut consumer_gone = None;
     // After an immediate stop, the lanes nak what they hold and end; those that do not within
     // the grace are aborted.
     let abort_after_grace = async {
@@ -118,9 +133,10 @@ pub(super) async fn run<H: MessageHandler>(
             Ok(Ok(())) if stop.is_cancelled() => continue,
             Err(error) if error.is_cancelled() && aborted => continue,
             Ok(Ok(())) => "returned while the service ran".to_owned(),
-            Ok(Err(LaneError::ConsumerGone)) => {
-                consumer_gone = true;
-                format!("found consumer {} gone", consumer.cached_info().name)
+            Ok(Err(LaneError::ConsumerGone(name))) => {
+                let why = format!("found consumer {name} gone");
+                consumer_gone = Some(name);
+                why
             }
             Ok(Err(LaneError::Halted(why))) => format!("stopped on a broken invariant: {why}"),
             Err(error) => shutdown::early_end(Err(error)),
@@ -128,7 +144,9 @@ pub(super) async fn run<H: MessageHandler>(
         if failures.is_empty() {
             tracing::error!(%why, "a lane ended; stopping the other lanes");
             liveness.task_failed("lane", &why);
-            worker.metrics.task_failed("lane");
+            if let Some(metrics) = &task_failures {
+                metrics.task_failed("lane");
+            }
             // The whole service stops, as on a signal, within the same bound.
             shutdown.graceful.cancel();
         }
@@ -138,12 +156,10 @@ pub(super) async fn run<H: MessageHandler>(
     let mut handed = handed.lock().await;
     handed.close();
     while let Ok(batch) = handed.try_recv() {
-        nak_now(&batch).await;
+        nak_now(&batch.messages).await;
     }
-    if consumer_gone {
-        return Err(RuntimeError::StreamEnded(
-            consumer.cached_info().name.clone(),
-        ));
+    if let Some(name) = consumer_gone {
+        return Err(RuntimeError::StreamEnded(name));
     }
     if !failures.is_empty() {
         return Err(RuntimeError::LaneFailed(failures.join("; ")));
@@ -154,64 +170,118 @@ pub(super) async fn run<H: MessageHandler>(
         Ending::Drained
     })
 }
-
-/// What the lanes run on: the consumer, the database, the backstop beside them, and the
-/// tracker that counts them.
+/// What the lanes run on: the consumers they serve, the database, and the tracker that counts
+/// them.
 pub(super) struct Lanes {
-    pub(super) consumer: PullConsumer,
+    pub(super) consumers: Vec<Fed>,
+    pub(super) lanes: usize,
     pub(super) client: Client,
     pub(super) db: DatabaseConnection,
-    pub(super) backstop: Option<Backstop>,
+    /// The bound on a lane's check that the database answers.
+    pub(super) work_timeout: Option<Duration>,
+    pub(super) state: watch::Sender<LaneState>,
     pub(super) tracker: TaskTracker,
+}
+
+/// One consumer the lanes serve: where its fetcher fetches, how its deliveries are handled, and
+/// the backstop beside it.
+pub(super) struct Fed {
+    pub(super) consumer: PullConsumer,
+    pub(super) worker: Arc<Worker>,
+    pub(super) backstop: Option<Backstop>,
+}
+
+/// What the fetchers wait on: a lane waiting for work, and the database not suspect.
+#[derive(Debug, Default)]
+pub(super) struct LaneState {
+    /// Lanes waiting for a batch.
+    pub(super) waiting: usize,
+    /// A handler's transient failure was the database's: the lanes hold until it answers.
+    pub(super) database_suspect: bool,
+}
+
+impl LaneState {
+    /// Whether the fetchers may fetch: a lane waits and the database is not suspect.
+    fn lets_fetch(&self) -> bool {
+        self.waiting > 0 && !self.database_suspect
+    }
+
+    /// Changes `state`, waking the fetchers only when whether they may fetch changed: not on
+    /// every lane's coming and going, which would wake every consumer's fetcher each time.
+    pub(super) fn change(state: &watch::Sender<Self>, change: impl FnOnce(&mut Self)) {
+        state.send_if_modified(|state| {
+            let before = state.lets_fetch();
+            change(state);
+            before != state.lets_fetch()
+        });
+    }
 }
 
 /// Why a lane ended before it was told to stop.
 #[derive(Debug)]
 enum LaneError {
-    /// The durable consumer no longer exists on the server.
-    ConsumerGone,
+    /// The durable consumer of this name no longer exists on the server.
+    ConsumerGone(String),
     /// A handler broke an invariant of this program (a bug): nothing was sent for the message
     /// that broke it (the others of its batch were settled first), which comes again after its
     /// ack wait, to a restarted process.
     Halted(String),
 }
 
-/// What the fetcher fetches for, and how it hands it out.
-struct Fetcher {
-    consumer: PullConsumer,
-    client: Client,
-    batch_size: usize,
-    /// A permit for each lane that waits for work.
-    waiting: Arc<Semaphore>,
-    hand: tokio::sync::mpsc::Sender<Vec<Delivery>>,
+/// A batch a fetcher fetched, waiting for a lane.
+struct Handed {
+    messages: Vec<Delivery>,
+    /// How its consumer's deliveries are handled.
+    worker: Arc<Worker>,
+    /// Dropped when a lane takes the batch: its fetcher may fetch the next.
+    taken: oneshot::Sender<()>,
 }
 
-/// Until `stop`: once lanes wait, asks the consumer for a batch for each of them at once (those
-/// there now, or the first to come), and hands each a batch; a fetch for lanes that no longer
-/// wait is given up at the stop, and what was handed out and not taken is nak'ed by the loop.
+/// What one consumer's fetcher fetches from, and where it hands what it fetched.
+struct Fetcher {
+    consumer: PullConsumer,
+    /// How many consumers share the lanes, this one included.
+    sharing: usize,
+    worker: Arc<Worker>,
+    client: Client,
+    state: watch::Receiver<LaneState>,
+    hand: mpsc::Sender<Handed>,
+}
+
+/// Until `stop`: once a lane waits and the database is not suspect, asks the consumer for a
+/// batch (what is there now, or the first to come) and hands it out, then waits until a lane
+/// took it. A fetch still waiting is given up at the stop; what was handed out and not taken is
+/// nak'ed by the loop.
 async fn fetcher(
-    fetcher: Fetcher,
+    Fetcher {
+        consumer,
+        sharing,
+        worker,
+        client,
+        mut state,
+        hand,
+    }: Fetcher,
     stop: CancellationToken,
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
-    let Fetcher {
-        consumer,
-        client,
-        batch_size,
-        waiting,
-        hand,
-    } = fetcher;
     loop {
-        let lanes = tokio::select! {
+        // A batch for each waiting lane, shared out among the consumers: with one, a request for
+        // every lane that waits, as they wait; with many, one batch each, so what is fetched
+        // and not started stays about a batch a consumer.
+        let batches = tokio::select! {
             () = stop.cancelled() => return Ok(()),
-            permit = waiting.acquire() => {
-                permit.map_err(|_| LaneError::Halted("the lanes' semaphore closed".into()))?.forget();
-                1 + waiting.forget_permits(usize::MAX)
+            ready = state.wait_for(LaneState::lets_fetch) => {
+                ready
+                    .map_err(|_| LaneError::Halted("the lanes' state closed".into()))?
+                    .waiting
+                    .div_ceil(sharing)
+                    .max(1)
             }
         };
         let asked = Instant::now();
+        let batch_size = worker.lanes.batch_size;
         let fetched = tokio::select! {
-            fetched = delivery::fetch(&consumer, &client, lanes * batch_size, &stop) => fetched,
+            fetched = delivery::fetch(&consumer, &client, batches * batch_size, &stop) => fetched,
             () = immediate.cancelled() => return Ok(()),
         };
         let failed = fetched.error.is_some();
@@ -219,21 +289,9 @@ async fn fetcher(
             tracing::warn!(%error, "fetching");
         }
         if (failed || fetched.unanswered) && jetstream::consumer_is_gone(&consumer).await {
-            return Err(LaneError::ConsumerGone);
+            return Err(LaneError::ConsumerGone(consumer.cached_info().name.clone()));
         }
-        let mut messages = fetched.messages.into_iter().peekable();
-        let mut handed = 0;
-        while messages.peek().is_some() {
-            let batch: Vec<Delivery> = messages.by_ref().take(batch_size).collect();
-            if hand.send(batch).await.is_err() {
-                // Every lane ended.
-                return Ok(());
-            }
-            handed += 1;
-        }
-        // Those still waiting are asked for again.
-        waiting.add_permits(lanes.saturating_sub(handed));
-        if handed == 0 {
+        if fetched.messages.is_empty() {
             // Failed, or refused at once (other requests wait for what there is): not a reason
             // to ask again in a tight loop.
             let pause = if failed {
@@ -247,43 +305,72 @@ async fn fetcher(
                 () = stop.cancelled() => return Ok(()),
                 () = tokio::time::sleep(pause) => {}
             }
+            continue;
+        }
+        let mut messages = fetched.messages.into_iter().peekable();
+        let mut started = Vec::with_capacity(batches);
+        while messages.peek().is_some() {
+            let (taken, took) = oneshot::channel();
+            let batch = Handed {
+                messages: messages.by_ref().take(batch_size).collect(),
+                worker: worker.clone(),
+                taken,
+            };
+            if hand.send(batch).await.is_err() {
+                // Every lane ended.
+                return Ok(());
+            }
+            started.push(took);
+        }
+        tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            _ = futures::future::join_all(started) => {}
         }
     }
 }
 
-/// One lane: wait for a batch the fetcher hands it, handle it to the end, repeat, until `stop`.
-/// On `immediate` it gives up the messages it holds, nak'ed to come again at once.
+/// One lane: wait for a batch a fetcher hands it, handle it to the end with `handler`, repeat,
+/// until `stop`. On `immediate` it gives up the messages it holds, nak'ed to come again at once.
 async fn lane<H: MessageHandler>(
-    worker: Worker<H>,
-    handed: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Vec<Delivery>>>>,
-    waiting: Arc<Semaphore>,
-    db: DatabaseConnection,
+    handler: H,
+    handed: Arc<tokio::sync::Mutex<mpsc::Receiver<Handed>>>,
+    state: watch::Sender<LaneState>,
+    // Where it checks that the database answers, and within what bound.
+    (db, work_timeout): (DatabaseConnection, Option<Duration>),
     stop: CancellationToken,
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
     loop {
         // Each lane holds before its next batch while the database is suspect, not only the
-        // first to notice: one that fetched on would burn its messages' deliveries on an outage
+        // first to notice: one that took on would burn its messages' deliveries on an outage
         // (a lane already waiting for a batch still handles the one it is handed).
-        if worker.database_suspect.load(Ordering::Relaxed) {
-            if !wait_for_database(&db, worker.lanes.work_timeout, &stop).await {
+        if state.borrow().database_suspect {
+            if !wait_for_database(&db, work_timeout, &stop).await {
                 return Ok(());
             }
-            worker.database_suspect.store(false, Ordering::Relaxed);
+            LaneState::change(&state, |state| state.database_suspect = false);
         }
-        waiting.add_permits(1);
+        LaneState::change(&state, |state| state.waiting += 1);
         let batch = tokio::select! {
-            () = stop.cancelled() => return Ok(()),
-            batch = async { handed.lock().await.recv().await } => match batch {
-                Some(batch) => batch,
-                None => return Ok(()),
-            },
+            () = stop.cancelled() => None,
+            batch = async { handed.lock().await.recv().await } => batch,
         };
+        LaneState::change(&state, |state| state.waiting -= 1);
+        let Some(Handed {
+            messages,
+            worker,
+            taken,
+        }) = batch
+        else {
+            return Ok(());
+        };
+        // Started: its consumer's fetcher may fetch the next.
+        drop(taken);
         let dispositions = tokio::select! {
-            dispositions = worker.process_all(&batch) => dispositions,
+            dispositions = worker.process_all(&handler, &messages) => dispositions,
             () = immediate.cancelled() => {
                 // Whatever committed is acked by now or comes again as a duplicate.
-                nak_now(&batch).await;
+                nak_now(&messages).await;
                 return Ok(());
             }
         };

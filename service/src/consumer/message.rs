@@ -2,8 +2,6 @@
 //! settled by the [`policy`] and performed (ack, nak or dead letter). The only place a delivery
 //! is acked, nak'ed or terminated.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use inventory_domain::{Acked, DeadLetterReason, Effect, ErrorKind, Message, Outcome, Subject};
@@ -12,9 +10,11 @@ use inventory_infra::delivery::{self, Delivery};
 use inventory_infra::jetstream::{DeadLetters, Origin};
 use inventory_infra::outbox::RelayWake;
 use inventory_infra::{HandleError, MessageHandler};
+use tokio::sync::watch;
 use tracing::{Instrument, field};
 
 use super::LaneSettings;
+use super::lanes::LaneState;
 use super::policy::{self, Action, Disposition};
 use crate::metrics::ConsumerMetrics;
 
@@ -45,38 +45,46 @@ enum Admitted<'a> {
     Settled(Disposition),
 }
 
-/// Everything one delivery needs; cloned into each lane.
-#[derive(Clone)]
-pub(super) struct Worker<H> {
-    pub(super) handler: H,
+/// Everything one delivery of a consumer needs but the handler, which is the lane's: one per
+/// consumer, shared by the lanes.
+pub(super) struct Worker {
     pub(super) dead_letters: DeadLetters,
-    pub(super) lanes: Arc<LaneSettings>,
+    pub(super) lanes: LaneSettings,
     /// Set when a handler's transient failure was the database's: each lane checks that the
-    /// database answers before it takes its next batch.
-    pub(super) database_suspect: Arc<AtomicBool>,
+    /// database answers before it takes its next batch, and nothing is fetched meanwhile.
+    pub(super) lane_state: watch::Sender<LaneState>,
     pub(super) metrics: ConsumerMetrics,
     /// The outbox relay to wake after a handling that committed an event.
     pub(super) relay_wake: Option<RelayWake>,
 }
 
-impl<H: MessageHandler> Worker<H> {
-    /// Handles a lane's deliveries to their end: one alone, several as one batch (the handler
-    /// may commit them together). As many dispositions as deliveries, in order.
-    pub(super) async fn process_all(&self, messages: &[Delivery]) -> Vec<Disposition> {
+impl Worker {
+    /// Handles a lane's deliveries to their end with the lane's `handler`: one alone, several
+    /// as one batch (the handler may commit them together). As many dispositions as
+    /// deliveries, in order.
+    pub(super) async fn process_all<H: MessageHandler>(
+        &self,
+        handler: &H,
+        messages: &[Delivery],
+    ) -> Vec<Disposition> {
         match messages {
-            [message] => vec![self.process(message).instrument(message_span()).await],
-            messages => self.process_batch(messages).await,
+            [message] => vec![
+                self.process(handler, message)
+                    .instrument(message_span())
+                    .await,
+            ],
+            messages => self.process_batch(handler, messages).await,
         }
     }
 
     /// Handles one delivery to its end.
-    async fn process(&self, message: &Delivery) -> Disposition {
+    async fn process<H: MessageHandler>(&self, handler: &H, message: &Delivery) -> Disposition {
         let started = Instant::now();
         let in_flight = self.metrics.start(1);
-        let disposition = match self.admit(message).await {
+        let disposition = match self.admit(handler, message).await {
             Admitted::Settled(disposition) => disposition,
             Admitted::Decoded(origin, decoded) => {
-                let result = db::within(self.lanes.work_timeout, self.handler.handle(&decoded))
+                let result = db::within(self.lanes.work_timeout, handler.handle(&decoded))
                     .await
                     .unwrap_or_else(|NoAnswer(bound)| Err(HandleError::TimedOut(bound)));
                 self.settle(message, &origin, result).await
@@ -94,7 +102,11 @@ impl<H: MessageHandler> Worker<H> {
 
     /// Handles deliveries as one batch: the handler may commit them in one transaction; each
     /// is then acked, dead-lettered or nak'ed on its own outcome.
-    async fn process_batch(&self, messages: &[Delivery]) -> Vec<Disposition> {
+    async fn process_batch<H: MessageHandler>(
+        &self,
+        handler: &H,
+        messages: &[Delivery],
+    ) -> Vec<Disposition> {
         let started = Instant::now();
         let in_flight = self.metrics.start(messages.len());
         let mut dispositions: Vec<Option<Disposition>> = Vec::with_capacity(messages.len());
@@ -104,7 +116,7 @@ impl<H: MessageHandler> Worker<H> {
         // stream sequence and delivery count as a single message's do.
         let spans: Vec<tracing::Span> = messages.iter().map(|_| message_span()).collect();
         for (message, span) in messages.iter().zip(&spans) {
-            match self.admit(message).instrument(span.clone()).await {
+            match self.admit(handler, message).instrument(span.clone()).await {
                 Admitted::Settled(disposition) => dispositions.push(Some(disposition)),
                 Admitted::Decoded(origin, message) => {
                     dispositions.push(None);
@@ -113,7 +125,7 @@ impl<H: MessageHandler> Worker<H> {
                 }
             }
         }
-        let mut results = db::within(self.lanes.work_timeout, self.handler.handle_batch(&decoded))
+        let mut results = db::within(self.lanes.work_timeout, handler.handle_batch(&decoded))
             .await
             .unwrap_or_else(|NoAnswer(bound)| {
                 vec![Err(HandleError::TimedOut(bound)); decoded.len()]
@@ -148,7 +160,11 @@ impl<H: MessageHandler> Worker<H> {
 
     /// Reads where a delivery came from and decodes it; a delivery past the cap, or a body
     /// that cannot be decoded, is dead-lettered here.
-    async fn admit<'a>(&self, message: &'a Delivery) -> Admitted<'a> {
+    async fn admit<'a, H: MessageHandler>(
+        &self,
+        handler: &H,
+        message: &'a Delivery,
+    ) -> Admitted<'a> {
         let Some(origin) = delivery::origin(message) else {
             // Not a JetStream delivery: there is nothing to ack, so nothing to do.
             tracing::error!(subject = %message.subject, "message without JetStream metadata");
@@ -158,7 +174,7 @@ impl<H: MessageHandler> Worker<H> {
         span.record("stream_seq", origin.stream_sequence);
         span.record("delivered", origin.deliveries);
         if let Some(action) = policy::admit(origin.deliveries, &self.lanes.retry) {
-            let action = self.unless_another_shards(message, action).await;
+            let action = self.unless_another_shards(handler, message, action).await;
             return Admitted::Settled(self.perform(message, &origin, action).await);
         }
         match self.decode(message) {
@@ -177,15 +193,18 @@ impl<H: MessageHandler> Worker<H> {
     /// shard's: handed here past the cap (this instance's view of the assignment lags), it is
     /// theirs to decide, or to dead-letter, and goes back soon, as a "not owned" placement
     /// does. One that cannot be decoded or asked about keeps its dead letter.
-    async fn unless_another_shards(&self, message: &Delivery, action: Action) -> Action {
+    async fn unless_another_shards<H: MessageHandler>(
+        &self,
+        handler: &H,
+        message: &Delivery,
+        action: Action,
+    ) -> Action {
         match self.decode(message) {
-            Ok(decoded) if matches!(self.handler.decides(&decoded).await, Ok(false)) => {
-                policy::decide(
-                    Err((&ErrorKind::NotOwned, "not owned")),
-                    0,
-                    &self.lanes.retry,
-                )
-            }
+            Ok(decoded) if matches!(handler.decides(&decoded).await, Ok(false)) => policy::decide(
+                Err((&ErrorKind::NotOwned, "not owned")),
+                0,
+                &self.lanes.retry,
+            ),
             _ => action,
         }
     }
@@ -244,7 +263,9 @@ impl<H: MessageHandler> Worker<H> {
                 let kind = self.kind_of(error);
                 if kind == ErrorKind::Transient && error.is_database() {
                     // The database may be down as a whole: no lane takes more until it answers.
-                    self.database_suspect.store(true, Ordering::Relaxed);
+                    LaneState::change(&self.lane_state, |state| {
+                        state.database_suspect = true;
+                    });
                 }
                 let text = error.to_string();
                 policy::decide(Err((&kind, &text)), origin.deliveries, retry)

@@ -4,8 +4,9 @@
 //! through it.
 //!
 //! The path of one message, in the order to read it:
-//! 1. `lanes.rs`: the fetcher asks the durable consumer for a batch for each lane that waits and
-//!    hands them out; a lane takes one and handles it to its end;
+//! 1. `lanes.rs`: while a lane waits, each durable consumer's fetcher asks it for a batch and
+//!    hands it out; a lane, whichever consumer the batch is of, takes it and handles it to its
+//!    end;
 //! 2. [`policy`] (`policy.rs`): what becomes of a delivery, from plain values: the words the
 //!    next file is written in (`Action`, `Disposition`);
 //! 3. `message.rs`: a delivery's count read (one past the cap is a dead letter), its body
@@ -21,7 +22,6 @@ mod message;
 pub mod policy;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use inventory_domain::{ConsumerName, EventKind};
@@ -34,13 +34,15 @@ use inventory_infra::jetstream::{
 };
 use inventory_infra::outbox::RelayWake;
 use inventory_infra::periodic::Every;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::health::Liveness;
 use crate::metrics::ConsumerMetrics;
 use crate::shutdown::Shutdown;
-use lanes::Lanes;
+use lanes::{Fed, LaneState, Lanes};
 use message::Worker;
 use policy::RetryPolicy;
 
@@ -58,7 +60,8 @@ pub struct RuntimeSettings {
     /// The deliveries of one message this service handles (see [`RetryPolicy::max_deliver`]);
     /// the server's own cap, where an existing consumer has one, lowers it.
     pub max_deliver: i64,
-    /// Messages handled at once, each lane to its end.
+    /// Lanes [`ConsumerRuntime::start`] runs: messages (or batches) handled at once, each to
+    /// its end.
     pub concurrency: usize,
     /// Messages a lane hands its handler at once, of those already fetched; 1 for a handler
     /// that has no batch path of its own.
@@ -255,21 +258,84 @@ impl ConsumerRuntime {
         ConsumerName::parse(self.settings.consumer.durable_name.clone())
     }
 
-    /// Starts the lanes with `handler` in a task of their own, until `shutdown`, counting into
-    /// `metrics`.
+    /// Reads the consumer's counts every `every` into `metrics` until `stop`, for the caller to
+    /// spawn: its lag is the server's to know, not any one instance's. A failed look keeps the
+    /// last figures.
+    pub fn report_lag(
+        &self,
+        metrics: ConsumerMetrics,
+        every: Duration,
+        stop: CancellationToken,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let mut consumer = self.consumer.clone();
+        async move {
+            let mut ticks = Every::new(every, stop);
+            while ticks.tick().await {
+                match jetstream::consumer_state(&mut consumer).await {
+                    Ok(state) => metrics.record_lag(&state),
+                    Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
+                }
+            }
+        }
+    }
+
+    /// Starts its `concurrency` lanes with `handler` in a task of their own, until `shutdown`,
+    /// counting into `metrics`.
     pub fn start<H: MessageHandler>(
         self,
         handler: H,
         metrics: ConsumerMetrics,
         shutdown: Shutdown,
     ) -> Running {
-        let batch_size = self.settings.batch_size.max(1);
+        let lanes = self.settings.concurrency;
+        self.start_sharing(metrics, Vec::new(), handler, lanes, shutdown)
+    }
+
+    /// Starts `lanes` lanes with `handler` in a task of their own, until `shutdown`, shared by
+    /// this consumer and `others`, each counting into the metrics beside it. The lanes check
+    /// that the database answers on this one's, and report a lane that fails where this one
+    /// says ([`Self::report_failures_to`]).
+    pub fn start_sharing<H: MessageHandler>(
+        self,
+        metrics: ConsumerMetrics,
+        others: Vec<(ConsumerRuntime, ConsumerMetrics)>,
+        handler: H,
+        lanes: usize,
+        shutdown: Shutdown,
+    ) -> Running {
+        let state = watch::Sender::new(LaneState::default());
+        let (client, db, liveness) = (self.client.clone(), self.db.clone(), self.liveness.clone());
+        let work_timeout = self.settings.work_timeout;
+        let consumers: Vec<Fed> = std::iter::once((self, metrics))
+            .chain(others)
+            .map(|(runtime, metrics)| runtime.fed(metrics, state.clone()))
+            .collect();
+        let tracker = TaskTracker::new();
+        let pulled = consumers.iter().map(|fed| fed.consumer.clone()).collect();
+        let lanes_of = Lanes {
+            consumers,
+            lanes: lanes.max(1),
+            client,
+            db,
+            work_timeout,
+            state,
+            tracker: tracker.clone(),
+        };
+        let task = tokio::spawn(lanes::run(lanes_of, handler, shutdown.clone(), liveness));
+        Running {
+            shutdown,
+            consumers: pulled,
+            lanes: tracker,
+            task,
+        }
+    }
+
+    /// The consumer as the lanes serve it: its deliveries handled as its settings say.
+    fn fed(self, metrics: ConsumerMetrics, state: watch::Sender<LaneState>) -> Fed {
         let worker = Worker {
-            handler,
             dead_letters: self.dead_letters,
-            lanes: Arc::new(LaneSettings {
-                concurrency: self.settings.concurrency.max(1),
-                batch_size,
+            lanes: LaneSettings {
+                batch_size: self.settings.batch_size.max(1),
                 max_body_bytes: self.settings.max_body_bytes,
                 work_timeout: self.settings.work_timeout,
                 retry: RetryPolicy {
@@ -281,42 +347,23 @@ impl ConsumerRuntime {
                     retry_delay: self.settings.retry_delay,
                     max_retry_delay: self.settings.max_retry_delay,
                 },
-            }),
-            database_suspect: Arc::new(AtomicBool::new(false)),
+            },
+            lane_state: state,
             metrics,
             relay_wake: self.relay_wake,
         };
-        let metrics = worker.metrics.clone();
-        let consumer = self.consumer.clone();
-        let lanes = TaskTracker::new();
-        let task = tokio::spawn({
-            let (shutdown, lanes) = (shutdown.clone(), lanes.clone());
-            let liveness = self.liveness;
-            let lanes_of = Lanes {
-                consumer: self.consumer,
-                client: self.client,
-                db: self.db,
-                backstop: self.backstop,
-                tracker: lanes,
-            };
-            async move { lanes::run(lanes_of, worker, shutdown, liveness).await }
-        });
-        Running {
-            shutdown,
-            metrics,
-            consumer,
-            lanes,
-            task,
+        Fed {
+            consumer: self.consumer,
+            worker: Arc::new(worker),
+            backstop: self.backstop,
         }
     }
 }
 
-/// A consumer's lanes, running.
+/// Lanes running, and the consumers they serve.
 pub struct Running {
     pub shutdown: Shutdown,
-    /// What became of its deliveries so far, among the rest.
-    pub metrics: ConsumerMetrics,
-    consumer: PullConsumer,
+    consumers: Vec<PullConsumer>,
     lanes: TaskTracker,
     task: JoinHandle<Result<Ending, RuntimeError>>,
 }
@@ -328,30 +375,21 @@ impl Running {
         self.lanes.len()
     }
 
-    /// The durable consumer's counts as the server has them: what is pending and unacked.
+    /// The durable consumers' counts as the server has them, summed: what is pending and
+    /// unacked.
     pub async fn consumer_state(&self) -> Result<ConsumerState, NatsError> {
-        jetstream::consumer_state(&mut self.consumer.clone()).await
-    }
-
-    /// Reads the consumer's counts every `every` into `metrics` until the first signal, for
-    /// the caller to spawn: its lag is the server's to know, not any one instance's. A failed
-    /// look keeps the last figures.
-    pub fn report_lag(
-        &self,
-        metrics: ConsumerMetrics,
-        every: Duration,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        let mut consumer = self.consumer.clone();
-        let stop = self.shutdown.graceful.clone();
-        async move {
-            let mut ticks = Every::new(every, stop);
-            while ticks.tick().await {
-                match jetstream::consumer_state(&mut consumer).await {
-                    Ok(state) => metrics.record_lag(&state),
-                    Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
-                }
-            }
+        let mut sum = ConsumerState {
+            pending: 0,
+            ack_pending: 0,
+            redelivered: 0,
+        };
+        for consumer in &self.consumers {
+            let state = jetstream::consumer_state(&mut consumer.clone()).await?;
+            sum.pending += state.pending;
+            sum.ack_pending += state.ack_pending;
+            sum.redelivered += state.redelivered;
         }
+        Ok(sum)
     }
 
     pub fn is_finished(&self) -> bool {
@@ -383,7 +421,7 @@ pub enum Ending {
 /// How the lanes treat messages.
 #[derive(Debug)]
 struct LaneSettings {
-    concurrency: usize,
+    /// Messages a lane takes of this consumer at once.
     batch_size: usize,
     max_body_bytes: usize,
     work_timeout: Option<Duration>,
