@@ -33,9 +33,9 @@ pub use backstop::{Backstop, advisories_stream};
 pub use dead_letter::{DeadLetter, DeadLetterStream, DeadLetters, Origin, Waiting, dlq_headers};
 pub use shards::{
     Assignment, Claim, InitError, InitReport, InitSettings, Owner, Partitioning, Shards,
-    consumer_states, init, partition_consumer, partition_filter, partition_key,
-    partition_transform, partitioning, server_version, shards_bucket, unroutable_consumer,
-    unroutable_filters,
+    StoredMove, consumer_states, init, move_key, partition_consumer, partition_filter,
+    partition_key, partition_transform, partitioning, pause_consumer, server_version,
+    shards_bucket, unroutable_consumer, unroutable_filters,
 };
 
 /// A NATS or JetStream call that failed, with what was being done.

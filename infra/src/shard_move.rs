@@ -23,12 +23,17 @@
 //! hand-over by a compare-and-set of the assignment at the same revision, so of the two exactly
 //! one happens, then unfences the old shard, drops the copy and resumes the consumer.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::jetstream::Owner;
 
 #[cfg(test)]
 mod model;
+mod rows;
+
+pub use rows::{Moved, RowsError, ShardRows, Unpublished, state_name};
 
 /// A move under way, as its record holds it: `move.<partition>` in the assignment bucket, JSON.
 /// The assignment's readers take only `partition.<n>` keys, so a move record routes nothing.
@@ -44,6 +49,10 @@ pub struct MoveRecord {
     /// The partition's epoch on the old shard; the new shard takes it at [`Self::new_epoch`].
     pub epoch: i64,
     pub step: Step,
+    /// What the step waits for, as its mover last saw it (a drain's unpublished events): for
+    /// `inventory shard status`. Cleared by the next step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<String>,
 }
 
 /// What a move does next; the record holds the step not yet known to be done.
@@ -65,6 +74,27 @@ pub enum Step {
     DropCopy,
     ResumeAborted,
     Aborted,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Pause => "pause",
+            Self::Fence => "fence",
+            Self::Copy => "copy",
+            Self::Drain => "drain",
+            Self::HandOver => "hand over",
+            Self::Activate => "activate",
+            Self::Resume => "resume",
+            Self::Remove => "remove",
+            Self::Done => "done",
+            Self::CancelHandOver => "abort: cancel the hand-over",
+            Self::Unfence => "abort: unfence",
+            Self::DropCopy => "abort: drop the copy",
+            Self::ResumeAborted => "abort: resume",
+            Self::Aborted => "aborted",
+        })
+    }
 }
 
 /// An owner row of `partition_owner`, as a step reads it.
@@ -204,6 +234,7 @@ impl MoveRecord {
             assigned_revision: assigned.revision,
             epoch,
             step: Step::Pause,
+            waiting_for: None,
         })
     }
 
@@ -216,6 +247,7 @@ impl MoveRecord {
     pub fn next(&self, seen: &Seen) -> Next {
         let then = |step| Self {
             step,
+            waiting_for: None,
             ..self.clone()
         };
         let act = |action, step| Next::Do {
@@ -280,8 +312,14 @@ impl MoveRecord {
         };
         Ok(Self {
             step,
+            waiting_for: None,
             ..self.clone()
         })
+    }
+
+    /// Whether the move is over, done or aborted.
+    pub fn is_over(&self) -> bool {
+        matches!(self.step, Step::Done | Step::Aborted)
     }
 
     fn hand_over(&self, seen: &Seen) -> HandOver {
@@ -316,16 +354,13 @@ pub fn books_out_of_balance<B: Ord + Copy>(
     stock: &[(B, i64)],
     reservations: &[(B, i64)],
 ) -> Vec<B> {
+    let mut held: BTreeMap<B, i64> = BTreeMap::new();
+    for (book, quantity) in reservations {
+        *held.entry(*book).or_default() += quantity;
+    }
     stock
         .iter()
-        .filter(|(book, reserved)| {
-            let held: i64 = reservations
-                .iter()
-                .filter(|(held_book, _)| held_book == book)
-                .map(|(_, quantity)| quantity)
-                .sum();
-            held != *reserved
-        })
+        .filter(|(book, reserved)| held.get(book).copied().unwrap_or_default() != *reserved)
         .map(|(book, _)| *book)
         .collect()
 }

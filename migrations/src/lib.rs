@@ -32,6 +32,8 @@
 //!   line's OrderCancelled, made once: the orders producer cancels an order line by line.
 //! - `m20261206_000014_add_outbox_shard_partition`: on both outbox tables, each event's
 //!   partition of the orders stream on a shard (NULL unsharded).
+//! - `m20261207_000015_index_reservations_by_book`: `stock_reservations` by book, which a
+//!   partition's move reads, copies and deletes by.
 
 pub use sea_orm_migration::prelude::*;
 
@@ -81,6 +83,7 @@ mod m20261206_000011_create_partition_owner;
 mod m20261206_000012_create_line_cancellations;
 mod m20261206_000013_add_line_cancel_message_ids;
 mod m20261206_000014_add_outbox_shard_partition;
+mod m20261207_000015_index_reservations_by_book;
 mod outbox_table;
 
 pub struct Migrator;
@@ -103,6 +106,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261206_000012_create_line_cancellations::Migration),
             Box::new(m20261206_000013_add_line_cancel_message_ids::Migration),
             Box::new(m20261206_000014_add_outbox_shard_partition::Migration),
+            Box::new(m20261207_000015_index_reservations_by_book::Migration),
         ]
     }
 }

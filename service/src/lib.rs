@@ -59,6 +59,7 @@ pub mod relay;
 pub mod retention;
 pub mod serve;
 pub mod shard;
+pub mod shard_move;
 pub mod shutdown;
 pub mod study;
 pub mod telemetry;

@@ -17,16 +17,19 @@ use anyhow::{Context as _, bail};
 use clap::Subcommand;
 use inventory_domain::BookId;
 use inventory_domain::shard::{DEFAULT_PARTITIONS, partition_of};
-use inventory_infra::db;
+use inventory_infra::db::{self, DbTimeouts, SchemaPolicy};
+use inventory_infra::shard_move::{MoveRecord, ShardRows};
+use secrecy::{ExposeSecret as _, SecretString};
 use inventory_infra::jetstream::{
     self, Claim, Context, InitSettings, Shards, Topology, partition_consumer, unroutable_consumer,
 };
 use inventory_infra::partition_owner::{PartitionOwners, Recorded};
 use serde::Serialize;
 
-use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, shown};
+use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, secret, shown};
 use crate::cli::COMMAND_POOL;
 use crate::consumer::RuntimeSettings;
+use crate::shard_move::{self, MoveDatabases, MoveRequest};
 
 /// The unsharded consumer, and the base of the partition consumers' names.
 const CONSUMER: &str = "inventory-reserve-stock";
@@ -38,6 +41,12 @@ const MAX_PARTITIONS: u32 = 1024;
 /// How long `init` waits by default for the unsharded consumer to finish what came before the
 /// cut-over.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a session idle in a transaction may block a move's fence by default.
+const IDLE_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a move pauses its partition's consumer at most by default.
+const PAUSE_FOR: Duration = Duration::from_secs(300);
 
 /// The consumer flag of the shard commands.
 #[derive(Debug, Clone, clap::Args)]
@@ -86,7 +95,46 @@ pub enum ShardCommand {
         #[command(flatten)]
         topology: TopologyArgs,
     },
-    /// One line per partition: its shard, and its consumer's pending and ack-pending messages.
+    /// Moves a partition to another shard, its books' stock, reservations and line
+    /// cancellations with it, while placements keep arriving: pause its consumer, fence it on
+    /// the old shard, copy its rows to the new one, wait for the old shard's relay to publish
+    /// its events, hand it over in the bucket, activate it on the new shard, resume the
+    /// consumer, remove its rows from the old shard. Each step is recorded in the bucket
+    /// (`move.<P>`): run the same command again to resume a move that stopped, from any step.
+    Move {
+        /// The partition to move.
+        #[arg(long)]
+        partition: u32,
+        /// The shard to move it to. Left out, the move under way is resumed (or aborted).
+        #[arg(long, value_parser = shard_name)]
+        to: Option<String>,
+        /// Unwinds the move under way instead: refused once the partition may have been
+        /// handed over.
+        #[arg(long)]
+        abort: bool,
+        /// The database of the shard the partition leaves.
+        #[arg(long, env = "INVENTORY_FROM_DATABASE_URL", value_parser = secret, hide_env_values = true)]
+        from_database_url: SecretString,
+        /// The database of the shard the partition goes to.
+        #[arg(long, env = "INVENTORY_TO_DATABASE_URL", value_parser = secret, hide_env_values = true)]
+        to_database_url: SecretString,
+        /// How long a session idle in a transaction may block the fence before the fence
+        /// terminates it (the role needs pg_signal_backend, or to be the session's).
+        #[arg(long, default_value = shown(IDLE_GRACE), value_parser = humantime::parse_duration)]
+        idle_grace: Duration,
+        /// How long the partition's consumer stays paused at most (nats-server 2.11 or later):
+        /// a pause lapses on its own if the move stops.
+        #[arg(long, default_value = shown(PAUSE_FOR), value_parser = humantime::parse_duration)]
+        pause_for: Duration,
+        #[command(flatten)]
+        consumer: ConsumerArgs,
+        #[command(flatten)]
+        nats: NatsArgs,
+        #[command(flatten)]
+        topology: TopologyArgs,
+    },
+    /// One line per partition: its shard, its consumer's pending and ack-pending messages, and
+    /// a move under way with its step.
     Status {
         /// Prints a JSON array, one object per partition.
         #[arg(long)]
@@ -211,6 +259,48 @@ pub async fn run(command: ShardCommand) -> anyhow::Result<bool> {
             .await
             .context("opening the shard's database")?;
             assign(&shards, &PartitionOwners::new(conn), partitions, &to).await
+        }
+        ShardCommand::Move {
+            partition,
+            to,
+            abort,
+            from_database_url,
+            to_database_url,
+            idle_grace,
+            pause_for,
+            consumer,
+            nats,
+            topology,
+        } => {
+            let js = connect(&nats).await?;
+            let topology = topology.topology();
+            let shards = open(&js, &topology).await?;
+            let shard_rows = async |url: &SecretString, flag: &str| {
+                // The fence's watch for idle sessions, and the copy's read of the old shard
+                // beside its write here, each want a connection of their own.
+                let db = db::open(
+                    url.expose_secret(),
+                    COMMAND_POOL + 1,
+                    SchemaPolicy::Migrate,
+                    DbTimeouts::default(),
+                )
+                .await
+                .with_context(|| format!("opening the database of {flag}"))?;
+                anyhow::Ok(ShardRows::new(&db, shards.partitions()))
+            };
+            let databases = MoveDatabases {
+                from: shard_rows(&from_database_url, "--from-database-url").await?,
+                to: shard_rows(&to_database_url, "--to-database-url").await?,
+            };
+            let request = MoveRequest {
+                partition,
+                to,
+                abort,
+                idle_grace,
+                pause_for,
+                consumer: consumer.consumer,
+            };
+            shard_move::run(&js, &topology, &shards, &databases, &request).await
         }
         ShardCommand::Status {
             json,
@@ -443,9 +533,42 @@ pub struct PartitionStatus {
     /// `None` when its consumer does not exist.
     pub pending: Option<u64>,
     pub ack_pending: Option<usize>,
-    /// A move in progress (a later command's); none yet.
+    /// The partition's move under way, if any.
     #[serde(rename = "move")]
-    pub moving: Option<String>,
+    pub moving: Option<MoveStatus>,
+}
+
+/// A move under way, as `status` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct MoveStatus {
+    pub from: String,
+    pub to: String,
+    /// Its next step: `pause`, `fence`, `copy`, `drain`, `hand_over`, `activate`, `resume`,
+    /// `remove`; an abort's `cancel_hand_over`, `unfence`, `drop_copy`, `resume_aborted`.
+    pub step: inventory_infra::shard_move::Step,
+    /// What the step waits for, when its mover said (a drain's unpublished events).
+    pub waiting_for: Option<String>,
+}
+
+impl From<MoveRecord> for MoveStatus {
+    fn from(record: MoveRecord) -> Self {
+        Self {
+            from: record.from,
+            to: record.to,
+            step: record.step,
+            waiting_for: record.waiting_for,
+        }
+    }
+}
+
+impl fmt::Display for MoveStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} -> {}: {}", self.from, self.to, self.step)?;
+        if let Some(waiting_for) = &self.waiting_for {
+            write!(f, " (waiting for {waiting_for})")?;
+        }
+        Ok(())
+    }
 }
 
 async fn status(
@@ -455,6 +578,8 @@ async fn status(
     consumer: &str,
 ) -> anyhow::Result<Vec<PartitionStatus>> {
     let assignment = shards.assignment().await?;
+    let mut moves = shards.moves().await?;
+    moves.retain(|_, record| !record.is_over());
     let partitions = shards.partitions();
     let names: Vec<String> = (0..partitions.get())
         .map(|partition| partition_consumer(consumer, partition, partitions))
@@ -468,7 +593,7 @@ async fn status(
             consumer: name,
             pending: state.map(|state| state.pending),
             ack_pending: state.map(|state| state.ack_pending),
-            moving: None,
+            moving: moves.remove(&partition).map(MoveStatus::from),
         })
         .collect())
 }
@@ -494,7 +619,7 @@ fn print_status(rows: &[PartitionStatus], json: bool) -> anyhow::Result<()> {
             shown(row.shard.clone()),
             shown(row.pending.map(|n| n.to_string())),
             shown(row.ack_pending.map(|n| n.to_string())),
-            shown(row.moving.clone())
+            shown(row.moving.as_ref().map(MoveStatus::to_string))
         )?;
     }
     Ok(())

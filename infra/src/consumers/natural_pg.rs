@@ -213,6 +213,18 @@ FOR UPDATE";
 /// Whether this database owns a partition ($1), outside any placement.
 pub const OWNS_SQL: &str = "SELECT owns_partition($1)";
 
+/// Whether this database owns a line's partition ($1), for the line's cancellation: its owner
+/// row share-locked until the cancellation commits, so that a move's fence, which updates
+/// that row, waits for it. A cancellation of a book with no stock row here takes no stock lock
+/// the fence would wait on; without this one, its mark could commit after the move copied the
+/// partition, and be lost.
+pub const OWNS_LINE_SQL: &str = "\
+SELECT EXISTS (
+    SELECT 1 FROM partition_owner
+    WHERE partition_id = $1 AND state = 'active'
+    FOR SHARE
+)";
+
 /// A line's cancellation's first lock: its book's stock row, as the line's placement takes it,
 /// whether or not the line holds stock yet.
 pub const LOCK_LINE_BOOK_SQL: &str =
@@ -541,7 +553,7 @@ async fn cancel(
         .await
         .map_err(HandleError::from_sqlx)?;
         if let (Some(partitions), Some(book)) = (partitions, cancelled.book_id) {
-            let owned: bool = sqlx::query_scalar(OWNS_SQL)
+            let owned: bool = sqlx::query_scalar(OWNS_LINE_SQL)
                 .bind(shard_partition(book, partitions)?)
                 .fetch_one(&mut *txn)
                 .await

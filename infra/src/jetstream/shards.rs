@@ -18,9 +18,11 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::context::KeyValueErrorKind;
-use async_nats::jetstream::kv::{self, CreateErrorKind, Operation};
+use async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
 use async_nats::jetstream::stream::{self, SubjectTransform};
 use futures::{Stream, StreamExt as _, TryStreamExt as _};
+
+use crate::shard_move::MoveRecord;
 
 use super::{
     ConsumerState, Context, NatsError, Topology, ensure_streams, is_consumer_not_found,
@@ -284,6 +286,123 @@ impl Shards {
     }
 }
 
+/// A partition's move record as the bucket holds it, and its revision: the next step's
+/// compare-and-set names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredMove {
+    pub record: MoveRecord,
+    pub revision: u64,
+}
+
+impl Shards {
+    /// The owner of `partition` now, with its key's revision; `None` when it has none.
+    pub async fn owner(&self, partition: u32) -> Result<Option<Owner>, NatsError> {
+        let entry = self
+            .store
+            .entry(partition_key(partition))
+            .await
+            .map_err(nats_error(format!("reading the owner of partition {partition}")))?;
+        Ok(entry
+            .filter(|entry| entry.operation == Operation::Put)
+            .map(|entry| owner_of(&entry)))
+    }
+
+    /// Names `shard` the owner of `partition` if its key is still at `revision`: the
+    /// hand-over of a move and an abort's cancellation of it. `false`: the key was changed
+    /// since, and nothing was written.
+    pub async fn reassign(
+        &self,
+        partition: u32,
+        shard: &str,
+        revision: u64,
+    ) -> Result<bool, NatsError> {
+        let written = self
+            .store
+            .update(partition_key(partition), shard.to_owned().into(), revision)
+            .await;
+        match written {
+            Ok(_) => Ok(true),
+            Err(error) if error.kind() == UpdateErrorKind::WrongLastRevision => Ok(false),
+            Err(error) => Err(nats_error(format!(
+                "assigning partition {partition} to {shard} at revision {revision}"
+            ))(error)),
+        }
+    }
+
+    /// The move record of `partition`, if one was ever written.
+    pub async fn move_of(&self, partition: u32) -> Result<Option<StoredMove>, NatsError> {
+        let doing = || format!("reading the move of partition {partition}");
+        let entry = self
+            .store
+            .entry(move_key(partition))
+            .await
+            .map_err(nats_error(doing()))?;
+        let Some(entry) = entry.filter(|entry| entry.operation == Operation::Put) else {
+            return Ok(None);
+        };
+        let record = serde_json::from_slice(&entry.value).map_err(|error| {
+            NatsError::found(doing(), format!("a move record that does not parse: {error}"))
+        })?;
+        Ok(Some(StoredMove {
+            record,
+            revision: entry.revision,
+        }))
+    }
+
+    /// Every partition's move record, by partition.
+    pub async fn moves(&self) -> Result<BTreeMap<u32, MoveRecord>, NatsError> {
+        let keys: Vec<String> = self
+            .store
+            .keys()
+            .await
+            .map_err(nats_error("listing the moves"))?
+            .try_collect()
+            .await
+            .map_err(nats_error("listing the moves"))?;
+        let mut moves = BTreeMap::new();
+        for partition in keys.iter().filter_map(|key| key.strip_prefix("move.")) {
+            let Ok(partition) = partition.parse() else {
+                continue;
+            };
+            if let Some(stored) = self.move_of(partition).await? {
+                moves.insert(partition, stored.record);
+            }
+        }
+        Ok(moves)
+    }
+
+    /// Writes `record` as its partition's move: created when `revision` is `None` (refused if
+    /// a record exists), else at `revision`. `None`: another writer came first; read again.
+    pub async fn write_move(
+        &self,
+        record: &MoveRecord,
+        revision: Option<u64>,
+    ) -> Result<Option<u64>, NatsError> {
+        let key = move_key(record.partition);
+        let doing = || format!("recording the move of partition {}", record.partition);
+        let value = serde_json::to_vec(record)
+            .map_err(|error| NatsError::found(doing(), error.to_string()))?;
+        match revision {
+            None => match self.store.create(&key, value.into()).await {
+                Ok(revision) => Ok(Some(revision)),
+                Err(error) if error.kind() == CreateErrorKind::AlreadyExists => Ok(None),
+                Err(error) => Err(nats_error(doing())(error)),
+            },
+            Some(revision) => match self.store.update(&key, value.into(), revision).await {
+                Ok(revision) => Ok(Some(revision)),
+                Err(error) if error.kind() == UpdateErrorKind::WrongLastRevision => Ok(None),
+                Err(error) => Err(nats_error(doing())(error)),
+            },
+        }
+    }
+}
+
+/// The key of `partition`'s move record: `move.<n>`, beside the assignment's keys, which its
+/// readers skip.
+pub fn move_key(partition: u32) -> String {
+    format!("move.{partition}")
+}
+
 /// A change a watch saw of `partition`'s key at `revision` (`shard`: its new owner, `None`
 /// when deleted), applied to `assignment` unless it is no newer than what was seen of the key:
 /// whether the assignment changed.
@@ -349,6 +468,39 @@ pub fn server_version(js: &Context) -> Option<(u32, u32)> {
     let major = parts.next()?.parse().ok()?;
     let minor = parts.next()?.parse().ok()?;
     Some((major, minor))
+}
+
+/// Pauses the consumer `name` of `topology`'s orders stream for `pause` (it lapses on its own
+/// after), or resumes it (`None`). `false`: the server is older than 2.11 and has no pause;
+/// nothing was done.
+pub async fn pause_consumer(
+    js: &Context,
+    topology: &Topology,
+    name: &str,
+    pause: Option<Duration>,
+) -> Result<bool, NatsError> {
+    if server_version(js).is_some_and(|version| version < (2, 11)) {
+        return Ok(false);
+    }
+    let doing = || {
+        let what = if pause.is_some() { "pausing" } else { "resuming" };
+        format!("{what} consumer {name}")
+    };
+    let stream = js
+        .get_stream(&topology.stream)
+        .await
+        .map_err(nats_error(doing()))?;
+    match pause {
+        Some(pause) => stream
+            .pause_consumer(name, async_nats::datetime::now() + pause)
+            .await
+            .map_err(nats_error(doing()))?,
+        None => stream
+            .resume_consumer(name)
+            .await
+            .map_err(nats_error(doing()))?,
+    };
+    Ok(true)
 }
 
 /// The pending and ack-pending counts of each of `names`, consumers of `topology`'s orders
