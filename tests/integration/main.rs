@@ -21,6 +21,7 @@ mod health;
 mod inbox;
 mod lock_order;
 mod migrations;
+mod moving;
 mod naive;
 mod natural;
 mod natural_pg;
