@@ -20,4 +20,5 @@ mod prometheus;
 mod relay_binary;
 mod serve_binary;
 mod shard_binary;
+mod shard_move;
 mod shard_serve;
