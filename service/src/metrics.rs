@@ -625,6 +625,21 @@ mod tests {
     }
 
     #[test]
+    fn a_partition_not_owned_shows_from_the_start_at_0_and_at_1_while_stopped() {
+        let metrics = Metrics::new().expect("a registry");
+        let consumer = metrics.consumer("c-p03");
+        let series =
+            |value: u8| format!("inventory_consumer_not_owned{{consumer=\"c-p03\"}} {value}");
+        let text = metrics.render().expect("rendered");
+        assert!(text.contains(&series(0)), "{text}");
+        consumer.not_owned(true);
+        let text = metrics.render().expect("rendered");
+        assert!(text.contains(&series(1)), "{text}");
+        consumer.not_owned(false);
+        assert!(metrics.render().expect("rendered").contains(&series(0)));
+    }
+
+    #[test]
     fn a_batch_is_in_flight_message_by_message_until_it_ends() {
         let metrics = Metrics::new().expect("a registry");
         let consumer = metrics.consumer("c");
