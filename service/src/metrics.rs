@@ -35,6 +35,7 @@ pub struct Metrics {
     pending: IntGaugeVec,
     ack_pending: IntGaugeVec,
     max_ack_pending: IntGaugeVec,
+    not_owned: IntGaugeVec,
     lanes: IntGaugeVec,
     dead_letters_waiting: IntGaugeVec,
     dead_letters_oldest: GaugeVec,
@@ -192,6 +193,14 @@ impl Metrics {
             &["consumer"],
             registry,
         )?;
+        let not_owned = register_int_gauge_vec_with_registry!(
+            "inventory_consumer_not_owned",
+            "1 while this process pulls nothing of the consumer's partition, which a handling \
+             found its shard's database does not own (a move fenced it, or the assignment \
+             changed), until the database owns it again; else 0.",
+            &["consumer"],
+            registry,
+        )?;
         let lanes = register_int_gauge_vec_with_registry!(
             "inventory_lanes",
             "Lanes of this process: messages (or batches) it handles at once.",
@@ -246,6 +255,7 @@ impl Metrics {
             pending,
             ack_pending,
             max_ack_pending,
+            not_owned,
             lanes,
             dead_letters_waiting,
             dead_letters_oldest,
@@ -281,6 +291,7 @@ impl Metrics {
                 .clone(),
             pending: self.pending.with_label_values(&[consumer]),
             ack_pending: self.ack_pending.with_label_values(&[consumer]),
+            not_owned: self.not_owned.with_label_values(&[consumer]),
         }
     }
 
@@ -404,6 +415,7 @@ pub struct ConsumerMetrics {
     since: InFlightSince,
     pending: IntGauge,
     ack_pending: IntGauge,
+    not_owned: IntGauge,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -490,6 +502,11 @@ impl ConsumerMetrics {
             .set(i64::try_from(state.pending).unwrap_or(i64::MAX));
         self.ack_pending
             .set(i64::try_from(state.ack_pending).unwrap_or(i64::MAX));
+    }
+
+    /// Whether this process stopped pulling the consumer's partition, not owned here.
+    pub fn not_owned(&self, stopped: bool) {
+        self.not_owned.set(i64::from(stopped));
     }
 
     /// Counts `deliveries` that started together (one, or a lane's batch) in flight, as one
@@ -605,6 +622,21 @@ mod tests {
             ),
             (3, 1, 7)
         );
+    }
+
+    #[test]
+    fn a_partition_not_owned_shows_from_the_start_at_0_and_at_1_while_stopped() {
+        let metrics = Metrics::new().expect("a registry");
+        let consumer = metrics.consumer("c-p03");
+        let series =
+            |value: u8| format!("inventory_consumer_not_owned{{consumer=\"c-p03\"}} {value}");
+        let text = metrics.render().expect("rendered");
+        assert!(text.contains(&series(0)), "{text}");
+        consumer.not_owned(true);
+        let text = metrics.render().expect("rendered");
+        assert!(text.contains(&series(1)), "{text}");
+        consumer.not_owned(false);
+        assert!(metrics.render().expect("rendered").contains(&series(0)));
     }
 
     #[test]

@@ -816,6 +816,7 @@ const CONSUMER_LABELLED: &[&str] = &[
     "inventory_consumer_pending_messages",
     "inventory_consumer_ack_pending_messages",
     "inventory_consumer_max_ack_pending",
+    "inventory_consumer_not_owned",
     "inventory_lanes",
     "inventory_dead_letters_waiting",
     "inventory_dead_letters_oldest_age_seconds",

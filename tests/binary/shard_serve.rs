@@ -229,8 +229,9 @@ async fn each_shard_decides_only_its_partitions_books_and_the_order_level_cancel
 }
 
 /// An instance that pulls partitions its database does not own (its view of the assignment
-/// lags the database's), with a cap of 3 deliveries: every placement comes again and again,
-/// past the cap, and it decides none and dead-letters none.
+/// lags the database's), with a cap of 3 deliveries, handed placements already delivered 3 times
+/// (by the test): past the cap, it decides none and dead-letters none, and stops pulling each
+/// partition at its first "not owned" outcome instead of taking its messages again and again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead_letters_nothing() {
     let Some((server, run)) = sharded("an_instance_whose_database_does_not_own", "info").await
@@ -247,6 +248,29 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
     run_on(&run, &stale_url, &["migrate"]);
     // Stock rows on the stale database too: what refuses is the ownership, not a missing book.
     let books = books_in(&run, &stale_url, 4, |_| true);
+    let js = jetstream::context(async_nats::connect(server.url()).await.unwrap());
+    for book in &books {
+        let order = OrderId::new_v7();
+        place(&js, &run, order, *book, &format!("o-{order}")).await;
+    }
+    let stream = js.get_stream(&run.names.stream).await.unwrap();
+    let consumers: BTreeSet<String> = books
+        .iter()
+        .map(|book| jetstream::partition_consumer(SERVE_CONSUMER, partition_of(*book, P), P))
+        .collect();
+    for name in &consumers {
+        deliver_and_nak(&stream, name, 3).await;
+    }
+    let delivered = || async {
+        let mut delivered = 0;
+        for name in &consumers {
+            delivered += delivery_count(&stream, name).await;
+        }
+        delivered
+    };
+    let before = delivered().await;
+    assert_eq!(before, 3 * books.len() as u64);
+
     let instance = serve_on(
         &run,
         &stale_url,
@@ -259,27 +283,26 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
             "100ms",
         ],
     );
-    let js = jetstream::context(async_nats::connect(server.url()).await.unwrap());
-    for book in &books {
-        let order = OrderId::new_v7();
-        place(&js, &run, order, *book, &format!("o-{order}")).await;
-    }
-
-    let stream = js.get_stream(&run.names.stream).await.unwrap();
-    let consumers: BTreeSet<String> = books
-        .iter()
-        .map(|book| jetstream::partition_consumer(SERVE_CONSUMER, partition_of(*book, P), P))
-        .collect();
-    eventually("every placement redelivered", || async {
-        let mut redelivered = 0;
-        for name in &consumers {
-            redelivered += stream.consumer_info(name).await.unwrap().num_redelivered;
-        }
-        redelivered == books.len()
-    })
+    eventually(
+        "a placement of each partition handed to the instance",
+        || async {
+            let mut handed = 0;
+            for name in &consumers {
+                handed += u64::from(
+                    delivery_count(&stream, name).await > 3 * placements_of(&books, name),
+                );
+            }
+            handed == consumers.len() as u64
+        },
+    )
     .await;
-    // Given back 100 ms after each delivery: about 20 deliveries each by now, far past the cap.
+    // Given back 100 ms after each delivery: had it pulled on, about 20 deliveries each by now.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    let by_the_instance = delivered().await - before;
+    eprintln!(
+        "[not owned, past the cap] {by_the_instance} deliveries of {} placements in 3 s",
+        books.len()
+    );
     let (status, log) = binary::stop(instance);
     assert!(status.success(), "{log}");
     assert_eq!(
@@ -292,6 +315,149 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
     assert_eq!(stale.scalar("SELECT count(*) FROM outbox").await, 0);
     assert!(dead_letter_reasons(&js, &run).await.is_empty(), "{log}");
     assert!(log.contains("not owned"), "{log}");
+    assert!(
+        by_the_instance <= 2 * books.len() as u64,
+        "{by_the_instance} deliveries of {} placements: it pulled on\n{log}",
+        books.len()
+    );
+}
+
+/// How many of `books`' placements (one each) the partition consumer `name` takes.
+fn placements_of(books: &[BookId], name: &str) -> u64 {
+    books
+        .iter()
+        .filter(|book| {
+            jetstream::partition_consumer(SERVE_CONSUMER, partition_of(**book, P), P) == name
+        })
+        .count() as u64
+}
+
+/// Deliveries the durable consumer `name` made so far, redeliveries included.
+async fn delivery_count(stream: &async_nats::jetstream::stream::Stream, name: &str) -> u64 {
+    stream
+        .consumer_info(name)
+        .await
+        .unwrap()
+        .delivered
+        .consumer_sequence
+}
+
+/// Has the durable consumer `name` deliver each of its messages `times` times, nak'ing each at
+/// once: as instances that could not decide them would.
+async fn deliver_and_nak(stream: &async_nats::jetstream::stream::Stream, name: &str, times: usize) {
+    use async_nats::jetstream::AckKind;
+    let consumer: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer(name).await.unwrap();
+    for _ in 0..times {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(100)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(message)) = batch.next().await {
+            message.ack_with(AckKind::Nak(None)).await.unwrap();
+        }
+    }
+}
+
+/// An instance serving two partitions, one of them fenced in its database (as a move fences it):
+/// it stops pulling the fenced one at its first "not owned" outcome, while the other's
+/// placements are reserved on the same lanes; the fenced one's placements are delivered about
+/// once each and nothing of them decided or dead-lettered. Once the owner row is active again
+/// (the move aborted), it pulls the partition again and reserves each held placement once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_stops_pulling_a_partition_found_not_owned_and_pulls_it_again_once_owned() {
+    let Some((server, run)) = sharded("an_instance_stops_pulling", "info").await else {
+        return;
+    };
+    let url = run.database_url.clone();
+    run_on(
+        &run,
+        &url,
+        &["shard", "assign", "--partitions", "0-1", "--to", "a"],
+    );
+    let fenced_books = books_in(&run, &url, 2, |partition| partition == 0);
+    let served_books = books_in(&run, &url, 2, |partition| partition == 1);
+    let set_owner = |state: &'static str| {
+        let db = &run.db;
+        async move {
+            db.conn
+                .execute_unprepared(&format!(
+                    "UPDATE partition_owner SET state = '{state}' WHERE partition_id = 0"
+                ))
+                .await
+                .unwrap();
+        }
+    };
+    set_owner("fenced").await;
+    // A short retry delay: pulling on, it would take each fenced placement every 100 ms.
+    let instance = serve_on(&run, &url, &["--shard", "a", "--retry-delay", "100ms"]);
+    let js = jetstream::context(async_nats::connect(server.url()).await.unwrap());
+    let stream = js.get_stream(&run.names.stream).await.unwrap();
+    let fenced_consumer = jetstream::partition_consumer(SERVE_CONSUMER, 0, P);
+    let rounds = 3;
+    for _ in 0..rounds {
+        for book in fenced_books.iter().chain(&served_books) {
+            let order = OrderId::new_v7();
+            place(&js, &run, order, *book, &format!("o-{order}")).await;
+        }
+    }
+    let held = (rounds * fenced_books.len()) as i64;
+    let served = (rounds * served_books.len()) as i64;
+    let reservations_of = |books: &[BookId]| {
+        let list = books
+            .iter()
+            .map(|book| format!("'{book}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("SELECT count(*) FROM stock_reservations WHERE book_id::text IN ({list})")
+    };
+    let (fenced_sql, served_sql) = (
+        reservations_of(&fenced_books),
+        reservations_of(&served_books),
+    );
+    eventually("the other partition's placements reserved", || async {
+        run.db.scalar(&served_sql).await == served
+    })
+    .await;
+    eventually("a fenced placement handed to the instance", || async {
+        delivery_count(&stream, &fenced_consumer).await > 0
+    })
+    .await;
+    // Had it pulled on, each fenced placement would have come some 20 times by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let while_fenced = delivery_count(&stream, &fenced_consumer).await;
+    eprintln!("[not owned] {while_fenced} deliveries of {held} fenced placements in 3 s");
+    assert_eq!(run.db.scalar(&fenced_sql).await, 0, "decided while fenced");
+    assert!(
+        while_fenced <= 2 * held as u64,
+        "{while_fenced} deliveries of {held} fenced placements: it pulled on"
+    );
+
+    set_owner("active").await;
+    eventually(
+        "the held placements reserved once the partition is owned again",
+        || async { run.db.scalar(&fenced_sql).await == held },
+    )
+    .await;
+    // Settled, and nothing more comes of them.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (status, log) = binary::stop(instance);
+    assert!(status.success(), "{log}");
+    assert_eq!(run.db.scalar(&fenced_sql).await, held, "each once\n{log}");
+    assert_eq!(
+        run.db
+            .scalar("SELECT coalesce(sum(reserved), 0)::int8 FROM stock_items")
+            .await,
+        held + served,
+        "each order once"
+    );
+    assert!(dead_letter_reasons(&js, &run).await.is_empty(), "{log}");
+    let lines = |text: &str| log.lines().filter(|line| line.contains(text)).count();
+    assert_eq!(lines("stopped pulling it"), 1, "{log}");
+    assert_eq!(lines("owned here again: pulling it"), 1, "{log}");
 }
 
 /// An instance serving many partitions holds its `--concurrency` lanes, and a connection each,

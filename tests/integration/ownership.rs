@@ -195,6 +195,10 @@ async fn a_line_cancellation_in_a_partition_not_owned_changes_nothing() {
     let order = placement.event.order_id();
     let line = |book| Message::cancelled_line(order, book);
     assert!(not_owned(&handler.handle(&line(other)).await));
+    // Asked as a placement is (a consumer stopped on it asks when its partition is owned again).
+    assert!(!handler.decides(&line(other)).await.unwrap());
+    assert!(handler.decides(&line(owned)).await.unwrap());
+    assert!(unsharded.decides(&line(other)).await.unwrap());
     assert_eq!(db.reserved(other).await, 2);
     assert_eq!(
         db.scalar("SELECT count(*) FROM line_cancellations").await,

@@ -76,8 +76,10 @@ pub trait MessageHandler: Clone + Send + Sync + 'static {
     }
 
     /// Whether this handler's database decides `message`: on a shard, whether it owns the
-    /// partition of a placement's book. Asked before a delivery past the cap is dead-lettered
-    /// unhandled: another shard's message is theirs. By default, always.
+    /// partition of the book of a placement or a line's cancellation (the messages it can find
+    /// "not owned"). Asked before a delivery past the cap is dead-lettered unhandled (another
+    /// shard's message is theirs), and by a consumer that stopped pulling a partition it found
+    /// not owned, to learn when it is owned again. By default, always.
     fn decides(&self, message: &Message) -> impl Future<Output = Result<bool, HandleError>> + Send {
         let _ = message;
         std::future::ready(Ok(true))
@@ -221,6 +223,11 @@ impl MessageHandler for NaturalKey {
     async fn decides(&self, message: &Message) -> Result<bool, HandleError> {
         match (&self.path, &message.event) {
             (Path::Postgres(path), Event::Placed(placed)) => path.owns(placed.book_id).await,
+            (Path::Postgres(path), Event::Cancelled(cancelled)) => match cancelled.book_id {
+                Some(book) => path.owns(book).await,
+                // An order's cancellation names no book, so no partition to own.
+                None => Ok(true),
+            },
             _ => Ok(true),
         }
     }

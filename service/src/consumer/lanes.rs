@@ -13,12 +13,14 @@
 //! waiting lane does not start), and a stop gives those back at once. No fetcher takes a lane's turn: while a lane waits, every
 //! consumer's fetch waits at the server, so a message on any of them starts within a round trip,
 //! whichever others are idle. Nothing is fetched while the database is suspect, until a lane
-//! found it answering again.
+//! found it answering again; nor, on a shard, of a partition a handling found not owned here,
+//! until the database owns it again (`ownership.rs`), while the other partitions keep the lanes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backon::{ExponentialBuilder, Retryable as _};
+use inventory_domain::Message;
 use inventory_infra::MessageHandler;
 use inventory_infra::db::{self, DatabaseConnection};
 use inventory_infra::delivery::{self, Delivery, PullConsumer};
@@ -29,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::message::Worker;
+use super::ownership;
 use super::policy::Disposition;
 use super::{Ending, RuntimeError};
 use crate::health::Liveness;
@@ -68,6 +71,10 @@ pub(super) async fn run<H: MessageHandler>(
     let sharing = consumers.len().max(1);
     let (hand, handed) = mpsc::channel(lanes + sharing);
     let handed = Arc::new(tokio::sync::Mutex::new(handed));
+    // What a fetcher whose partition is not owned here asks the database through: a handler of
+    // its own, shared by all the fetchers, so at most one connection more, opened at the first
+    // question.
+    let asker = Arc::new(handler.clone());
     let mut running = JoinSet::new();
     for fed in consumers {
         if let Some(backstop) = fed.backstop {
@@ -85,6 +92,7 @@ pub(super) async fn run<H: MessageHandler>(
                 client: client.clone(),
                 state: state.subscribe(),
                 hand: hand.clone(),
+                asker: asker.clone(),
             },
             stop.clone(),
             shutdown.immediate.clone(),
@@ -238,7 +246,7 @@ struct Handed {
 }
 
 /// What one consumer's fetcher fetches from, and where it hands what it fetched.
-struct Fetcher {
+struct Fetcher<H> {
     consumer: PullConsumer,
     /// How many consumers share the lanes, this one included.
     sharing: usize,
@@ -246,13 +254,16 @@ struct Fetcher {
     client: Client,
     state: watch::Receiver<LaneState>,
     hand: mpsc::Sender<Handed>,
+    /// Asked whether the partition is owned here again, once a handling found it not.
+    asker: Arc<H>,
 }
 
 /// Until `stop`: once a lane waits and the database is not suspect, asks the consumer for a
 /// batch (what is there now, or the first to come) and hands it out, then waits until a lane
 /// took it. A fetch still waiting is given up at the stop; what was handed out and not taken is
-/// nak'ed by the loop.
-async fn fetcher(
+/// nak'ed by the loop. Once a handling found the consumer's partition not owned here, it asks
+/// for nothing more until the database owns it again (`ownership.rs`).
+async fn fetcher<H: MessageHandler>(
     Fetcher {
         consumer,
         sharing,
@@ -260,10 +271,13 @@ async fn fetcher(
         client,
         mut state,
         hand,
-    }: Fetcher,
+        asker,
+    }: Fetcher<H>,
     stop: CancellationToken,
     immediate: CancellationToken,
 ) -> Result<(), LaneError> {
+    let name = consumer.cached_info().name.clone();
+    let mut ownership = worker.ownership.subscribe();
     loop {
         // A batch for each waiting lane, shared out among the consumers: with one, a request for
         // every lane that waits, as they wait; with many, one batch each, so what is fetched
@@ -278,10 +292,24 @@ async fn fetcher(
                     .max(1)
             }
         };
+        // Not owned here, a handling found: nothing more is pulled of the partition until the
+        // database owns it again. What was fetched before goes its way, each nak'ed.
+        let not_owned = ownership.borrow_and_update().clone();
+        if let Some(probe) = not_owned {
+            if !ownership::wait_until_owned(&*asker, &worker, &name, &probe, &stop).await {
+                return Ok(());
+            }
+            continue;
+        }
         let asked = Instant::now();
         let batch_size = worker.lanes.batch_size;
         let fetched = tokio::select! {
-            fetched = delivery::fetch(&consumer, &client, batches * batch_size, &stop) => fetched,
+            fetched = fetch_while_owned(
+                (&consumer, &client),
+                batches * batch_size,
+                &mut ownership,
+                &stop,
+            ) => fetched,
             () = immediate.cancelled() => return Ok(()),
         };
         let failed = fetched.error.is_some();
@@ -327,6 +355,27 @@ async fn fetcher(
             _ = futures::future::join_all(started) => {}
         }
     }
+}
+
+/// `delivery::fetch` of up to `max`, given up (as at `stop`) while still empty if a handling
+/// finds the partition not owned meanwhile: a fetch waits at the server up to 30 s, and one
+/// still waiting would take the partition's next message, and the naks' redeliveries, all to be
+/// nak'ed again.
+async fn fetch_while_owned(
+    (consumer, client): (&PullConsumer, &Client),
+    max: usize,
+    ownership: &mut watch::Receiver<Option<Message>>,
+    stop: &CancellationToken,
+) -> delivery::Fetched {
+    let give_up = stop.child_token();
+    let fetch = delivery::fetch(consumer, client, max, &give_up);
+    tokio::pin!(fetch);
+    tokio::select! {
+        fetched = &mut fetch => return fetched,
+        _ = ownership.wait_for(Option::is_some) => give_up.cancel(),
+    }
+    // Ends at once if nothing came yet; else with what came, which is handed out as any.
+    fetch.await
 }
 
 /// One lane: wait for a batch a fetcher hands it, handle it to the end with `handler`, repeat,

@@ -15,6 +15,7 @@ use tracing::{Instrument, field};
 
 use super::LaneSettings;
 use super::lanes::LaneState;
+use super::ownership::Ownership;
 use super::policy::{self, Action, Disposition};
 use crate::metrics::ConsumerMetrics;
 
@@ -56,6 +57,9 @@ pub(super) struct Worker {
     pub(super) metrics: ConsumerMetrics,
     /// The outbox relay to wake after a handling that committed an event.
     pub(super) relay_wake: Option<RelayWake>,
+    /// Told of a "not owned" outcome: the consumer's fetcher then stops pulling its partition
+    /// until the database owns it again (`ownership.rs`).
+    pub(super) ownership: Ownership,
 }
 
 impl Worker {
@@ -200,11 +204,14 @@ impl Worker {
         action: Action,
     ) -> Action {
         match self.decode(message) {
-            Ok(decoded) if matches!(handler.decides(&decoded).await, Ok(false)) => policy::decide(
-                Err((&ErrorKind::NotOwned, "not owned")),
-                0,
-                &self.lanes.retry,
-            ),
+            Ok(decoded) if matches!(handler.decides(&decoded).await, Ok(false)) => {
+                self.ownership.not_owned(decoded);
+                policy::decide(
+                    Err((&ErrorKind::NotOwned, "not owned")),
+                    0,
+                    &self.lanes.retry,
+                )
+            }
             _ => action,
         }
     }
@@ -266,6 +273,13 @@ impl Worker {
                     LaneState::change(&self.lane_state, |state| {
                         state.database_suspect = true;
                     });
+                }
+                if kind == ErrorKind::NotOwned
+                    && let Ok(decoded) = self.decode(message)
+                {
+                    // Another shard's partition now: its fetcher pulls no more of it, and this
+                    // message is nak'ed below as any "not owned" one.
+                    self.ownership.not_owned(decoded);
                 }
                 let text = error.to_string();
                 policy::decide(Err((&kind, &text)), origin.deliveries, retry)

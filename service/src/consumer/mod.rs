@@ -11,7 +11,9 @@
 //!    next file is written in (`Action`, `Disposition`);
 //! 3. `message.rs`: a delivery's count read (one past the cap is a dead letter), its body
 //!    decoded (one that cannot be decoded is a dead letter), the handler called, its answer
-//!    settled by the policy and performed: ack, nak or dead letter;
+//!    settled by the policy and performed: ack, nak or dead letter; on a shard, a "not owned"
+//!    answer also stops its consumer's fetcher pulling the partition (`ownership.rs`) until
+//!    the database owns it again;
 //! 4. the handler: `inventory_infra::NaturalKey` (`infra/src/consumers/mod.rs`), which runs
 //!    `RESERVE_SQL` (`infra/src/consumers/natural_pg.rs`) or SQLite's writer.
 //!
@@ -19,6 +21,7 @@
 
 mod lanes;
 mod message;
+mod ownership;
 pub mod policy;
 
 use std::sync::Arc;
@@ -44,6 +47,7 @@ use crate::metrics::ConsumerMetrics;
 use crate::shutdown::Shutdown;
 use lanes::{Fed, LaneState, Lanes};
 use message::Worker;
+use ownership::Ownership;
 use policy::RetryPolicy;
 
 /// Everything that says how one consumer runs.
@@ -351,6 +355,7 @@ impl ConsumerRuntime {
             lane_state: state,
             metrics,
             relay_wake: self.relay_wake,
+            ownership: Ownership::default(),
         };
         Fed {
             consumer: self.consumer,
