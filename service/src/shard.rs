@@ -18,12 +18,12 @@ use clap::Subcommand;
 use inventory_domain::BookId;
 use inventory_domain::shard::{DEFAULT_PARTITIONS, partition_of};
 use inventory_infra::db::{self, DbTimeouts, SchemaPolicy};
-use inventory_infra::shard_move::{MoveRecord, ShardRows};
-use secrecy::{ExposeSecret as _, SecretString};
 use inventory_infra::jetstream::{
     self, Claim, Context, InitSettings, Shards, Topology, partition_consumer, unroutable_consumer,
 };
 use inventory_infra::partition_owner::{PartitionOwners, Recorded};
+use inventory_infra::shard_move::{MoveRecord, ShardRows};
+use secrecy::{ExposeSecret as _, SecretString};
 use serde::Serialize;
 
 use crate::args::{DatabaseArgs, NatsArgs, TopologyArgs, secret, shown};

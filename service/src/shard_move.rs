@@ -8,9 +8,10 @@
 //! writer came first: read again. An action refused while the record still holds its step
 //! means the world is not what the move left: the mover stops, and says why, for a person.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::{Context as _, anyhow};
+use backon::BackoffBuilder as _;
 use inventory_infra::jetstream::{self, Context, Shards, Topology, partition_consumer};
 use inventory_infra::shard_move::{
     Action, MoveRecord, Next, RowsError, Seen, ShardRows, Step, Unpublished,
@@ -39,7 +40,10 @@ pub struct MoveDatabases {
 /// How often a drain looks again at the old shard's outbox.
 const DRAIN_POLL: Duration = Duration::from_millis(500);
 
-/// Runs the move of `request.partition` until it is done or aborted. Ok(true) then.
+/// Runs the move of `request.partition` until it is done or aborted. Ok(true) then. A failure
+/// of the databases or of NATS (a failover, a restart) is retried, for up to [`RETRY_FOR`]:
+/// every step is safe to repeat, and a step whose commit is unknown is read again from what it
+/// left.
 pub async fn run(
     js: &Context,
     topology: &Topology,
@@ -51,121 +55,209 @@ pub async fn run(
     // Whether this run has seen the move under way: a record found over afterwards is this
     // move's end, not a finished one to begin anew from.
     let mut under_way = false;
+    let mut failing_since = None;
+    let mut delays = RETRIES.build();
     loop {
-        let stored = shards.move_of(partition).await?;
-        let stored = match stored {
-            Some(stored) if !stored.record.is_over() => stored,
-            finished if under_way => {
-                let step = finished.map_or(Step::Done, |stored| stored.record.step);
-                println!("partition {partition}: {step}");
-                return Ok(true);
+        match turn(js, topology, shards, databases, request, &mut under_way).await {
+            Ok(Turned::Again) => {
+                failing_since = None;
+                delays = RETRIES.build();
             }
-            finished => {
-                begin(shards, databases, request, finished.map(|f| f.revision)).await?;
-                under_way = true;
-                continue;
-            }
-        };
-        under_way = true;
-        let record = &stored.record;
-        if let Some(to) = request.to.as_deref()
-            && to != record.to
-        {
-            bail!(
-                "partition {partition} is moving to {} already: run again with --to {} to \
-                 resume it, or with --abort to unwind it",
-                record.to,
-                record.to
-            );
-        }
-        check_databases(databases, record).await?;
-        if request.abort && !aborting(record.step) {
-            let aborted = record.abort()?;
-            if shards
-                .write_move(&aborted, Some(stored.revision))
-                .await?
-                .is_some()
-            {
-                println!("partition {partition}: aborting the move to {}", record.to);
-            }
-            continue;
-        }
-        let seen = Seen {
-            assigned: shards.owner(partition).await?,
-            unpublished: 0,
-        };
-        let (seen, drain) = if record.step == Step::Drain {
-            let drain = databases.from.unpublished(partition).await?;
-            (
-                Seen {
-                    unpublished: drain.rows,
-                    ..seen
-                },
-                Some(drain),
-            )
-        } else {
-            (seen, None)
-        };
-        match record.next(&seen) {
-            Next::Over => continue,
-            Next::Wait => {
-                let waiting_for = drain.as_ref().map(waiting_for);
-                if waiting_for != record.waiting_for {
-                    println!(
-                        "partition {partition}: drain: waiting for {}",
-                        waiting_for.as_deref().unwrap_or("the old shard")
-                    );
-                    let noted = MoveRecord {
-                        waiting_for,
-                        ..record.clone()
-                    };
-                    shards.write_move(&noted, Some(stored.revision)).await?;
+            Ok(Turned::Over) => return Ok(true),
+            Err(Failure::Stop(error)) => return Err(error),
+            Err(Failure::Transient(error)) => {
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                let delay = delays.next().unwrap_or(Duration::from_secs(5));
+                if since.elapsed() + delay > RETRY_FOR {
+                    return Err(error.context(format!(
+                        "partition {partition}: failing for {}; run the same command again to \
+                         resume",
+                        humantime::format_duration(RETRY_FOR)
+                    )));
                 }
-                tokio::time::sleep(DRAIN_POLL).await;
-            }
-            Next::Stuck { assigned } => bail!(
-                "partition {partition} is assigned to {}, neither {} nor {}: the move stops \
-                 here for a person to look (`inventory shard status`)",
-                assigned.as_deref().unwrap_or("no shard"),
-                record.from,
-                record.to
-            ),
-            Next::Advance(then) => {
-                if shards.write_move(&then, Some(stored.revision)).await?.is_some() {
-                    println!("partition {partition}: {} → {}", record.step, then.step);
-                }
-            }
-            Next::Do { action, then } => {
-                let done = act(js, topology, shards, databases, request, record, action).await;
-                match done {
-                    Ok(said) => {
-                        if shards.write_move(&then, Some(stored.revision)).await?.is_some() {
-                            println!("partition {partition}: {}: {said}", record.step);
-                        }
-                    }
-                    // Another writer's compare-and-set of the key came first: the next turn
-                    // reads from the key which.
-                    Err(ActError::Lost) => {}
-                    Err(refused @ ActError::Refused(_)) => {
-                        let now = shards.move_of(partition).await?;
-                        if now.is_some_and(|now| now.revision == stored.revision) {
-                            return Err(anyhow::Error::new(refused).context(format!(
-                                "partition {partition}: the move stops at {} for a person to \
-                                 look: what it found is not what it left",
-                                record.step
-                            )));
-                        }
-                    }
-                    Err(error) => {
-                        return Err(anyhow::Error::new(error).context(format!(
-                            "partition {partition}: {}; run the same command again to resume",
-                            record.step
-                        )));
-                    }
-                }
+                tracing::warn!(
+                    partition,
+                    error = format!("{error:#}"),
+                    "retrying the move's turn"
+                );
+                tokio::time::sleep(delay).await;
             }
         }
     }
+}
+
+/// How long a move retries a failing database or NATS before it stops.
+const RETRY_FOR: Duration = Duration::from_secs(120);
+
+/// After 200 ms, doubling up to 5 s.
+const RETRIES: backon::ExponentialBuilder = backon::ExponentialBuilder::new()
+    .with_min_delay(Duration::from_millis(200))
+    .with_max_delay(Duration::from_secs(5))
+    .without_max_times();
+
+/// What one turn came to.
+enum Turned {
+    Again,
+    Over,
+}
+
+/// Why a turn failed: worth another turn, or for a person.
+#[derive(Debug)]
+enum Failure {
+    Transient(anyhow::Error),
+    Stop(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(error: anyhow::Error) -> Self {
+        Self::Stop(error)
+    }
+}
+
+impl From<jetstream::NatsError> for Failure {
+    fn from(error: jetstream::NatsError) -> Self {
+        Self::Transient(error.into())
+    }
+}
+
+impl From<RowsError> for Failure {
+    fn from(error: RowsError) -> Self {
+        match error {
+            RowsError::Database(_) => Self::Transient(error.into()),
+            other => Self::Stop(other.into()),
+        }
+    }
+}
+
+/// One turn: read the record and what its step needs, act, record the next step.
+async fn turn(
+    js: &Context,
+    topology: &Topology,
+    shards: &Shards,
+    databases: &MoveDatabases,
+    request: &MoveRequest,
+    under_way: &mut bool,
+) -> Result<Turned, Failure> {
+    let partition = request.partition;
+    let stored = shards.move_of(partition).await?;
+    let stored = match stored {
+        Some(stored) if !stored.record.is_over() => stored,
+        finished if *under_way => {
+            let step = finished.map_or(Step::Done, |stored| stored.record.step);
+            println!("partition {partition}: {step}");
+            return Ok(Turned::Over);
+        }
+        finished => {
+            begin(shards, databases, request, finished.map(|f| f.revision)).await?;
+            *under_way = true;
+            return Ok(Turned::Again);
+        }
+    };
+    *under_way = true;
+    let record = &stored.record;
+    if let Some(to) = request.to.as_deref()
+        && to != record.to
+    {
+        return Err(anyhow!(
+            "partition {partition} is moving to {} already: run again with --to {} to \
+             resume it, or with --abort to unwind it",
+            record.to,
+            record.to
+        )
+        .into());
+    }
+    check_databases(databases, record).await?;
+    if request.abort && !aborting(record.step) {
+        let aborted = record.abort().map_err(anyhow::Error::from)?;
+        if shards
+            .write_move(&aborted, Some(stored.revision))
+            .await?
+            .is_some()
+        {
+            println!("partition {partition}: aborting the move to {}", record.to);
+        }
+        return Ok(Turned::Again);
+    }
+    let seen = Seen {
+        assigned: shards.owner(partition).await?,
+        unpublished: 0,
+    };
+    let (seen, drain) = if record.step == Step::Drain {
+        let drain = databases.from.unpublished(partition).await?;
+        (
+            Seen {
+                unpublished: drain.rows,
+                ..seen
+            },
+            Some(drain),
+        )
+    } else {
+        (seen, None)
+    };
+    match record.next(&seen) {
+        Next::Over => {}
+        Next::Wait => {
+            let waiting_for = drain.as_ref().map(waiting_for);
+            if waiting_for != record.waiting_for {
+                println!(
+                    "partition {partition}: drain: waiting for {}",
+                    waiting_for.as_deref().unwrap_or("the old shard")
+                );
+                let noted = MoveRecord {
+                    waiting_for,
+                    ..record.clone()
+                };
+                shards.write_move(&noted, Some(stored.revision)).await?;
+            }
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+        Next::Stuck { assigned } => Err(anyhow!(
+            "partition {partition} is assigned to {}, neither {} nor {}: the move stops \
+             here for a person to look (`inventory shard status`)",
+            assigned.as_deref().unwrap_or("no shard"),
+            record.from,
+            record.to
+        ))?,
+        Next::Advance(then) => {
+            if shards
+                .write_move(&then, Some(stored.revision))
+                .await?
+                .is_some()
+            {
+                println!("partition {partition}: {} → {}", record.step, then.step);
+            }
+        }
+        Next::Do { action, then } => {
+            let done = act(js, topology, shards, databases, request, record, action).await;
+            match done {
+                Ok(said) => {
+                    if shards
+                        .write_move(&then, Some(stored.revision))
+                        .await?
+                        .is_some()
+                    {
+                        println!("partition {partition}: {}: {said}", record.step);
+                    }
+                }
+                // Another writer's compare-and-set of the key came first: the next turn
+                // reads from the key which.
+                Err(ActError::Lost) => {}
+                Err(refused @ ActError::Refused(_)) => {
+                    let now = shards.move_of(partition).await?;
+                    if now.is_some_and(|now| now.revision == stored.revision) {
+                        return Err(Failure::Stop(anyhow::Error::new(refused).context(format!(
+                            "partition {partition}: the move stops at {} for a person to \
+                                 look: what it found is not what it left",
+                            record.step
+                        ))));
+                    }
+                }
+                Err(ActError::Rows(error)) => return Err(error.into()),
+                Err(ActError::Nats(error)) => return Err(error.into()),
+            }
+        }
+    }
+    Ok(Turned::Again)
 }
 
 /// Creates the move's record, or replaces a finished one at `finished`'s revision.
@@ -174,25 +266,27 @@ async fn begin(
     databases: &MoveDatabases,
     request: &MoveRequest,
     finished: Option<u64>,
-) -> anyhow::Result<()> {
+) -> Result<(), Failure> {
     let partition = request.partition;
     if request.abort {
-        bail!("partition {partition} has no move under way to abort");
+        return Err(anyhow!("partition {partition} has no move under way to abort").into());
     }
     let to = request
         .to
         .as_deref()
         .with_context(|| format!("--to NAME: the shard to move partition {partition} to"))?;
     if partition >= shards.partitions().get() {
-        bail!(
+        return Err(anyhow!(
             "the stream has {} partitions, 0-{}: {partition} is not among them",
             shards.partitions(),
             shards.partitions().get() - 1
-        );
+        )
+        .into());
     }
     let assigned = shards.owner(partition).await?;
     let owner_row = databases.from.owner(partition).await?;
-    let record = MoveRecord::begin(partition, to, assigned, owner_row)?;
+    let record =
+        MoveRecord::begin(partition, to, assigned, owner_row).map_err(anyhow::Error::from)?;
     check_databases(databases, &record).await?;
     if shards.write_move(&record, finished).await?.is_some() {
         println!(
@@ -205,17 +299,18 @@ async fn begin(
 
 /// The databases named must be the record's shards': neither holds partitions under another
 /// shard's name.
-async fn check_databases(databases: &MoveDatabases, record: &MoveRecord) -> anyhow::Result<()> {
+async fn check_databases(databases: &MoveDatabases, record: &MoveRecord) -> Result<(), Failure> {
     for (flag, rows, shard) in [
         ("--from-database-url", &databases.from, &record.from),
         ("--to-database-url", &databases.to, &record.to),
     ] {
         let others = rows.other_names(shard).await?;
         if !others.is_empty() {
-            bail!(
+            return Err(anyhow!(
                 "{flag} names the database of shard {}, not of shard {shard}",
                 others.join(", ")
-            );
+            )
+            .into());
         }
     }
     Ok(())
@@ -235,7 +330,10 @@ fn waiting_for(drain: &Unpublished) -> String {
         said.push_str(&format!(
             ", {} parked ({}): `inventory outbox retry` after fixing it",
             drain.parked,
-            drain.parked_reason.as_deref().unwrap_or("no reason recorded")
+            drain
+                .parked_reason
+                .as_deref()
+                .unwrap_or("no reason recorded")
         ));
     }
     said
@@ -343,10 +441,16 @@ async fn act(
             {
                 return Err(ActError::Lost);
             }
-            format!("assigned to {} again: the hand-over cannot happen", record.from)
+            format!(
+                "assigned to {} again: the hand-over cannot happen",
+                record.from
+            )
         }
         Action::Unfence => {
-            databases.from.unfence(partition, (epoch, new_epoch)).await?;
+            databases
+                .from
+                .unfence(partition, (epoch, new_epoch))
+                .await?;
             format!("{} active again at epoch {new_epoch}", record.from)
         }
         Action::DropCopy => {

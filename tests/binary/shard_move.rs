@@ -90,7 +90,14 @@ async fn shard_move_takes_a_partition_with_its_rows_once_the_old_shards_events_a
     let book = a.dune(10).await;
     let partition = partition_of(book, P);
     let assigned = run
-        .command(&["shard", "assign", "--partitions", &partition.to_string(), "--to", "a"])
+        .command(&[
+            "shard",
+            "assign",
+            "--partitions",
+            &partition.to_string(),
+            "--to",
+            "a",
+        ])
         .env("DATABASE_URL", &a.url)
         .output()
         .unwrap();
@@ -110,7 +117,12 @@ async fn shard_move_takes_a_partition_with_its_rows_once_the_old_shards_events_a
     let consumer = partition_consumer("inventory-reserve-stock", partition, P);
 
     // No relay runs here: the reservation's event waits in a's outbox, and the drain for it.
-    let moving = spawned(mover(&run, a, &b, &["--partition", &partition.to_string(), "--to", "b"]));
+    let moving = spawned(mover(
+        &run,
+        a,
+        &b,
+        &["--partition", &partition.to_string(), "--to", "b"],
+    ));
     let line = status_line(&run, partition, |line| line.contains("waiting for"));
     assert!(line.contains("a -> b: drain"), "{line}");
     assert!(line.contains("1 unpublished event"), "{line}");
@@ -124,7 +136,10 @@ async fn shard_move_takes_a_partition_with_its_rows_once_the_old_shards_events_a
     let line = status_line(&run, partition, |line| line.contains("parked"));
     assert!(line.contains("too large to publish"), "{line}");
     // As the relay does once an operator retried the row and it went out.
-    a.conn.execute_unprepared("DELETE FROM outbox").await.unwrap();
+    a.conn
+        .execute_unprepared("DELETE FROM outbox")
+        .await
+        .unwrap();
     let (status, output) = binary::ended(moving);
     assert!(status.success(), "{output}");
     for said in [
@@ -140,21 +155,43 @@ async fn shard_move_takes_a_partition_with_its_rows_once_the_old_shards_events_a
     }
 
     assert_eq!(owner(a, partition).await, None);
-    assert_eq!(owner(&b, partition).await, Some(("b".to_owned(), 2, "active".to_owned())));
+    assert_eq!(
+        owner(&b, partition).await,
+        Some(("b".to_owned(), 2, "active".to_owned()))
+    );
     assert_eq!(b.reserved(book).await, 2);
     assert_eq!(a.scalar("SELECT count(*) FROM stock_reservations").await, 0);
-    assert!(!paused(&run, &consumer).await, "the consumer is still paused");
+    assert!(
+        !paused(&run, &consumer).await,
+        "the consumer is still paused"
+    );
     let of = run.run(&["shard", "of", "--book-id", &book.to_string()]);
-    assert!(String::from_utf8_lossy(&of.stdout).trim().ends_with("shard b"), "{of:?}");
+    assert!(
+        String::from_utf8_lossy(&of.stdout)
+            .trim()
+            .ends_with("shard b"),
+        "{of:?}"
+    );
     let line = status_line(&run, partition, |_| true);
-    assert!(line.trim_end().ends_with('-'), "a finished move still shown: {line}");
+    assert!(
+        line.trim_end().ends_with('-'),
+        "a finished move still shown: {line}"
+    );
 
     // Run again: the move is over, and the partition is b's already.
-    let again = mover(&run, a, &b, &["--partition", &partition.to_string(), "--to", "b"])
-        .output()
-        .unwrap();
+    let again = mover(
+        &run,
+        a,
+        &b,
+        &["--partition", &partition.to_string(), "--to", "b"],
+    )
+    .output()
+    .unwrap();
     assert_eq!(again.status.code(), Some(1), "{again:?}");
-    assert!(String::from_utf8_lossy(&again.stderr).contains("on shard b already"), "{again:?}");
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("on shard b already"),
+        "{again:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,7 +204,14 @@ async fn shard_move_abort_before_the_hand_over_leaves_the_partition_where_it_was
     let book: BookId = a.dune(10).await;
     let partition = partition_of(book, P);
     let assigned = run
-        .command(&["shard", "assign", "--partitions", &partition.to_string(), "--to", "a"])
+        .command(&[
+            "shard",
+            "assign",
+            "--partitions",
+            &partition.to_string(),
+            "--to",
+            "a",
+        ])
         .env("DATABASE_URL", &a.url)
         .output()
         .unwrap();
@@ -185,13 +229,17 @@ async fn shard_move_abort_before_the_hand_over_leaves_the_partition_where_it_was
 
     let moving = spawned(mover(&run, a, &b, &["--partition", &p, "--to", "b"]));
     status_line(&run, partition, |line| line.contains("waiting for"));
-    let elsewhere = mover(&run, a, &b, &["--partition", &p, "--to", "c"]).output().unwrap();
+    let elsewhere = mover(&run, a, &b, &["--partition", &p, "--to", "c"])
+        .output()
+        .unwrap();
     assert_eq!(elsewhere.status.code(), Some(1), "{elsewhere:?}");
     assert!(
         String::from_utf8_lossy(&elsewhere.stderr).contains("moving to b already"),
         "{elsewhere:?}"
     );
-    let abort = mover(&run, a, &b, &["--partition", &p, "--abort"]).output().unwrap();
+    let abort = mover(&run, a, &b, &["--partition", &p, "--abort"])
+        .output()
+        .unwrap();
     assert!(abort.status.success(), "{abort:?}");
     let said = String::from_utf8_lossy(&abort.stdout).into_owned();
     assert!(said.trim_end().ends_with("aborted"), "{said}");
@@ -204,7 +252,10 @@ async fn shard_move_abort_before_the_hand_over_leaves_the_partition_where_it_was
         "{said}{output}"
     );
 
-    assert_eq!(owner(a, partition).await, Some(("a".to_owned(), 2, "active".to_owned())));
+    assert_eq!(
+        owner(a, partition).await,
+        Some(("a".to_owned(), 2, "active".to_owned()))
+    );
     assert_eq!(owner(&b, partition).await, None);
     assert_eq!(b.scalar("SELECT count(*) FROM stock_items").await, 0);
     assert_eq!(a.reserved(book).await, 3);
@@ -216,8 +267,13 @@ async fn shard_move_abort_before_the_hand_over_leaves_the_partition_where_it_was
         "the old shard decides again"
     );
     let consumer = partition_consumer("inventory-reserve-stock", partition, P);
-    assert!(!paused(&run, &consumer).await, "the consumer is still paused");
-    let none = mover(&run, a, &b, &["--partition", &p, "--abort"]).output().unwrap();
+    assert!(
+        !paused(&run, &consumer).await,
+        "the consumer is still paused"
+    );
+    let none = mover(&run, a, &b, &["--partition", &p, "--abort"])
+        .output()
+        .unwrap();
     assert_eq!(none.status.code(), Some(1), "{none:?}");
     assert!(
         String::from_utf8_lossy(&none.stderr).contains("no move under way"),

@@ -166,13 +166,23 @@ async fn a_fence_waits_for_a_placement_ahead_of_it_and_the_copy_holds_its_decisi
     assert!(reserved(&on_b.handle(&newcomer).await));
 
     // The old shard before and after its rows are removed: not owned, both.
-    assert!(not_owned(&on_a.handle(&placed_for(OrderId::new_v7(), shards.book, 1)).await));
+    assert!(not_owned(
+        &on_a
+            .handle(&placed_for(OrderId::new_v7(), shards.book, 1))
+            .await
+    ));
     let removed = rows_a.remove(shards.partition, 1).await.unwrap();
     assert_eq!((removed.books, removed.reservations), (1, 1));
     assert!(not_owned(&on_a.handle(&placement).await));
     assert!(not_owned(&on_a.handle(&newcomer).await));
-    assert_eq!(count(&shards.a, "SELECT count(*) FROM stock_items").await, 0);
-    assert_eq!(count(&shards.a, "SELECT count(*) FROM partition_owner").await, 0);
+    assert_eq!(
+        count(&shards.a, "SELECT count(*) FROM stock_items").await,
+        0
+    );
+    assert_eq!(
+        count(&shards.a, "SELECT count(*) FROM partition_owner").await,
+        0
+    );
 
     assert_eq!(shards.b.reserved(shards.book).await, 3);
     assert_eq!(
@@ -279,11 +289,20 @@ async fn a_cancellation_that_came_first_on_the_old_shard_wins_on_the_new_one() {
             .unwrap(),
         Outcome::Processed(Effect::ArrivedAfterCancellation)
     ));
-    assert_eq!(on_b.handle(&late_placement).await.unwrap(), Outcome::Duplicate);
-    assert_eq!(on_b.handle(&early_cancel).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(
+        on_b.handle(&late_placement).await.unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(
+        on_b.handle(&early_cancel).await.unwrap(),
+        Outcome::Duplicate
+    );
     assert_eq!(shards.b.reserved(shards.book).await, 0);
     let released = "SELECT count(*) FROM outbox WHERE subject = 'stock.released'";
-    assert_eq!(count(&shards.a, released).await + count(&shards.b, released).await, 1);
+    assert_eq!(
+        count(&shards.a, released).await + count(&shards.b, released).await,
+        1
+    );
     let reserved_events = "SELECT count(*) FROM outbox WHERE subject = 'stock.reserved'";
     assert_eq!(
         count(&shards.a, reserved_events).await + count(&shards.b, reserved_events).await,
@@ -383,12 +402,19 @@ async fn each_step_is_refused_unless_the_move_left_what_it_expects_and_repeats_s
     let shards = Shards::new().await;
     let (a, b) = shards.rows();
     let (on_a, _) = shards.handlers();
-    assert!(reserved(&on_a.handle(&placed_for(OrderId::new_v7(), shards.book, 1)).await));
+    assert!(reserved(
+        &on_a
+            .handle(&placed_for(OrderId::new_v7(), shards.book, 1))
+            .await
+    ));
     let p = shards.partition;
 
     let early = b.copy_from(&a, p, (1, 2), "b").await;
     assert!(matches!(early, Err(RowsError::Refused(_))), "{early:?}");
-    assert_eq!(count(&shards.b, "SELECT count(*) FROM stock_items").await, 0);
+    assert_eq!(
+        count(&shards.b, "SELECT count(*) FROM stock_items").await,
+        0
+    );
 
     a.fence(p, 1, GRACE).await.unwrap();
     a.fence(p, 1, GRACE).await.unwrap();
@@ -396,7 +422,10 @@ async fn each_step_is_refused_unless_the_move_left_what_it_expects_and_repeats_s
     // Again, as a mover that crashed after the copy's commit would: the same rows, once.
     let again = b.copy_from(&a, p, (1, 2), "b").await.unwrap();
     assert_eq!((again.books, again.reservations), (1, 1));
-    assert_eq!(count(&shards.b, "SELECT count(*) FROM stock_reservations").await, 1);
+    assert_eq!(
+        count(&shards.b, "SELECT count(*) FROM stock_reservations").await,
+        1
+    );
 
     // The abort: unfenced at the next epoch, the copy dropped; then a late copy is refused.
     a.unfence(p, (1, 2)).await.unwrap();
@@ -404,12 +433,25 @@ async fn each_step_is_refused_unless_the_move_left_what_it_expects_and_repeats_s
     b.drop_copy(p).await.unwrap();
     let late = b.copy_from(&a, p, (1, 2), "b").await;
     assert!(matches!(late, Err(RowsError::Refused(_))), "{late:?}");
-    assert_eq!(count(&shards.b, "SELECT count(*) FROM stock_items").await, 0);
-    assert_eq!(count(&shards.b, "SELECT count(*) FROM partition_owner").await, 0);
-    assert!(reserved(&on_a.handle(&placed_for(OrderId::new_v7(), shards.book, 1)).await));
+    assert_eq!(
+        count(&shards.b, "SELECT count(*) FROM stock_items").await,
+        0
+    );
+    assert_eq!(
+        count(&shards.b, "SELECT count(*) FROM partition_owner").await,
+        0
+    );
+    assert!(reserved(
+        &on_a
+            .handle(&placed_for(OrderId::new_v7(), shards.book, 1))
+            .await
+    ));
     // A late fence of the aborted move matches nothing either.
     let stale_fence = a.fence(p, 1, GRACE).await;
-    assert!(matches!(stale_fence, Err(RowsError::Refused(_))), "{stale_fence:?}");
+    assert!(
+        matches!(stale_fence, Err(RowsError::Refused(_))),
+        "{stale_fence:?}"
+    );
     assert_eq!(
         a.owner(p).await.unwrap(),
         Some(OwnerRow {

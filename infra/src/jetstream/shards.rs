@@ -301,7 +301,9 @@ impl Shards {
             .store
             .entry(partition_key(partition))
             .await
-            .map_err(nats_error(format!("reading the owner of partition {partition}")))?;
+            .map_err(nats_error(format!(
+                "reading the owner of partition {partition}"
+            )))?;
         Ok(entry
             .filter(|entry| entry.operation == Operation::Put)
             .map(|entry| owner_of(&entry)))
@@ -341,7 +343,10 @@ impl Shards {
             return Ok(None);
         };
         let record = serde_json::from_slice(&entry.value).map_err(|error| {
-            NatsError::found(doing(), format!("a move record that does not parse: {error}"))
+            NatsError::found(
+                doing(),
+                format!("a move record that does not parse: {error}"),
+            )
         })?;
         Ok(Some(StoredMove {
             record,
@@ -483,7 +488,11 @@ pub async fn pause_consumer(
         return Ok(false);
     }
     let doing = || {
-        let what = if pause.is_some() { "pausing" } else { "resuming" };
+        let what = if pause.is_some() {
+            "pausing"
+        } else {
+            "resuming"
+        };
         format!("{what} consumer {name}")
     };
     let stream = js

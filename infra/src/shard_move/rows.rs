@@ -168,7 +168,9 @@ impl ShardRows {
     async fn end_idle_blockers(&self, pid: i32, grace: Duration) -> Result<(), RowsError> {
         let idle: Vec<i32> = sqlx::query_scalar(IDLE_BLOCKERS_SQL)
             .bind(pid)
-            .bind(f64::from(u32::try_from(grace.as_millis()).unwrap_or(u32::MAX)))
+            .bind(f64::from(
+                u32::try_from(grace.as_millis()).unwrap_or(u32::MAX),
+            ))
             .fetch_all(&self.pool)
             .await?;
         for blocker in idle {
@@ -272,14 +274,13 @@ impl ShardRows {
         .bind(&books)
         .fetch_all(&mut *txn)
         .await?;
-        let line_cancellations: Vec<(Uuid, Uuid, DateTime<FixedOffset>, String)> =
-            sqlx::query_as(
-                "SELECT order_id, book_id, cancelled_at, cancel_message_id \
+        let line_cancellations: Vec<(Uuid, Uuid, DateTime<FixedOffset>, String)> = sqlx::query_as(
+            "SELECT order_id, book_id, cancelled_at, cancel_message_id \
                  FROM line_cancellations WHERE book_id = ANY($1)",
-            )
-            .bind(&books)
-            .fetch_all(&mut *txn)
-            .await?;
+        )
+        .bind(&books)
+        .fetch_all(&mut *txn)
+        .await?;
         let order_cancellations: Vec<(Uuid, DateTime<FixedOffset>, Option<String>)> =
             sqlx::query_as(
                 "SELECT order_id, cancelled_at, cancel_message_id FROM order_states \
@@ -365,8 +366,14 @@ impl ShardRows {
         .execute(&mut *txn)
         .await?;
         if unfenced.rows_affected() == 0 {
-            expect_owner(&mut txn, partition, new_epoch, OwnerState::Active, "the unfence")
-                .await?;
+            expect_owner(
+                &mut txn,
+                partition,
+                new_epoch,
+                OwnerState::Active,
+                "the unfence",
+            )
+            .await?;
         }
         txn.commit().await?;
         Ok(())
