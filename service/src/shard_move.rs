@@ -41,7 +41,7 @@ pub struct MoveDatabases {
 const DRAIN_POLL: Duration = Duration::from_millis(500);
 
 /// Runs the move of `request.partition` until it is done or aborted. Ok(true) then. A failure
-/// of the databases or of NATS (a failover, a restart) is retried, for up to [`RETRY_FOR`]:
+/// of the databases or of NATS (a failover, a restart) is retried, for up to two minutes:
 /// every step is safe to repeat, and a step whose commit is unknown is read again from what it
 /// left.
 pub async fn run(
