@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use inventory_benches::produce::Produce as _;
 use inventory_domain::shard::partition_of;
-use inventory_domain::{BookId, ConsumerName, Message, OrderId};
+use inventory_domain::{BookId, Message, OrderId};
 use inventory_infra::jetstream::partition_consumer;
 use inventory_infra::{MessageHandler, NaturalKey};
 use inventory_tests::binary::{self, BinaryRun};
-use inventory_tests::{Backend, TestDb, placed_for};
+use inventory_tests::{Backend, TestDb, on_shard, placed_for};
 use sea_orm::ConnectionTrait as _;
 
 const P: NonZeroU32 = NonZeroU32::new(8).unwrap();
@@ -62,6 +62,29 @@ async fn paused(run: &BinaryRun, consumer: &str) -> bool {
     stream.consumer_info(consumer).await.unwrap().paused
 }
 
+/// A book with 10 copies on the run's database, its partition assigned to shard `a` there, a
+/// handler of that shard, and a fresh database for shard `b`, labelled `label`.
+async fn shard_a_with_a_book(run: &BinaryRun, label: &str) -> (TestDb, BookId, u32, NaturalKey) {
+    let a = &run.db;
+    let b = TestDb::labelled(Backend::Postgres, label).await;
+    let book = a.dune(10).await;
+    let partition = partition_of(book, P);
+    let assigned = run
+        .command(&[
+            "shard",
+            "assign",
+            "--partitions",
+            &partition.to_string(),
+            "--to",
+            "a",
+        ])
+        .env("DATABASE_URL", &a.url)
+        .output()
+        .unwrap();
+    assert!(assigned.status.success(), "{assigned:?}");
+    (b, book, partition, on_shard(a, P))
+}
+
 async fn owner(db: &TestDb, partition: u32) -> Option<(String, i64, String)> {
     let row = db
         .conn
@@ -86,25 +109,7 @@ async fn shard_move_takes_a_partition_with_its_rows_once_the_old_shards_events_a
         return;
     };
     let a = &run.db;
-    let b = TestDb::labelled(Backend::Postgres, "shard_move_b").await;
-    let book = a.dune(10).await;
-    let partition = partition_of(book, P);
-    let assigned = run
-        .command(&[
-            "shard",
-            "assign",
-            "--partitions",
-            &partition.to_string(),
-            "--to",
-            "a",
-        ])
-        .env("DATABASE_URL", &a.url)
-        .output()
-        .unwrap();
-    assert!(assigned.status.success(), "{assigned:?}");
-    let on_a = NaturalKey::new(&a.conn, ConsumerName::parse("move-test").unwrap())
-        .on_shard(P)
-        .unwrap();
+    let (b, book, partition, on_a) = shard_a_with_a_book(&run, "shard_move_b").await;
     let kept = placed_for(OrderId::new_v7(), book, 2);
     assert!(on_a.handle(&kept).await.unwrap().processed());
     let cancelled = OrderId::new_v7();
@@ -200,25 +205,7 @@ async fn shard_move_abort_before_the_hand_over_leaves_the_partition_where_it_was
         return;
     };
     let a = &run.db;
-    let b = TestDb::labelled(Backend::Postgres, "shard_move_abort_b").await;
-    let book: BookId = a.dune(10).await;
-    let partition = partition_of(book, P);
-    let assigned = run
-        .command(&[
-            "shard",
-            "assign",
-            "--partitions",
-            &partition.to_string(),
-            "--to",
-            "a",
-        ])
-        .env("DATABASE_URL", &a.url)
-        .output()
-        .unwrap();
-    assert!(assigned.status.success(), "{assigned:?}");
-    let on_a = NaturalKey::new(&a.conn, ConsumerName::parse("move-test").unwrap())
-        .on_shard(P)
-        .unwrap();
+    let (b, book, partition, on_a) = shard_a_with_a_book(&run, "shard_move_abort_b").await;
     assert!(
         on_a.handle(&placed_for(OrderId::new_v7(), book, 3))
             .await

@@ -10,7 +10,7 @@ use std::time::Duration;
 use inventory_benches::faults::hold_once_at;
 use inventory_benches::produce::Produce as _;
 use inventory_domain::shard::{DEFAULT_PARTITIONS, partition_of};
-use inventory_domain::{BookId, ConsumerName, Effect, Message, OrderId, Outcome};
+use inventory_domain::{BookId, Effect, Message, OrderId, Outcome};
 use inventory_infra::shard_move::{OwnerRow, OwnerState, RowsError, ShardRows};
 use inventory_infra::{CrashPoint, HandleError, MessageHandler, NaturalKey};
 use inventory_tests::{Backend, TestDb, placed_for};
@@ -85,9 +85,7 @@ impl Shards {
 }
 
 fn on_shard(db: &TestDb) -> NaturalKey {
-    NaturalKey::new(&db.conn, ConsumerName::parse("move-test").unwrap())
-        .on_shard(PARTITIONS)
-        .expect("PostgreSQL can be a shard")
+    inventory_tests::on_shard(db, PARTITIONS)
 }
 
 fn not_owned(result: &Result<Outcome, HandleError>) -> bool {

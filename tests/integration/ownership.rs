@@ -52,9 +52,7 @@ async fn own(db: &TestDb, book: BookId, state: &str) {
 }
 
 fn on_shard(db: &TestDb) -> NaturalKey {
-    NaturalKey::new(&db.conn, ConsumerName::parse("shard-test").unwrap())
-        .on_shard(PARTITIONS)
-        .expect("PostgreSQL can be a shard")
+    inventory_tests::on_shard(db, PARTITIONS)
 }
 
 fn not_owned(result: &Result<Outcome, HandleError>) -> bool {

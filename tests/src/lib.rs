@@ -211,6 +211,14 @@ pub(crate) fn run_to_end_from_drop(work: impl Future<Output = ()> + Send + 'stat
     .join();
 }
 
+/// The natural key on `db` as a shard of an orders stream of `partitions` partitions: it decides
+/// only the partitions `db`'s `partition_owner` holds active.
+pub fn on_shard(db: &TestDb, partitions: std::num::NonZeroU32) -> inventory_infra::NaturalKey {
+    inventory_infra::NaturalKey::new(&db.conn, ConsumerName::parse("shard-test").unwrap())
+        .on_shard(partitions)
+        .expect("PostgreSQL can be a shard")
+}
+
 /// Handles `message` with the handler `with_faults` makes to die once at `point`, and checks
 /// that the crash came back as the error: where the redelivery tests start.
 pub async fn crash_at<H: MessageHandler>(
