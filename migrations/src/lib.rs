@@ -32,8 +32,8 @@
 //!   line's OrderCancelled, made once: the orders producer cancels an order line by line.
 //! - `m20261206_000014_add_outbox_shard_partition`: on both outbox tables, each event's
 //!   partition of the orders stream on a shard (NULL unsharded).
-//! - `m20261207_000015_index_reservations_by_book`: `stock_reservations` by book then order, which a
-//!   partition's move reads, copies and deletes by.
+//! - `m20261207_000015_index_reservations_by_book`: `stock_reservations` by book then order,
+//!   which a partition's move reads, copies and deletes by.
 
 pub use sea_orm_migration::prelude::*;
 
