@@ -67,6 +67,11 @@ fn server_binaries() -> Vec<PathBuf> {
 /// A nats-server binary of 2.10 or later (stream subject transforms, which sharding needs), or
 /// why there is none: the fast tier also runs where `NATS_SERVER_BIN` is Debian's 2.9.10.
 pub fn binary_since_2_10() -> Result<PathBuf, String> {
+    // scripts/test.sh runs the fast tier twice at once, on the shared server of each version; a
+    // test on a server of its own would run the same twice, so one pass leaves it to the other.
+    if std::env::var_os("INVENTORY_TESTS_OWN_SERVERS_IN_OTHER_PASS").is_some() {
+        return Err("run by the fast tier's other pass, on the same server binary".to_owned());
+    }
     server_binaries()
         .into_iter()
         .find(|bin| binary_version(bin).is_some_and(|version| version >= (2, 10)))
