@@ -191,8 +191,9 @@ fn variables(text: &str) -> impl Iterator<Item = String> + '_ {
 
 /// Variables the documents name that are no setting of a command: the scripts' and the tests'
 /// own, the NATS server configuration's, and those testing.md names as never read.
-const NOT_SETTINGS: [&str; 6] = [
+const NOT_SETTINGS: [&str; 7] = [
     "INVENTORY_BIN",
+    "INVENTORY_TESTS_OWN_SERVERS_IN_OTHER_PASS",
     "INVENTORY_IMAGE_PROFILE",
     "INVENTORY_MODEL_SECONDS",
     "INVENTORY_OPERATOR_NATS_PASSWORD",
