@@ -4,8 +4,8 @@
 //! [`RESERVATIONS`] reservations of [`BOOKS`] books (every 1,000th released, with its line
 //! cancellation), put there by SQL. `inventory shard move --partition P --to b` moves it to
 //! shard b, whose database lives on the Patroni pair (tests/src/patroni.rs) and which the mover
-//! reaches only through HAProxy. Once the mover says the fence committed, the copy into b is
-//! next, and b's leader host is killed (its Patroni and PostgreSQL SIGKILLed): Patroni promotes
+//! reaches only through HAProxy. Once the copy's transaction is open on b's leader (the move's
+//! advisory lock held there), b's leader host is killed (its Patroni and PostgreSQL SIGKILLed): Patroni promotes
 //! the synchronous standby once the leader's lease expires, HAProxy follows it, and the mover,
 //! which retries a failing database for up to two minutes, goes on. Should it stop all the
 //! same, the same command run again must finish the move (it resumes from the record).
@@ -74,6 +74,7 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
     let fenced = mover
         .until(|line| line.contains(": fence:"), Duration::from_secs(60))
         .await;
+    let copying = until_copying(&pair, &mut mover).await;
     let killed = Instant::now();
     let old_leader = pair.kill_leader().await;
     let new_leader = pair.wait_for_leader_other_than(old_leader, PROMOTION).await;
@@ -82,7 +83,9 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
     let ran_again = if first.success {
         None
     } else {
-        // It stopped: the same command again resumes from the record.
+        // It stopped: the same command again resumes from the record, once b takes writes
+        // through HAProxy (the command does not retry opening its databases at start).
+        until_writable(&b.url).await;
         let mut again = Mover::spawn(
             run.command(&["shard", "move", "--partition", &p, "--to", "b"]),
             &a.url,
@@ -98,6 +101,16 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
             again.stdout,
             again.stderr,
             pair.logs()
+        );
+        // A mover may stop once it has retried for its two minutes; one that stops sooner
+        // broke that promise, even though running it again finished the move.
+        assert!(
+            first
+                .stderr
+                .contains("run the same command again to resume"),
+            "the mover stopped before retrying for its two minutes:\n{}\n{}",
+            first.stdout,
+            first.stderr
         );
         Some(again)
     };
@@ -148,13 +161,23 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
     assert_eq!(move_record(&run).await.step, Step::Done);
 
     let retries = first.stderr.matches("retrying the move's turn").count();
+    let first_error = first
+        .stderr
+        .lines()
+        .find(|line| line.contains("retrying the move's turn"))
+        .unwrap_or("none");
     eprintln!(
         "[patroni move] pair ready in {:.1} s; {RESERVATIONS} reservations of {BOOKS} books; \
-         {old_leader} (b's leader) killed {:.2?} after the mover started, at its line {fenced:?}; \
+         {old_leader} (b's leader) killed {:.2?} after the mover started, after its line {fenced:?}, {}; \
          Patroni promoted {new_leader} {promoted:.1?} after the kill; the move finished \
-         {moved_in:.1?} after the kill, {}; the whole test {:.1?}\n{}",
+         {moved_in:.1?} after the kill, {}; the whole test {:.1?}; its first retry: {first_error}\n{}",
         pair.time_to_ready().as_secs_f64(),
         killed - mover.started,
+        if copying {
+            "while the copy's transaction was open on it"
+        } else {
+            "once the copy had committed"
+        },
         match &ran_again {
             None => format!("on its own, after {retries} retried turn(s)"),
             Some(_) =>
@@ -198,6 +221,43 @@ async fn put_rows(db: &DatabaseConnection, books: &[BookId]) {
     ))
     .await
     .expect("the partition's rows on a");
+}
+
+/// The advisory lock the copy takes on the new shard for its whole transaction (`MOVE_LOCK` in
+/// infra/src/shard_move/rows.rs).
+const MOVE_LOCK: i64 = 1_265_079_457;
+
+/// Waits until the copy's transaction is open on b's leader (its advisory lock held), or the
+/// mover says the copy is done: whether the copy was under way.
+async fn until_copying(pair: &PatroniPair, mover: &mut Mover) -> bool {
+    let leader = pair.leader().await.expect("b's leader");
+    let direct = connect(&pair.node_url(leader))
+        .await
+        .expect("b's leader, bypassing HAProxy");
+    let sql = format!(
+        "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND classid = {MOVE_LOCK} \
+         AND objid = {PARTITION} AND granted"
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let held: i64 = query(&direct, &sql).await[0].try_get("", "n").unwrap();
+        if held > 0 {
+            return true;
+        }
+        if mover
+            .try_lines()
+            .iter()
+            .any(|line| line.contains(": copy:"))
+        {
+            return false;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the copy never began: {:?}",
+            mover.seen
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// What a database holds of the partition (all its rows here are the partition's).
@@ -281,6 +341,26 @@ async fn owner(db: &DatabaseConnection) -> Option<(String, i64, String)> {
     })
 }
 
+/// Waits until `url` (through HAProxy) leads to a primary, within [`PROMOTION`].
+async fn until_writable(url: &str) {
+    let deadline = Instant::now() + PROMOTION;
+    loop {
+        if let Some(db) = connect(url).await
+            && let Ok(Some(row)) = db
+                .query_one_raw(Statement::from_string(
+                    DbBackend::Postgres,
+                    "SELECT pg_is_in_recovery() AS r",
+                ))
+                .await
+            && row.try_get::<bool>("", "r") == Ok(false)
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{url} never took writes");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The move's record, `move.<P>` in the assignment's bucket.
 async fn move_record(run: &BinaryRun) -> MoveRecord {
     let client = async_nats::connect(&run.nats_url).await.unwrap();
@@ -359,6 +439,16 @@ impl Mover {
                 return line.1;
             }
         }
+    }
+
+    /// The lines that came since the last look, kept.
+    fn try_lines(&mut self) -> Vec<String> {
+        let mut new = Vec::new();
+        while let Ok(line) = self.lines.try_recv() {
+            new.push(line.1.clone());
+            self.seen.push(line);
+        }
+        new
     }
 
     /// Waits for the mover to end (within [`MOVER_ENDS`]).
