@@ -20,7 +20,9 @@
 # publish-rate`, the study binary) from 5 s before the move until LOAD_SECONDS after its start,
 # served by `serve --shard a` on a and `serve --shard b` on b (started again whenever it exits,
 # as its supervisor would: it stops when the assignment changes). The move's drain then waits
-# for a's relay. Checked too: every placement reserved exactly once, on b, and no dead letter.
+# for a's relay. Checked too: every placement reserved exactly once, on b, and no dead letter;
+# reported: the longest a placement waited from its publication (its order id is a UUIDv7) to
+# its reservation.
 #
 #   scripts/bench-move.sh [reservations, default 100000] [books, default 100] [runs, default 3]
 #
@@ -196,6 +198,12 @@ for run in $(seq 1 "$runs"); do
   owner_a=$(psql "$(url_of "$a")" -AtqX -c "SELECT count(*) FROM partition_owner")
   missing=$(psql "$(url_of "$b")" -AtqX -c "SELECT order_id || ' ' || book_id FROM stock_reservations" |
     sort | comm -23 "$work/keys-a" - | wc -l)
+  # The longest a placement waited: its order id is a UUIDv7, made when it was published
+  # (milliseconds in its first 48 bits), its reservation's created_at when it was decided.
+  waited=$(psql "$(url_of "$b")" -AtqX -c "
+    SELECT coalesce(round(extract(epoch FROM max(created_at - to_timestamp(
+             ('x' || substr(replace(order_id::text, '-', ''), 1, 12))::bit(48)::bigint / 1000.0)))::numeric, 2), 0)
+    FROM stock_reservations WHERE message_id NOT LIKE 'bench-move-%'")
   dead=$(stream_messages DLQ)
   check=ok
   if [ "$owner_b" != "b 2 active" ] || [ "$owner_a" != 0 ] || [ "$left" != 0 ] || [ "$missing" != 0 ] ||
@@ -211,7 +219,7 @@ books out of balance $unbalanced, dead letters $dead"
 
   # The step times: each line's time minus the one before (the first: from the start).
   row=$(awk -v start="$start" -v end="$end" -v run="$run" -v average="$average" -v check="$check" \
-    -v published="$published" '
+    -v published="$published" -v waited="$waited" '
     {
       t = $1; step = $0
       sub(/^[^ ]+ partition [0-9]+: /, "", step); sub(/ → .*/, "", step); sub(/:.*/, "", step)
@@ -224,10 +232,10 @@ books out of balance $unbalanced, dead letters $dead"
       if (step == "resume") resumed = t
     }
     END {
-      printf "| %d | %.2f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | **%.3f** | %.3f | %s | %s | %s |\n",
+      printf "| %d | %.2f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | **%.3f** | %.3f | %s | %s | %s | %s |\n",
         run, end - start, took["begin"], took["pause"], took["fence"], took["copy"], took["drain"],
         took["hand over"], took["activate"], took["resume"], took["remove"], took["done"],
-        active - fenced, resumed - paused, published, average, check
+        active - fenced, resumed - paused, published, (published ? waited : "-"), average, check
     }' "$work/move-$run.out")
   table+=("$row")
   printf '%s\n' "$row" >&2
@@ -240,6 +248,6 @@ done
 echo
 echo "shard move of partition $partition (P = $partitions): $reservations reservations over $books books; seconds; load ${load} placements/s"
 echo
-echo "| run | total | begin | pause | fence | copy | drain | hand over | activate | resume | remove | done | fence -> active | paused -> resumed | placements meanwhile | load average, 1 min (before -> after) | check |"
-echo "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+echo "| run | total | begin | pause | fence | copy | drain | hand over | activate | resume | remove | done | fence -> active | paused -> resumed | placements meanwhile | longest a placement waited | load average, 1 min (before -> after) | check |"
+echo "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
 printf '%s\n' "${table[@]}"
