@@ -24,9 +24,13 @@
 # reported: the longest a placement waited from its publication (its order id is a UUIDv7) to
 # its reservation.
 #
+# With OTHER=N, shard a also holds N reservations of other partitions' books (as many books),
+# which the move must leave there: a shard holds many partitions.
+#
 #   scripts/bench-move.sh [reservations, default 100000] [books, default 100] [runs, default 3]
 #
-# Env: LOAD (placements a second during the move, default 0), LOAD_SECONDS (default 40),
+# Env: LOAD (placements a second during the move, default 0), LOAD_SECONDS (default 40), OTHER
+# (default 0),
 # PARTITION (default 7), DATABASE_URL (a postgres:// URL whose user may create databases;
 # default the local server), NATS_SERVER_BIN (default target/nats-current/bin/nats-server, as
 # scripts/test.sh installs it), BIN_DIR (the `inventory` and `inventory-study` binaries; the
@@ -40,6 +44,7 @@ books=${2:-100}
 runs=${3:-3}
 load=${LOAD:-0}
 load_seconds=${LOAD_SECONDS:-40}
+other=${OTHER:-0}
 partition=${PARTITION:-7}
 partitions=64
 tag=bench_move_$$
@@ -47,30 +52,42 @@ tag=bench_move_$$
 . scripts/shard-bench-lib.sh
 trap 'stop_b_loop; cleanup' EXIT
 
-# BOOKS random book ids of the partition, lowercase as producers write them.
-python3 - "$books" "$partition" "$partitions" >"$work/books" <<'EOF'
+# BOOKS random book ids of the partition, lowercase as producers write them; with OTHER, as
+# many of other partitions.
+python3 - "$books" "$partition" "$partitions" "$work/books" "$work/others" <<'EOF'
 import sys, uuid
-count, partition, partitions = map(int, sys.argv[1:])
+count, partition, partitions = map(int, sys.argv[1:4])
 def fnv1a(data):
     h = 0x811C9DC5
     for b in data:
         h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
     return h
-found = 0
-while found < count:
+ours, others = [], []
+while len(ours) < count or len(others) < count:
     book = str(uuid.uuid4())
-    if fnv1a(book.encode()) % partitions == partition:
-        print(book)
-        found += 1
+    mine = fnv1a(book.encode()) % partitions == partition
+    (ours if mine else others).append(book)
+for path, found in zip(sys.argv[4:], (ours, others)):
+    with open(path, "w") as out:
+        out.write("".join(book + "\n" for book in found[:count]))
 EOF
 
-# The partition's rows on shard a's database, by SQL.
+# The partition's rows on shard a's database, by SQL (its books titled "Book <n>"); with OTHER,
+# that many reservations of other partitions' books too (titled "Other <n>"), which stay on a.
 load_rows() { # load_rows <database url>
   awk '{ print NR - 1 "," $0 }' "$work/books" >"$work/books.csv"
-  psql "$1" -qX -v ON_ERROR_STOP=1 -v reservations="$reservations" -v books="$books" <<EOF
+  awk '{ print NR - 1 "," $0 }' "$work/others" >"$work/others.csv"
+  psql "$1" -qX -v ON_ERROR_STOP=1 -v reservations="$reservations" -v books="$books" -v other="$other" <<EOF
 BEGIN;
 CREATE TEMP TABLE bench_books (n int PRIMARY KEY, book_id uuid NOT NULL);
 \\copy bench_books FROM '$work/books.csv' WITH (FORMAT csv)
+CREATE TEMP TABLE other_books (n int PRIMARY KEY, book_id uuid NOT NULL);
+\\copy other_books FROM '$work/others.csv' WITH (FORMAT csv)
+INSERT INTO stock_items (book_id, title, on_hand, reserved)
+  SELECT book_id, 'Other ' || n, 1000000000, 0 FROM other_books WHERE :other > 0;
+INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
+  SELECT gen_random_uuid(), b.book_id, 1, 'reserved', 'bench-other-' || i, now()
+  FROM generate_series(0, :other - 1) AS i JOIN other_books b ON b.n = i % :books;
 INSERT INTO stock_items (book_id, title, on_hand, reserved)
   SELECT book_id, 'Book ' || n, 1000000000, 0 FROM bench_books;
 INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, created_at)
@@ -90,15 +107,17 @@ ANALYZE;
 EOF
 }
 
-# One line of figures about a database's partition rows: books, reservations, line
-# cancellations, reserved units, books whose `reserved` is not their reservations' sum.
+# One line of figures about a database's rows of the partition's books (titled "Book <n>"):
+# books, reservations, line cancellations, reserved units, books whose `reserved` is not their
+# reservations' sum.
 rows_of() { # rows_of <database url>
   psql "$1" -AtqX -F' ' -c "
-    SELECT (SELECT count(*) FROM stock_items),
-           (SELECT count(*) FROM stock_reservations),
-           (SELECT count(*) FROM line_cancellations),
-           (SELECT coalesce(sum(reserved), 0) FROM stock_items),
-           (SELECT count(*) FROM stock_items s WHERE reserved <> (SELECT coalesce(sum(quantity), 0)
+    WITH ours AS (SELECT book_id, reserved FROM stock_items WHERE title LIKE 'Book %')
+    SELECT (SELECT count(*) FROM ours),
+           (SELECT count(*) FROM stock_reservations WHERE book_id IN (SELECT book_id FROM ours)),
+           (SELECT count(*) FROM line_cancellations WHERE book_id IN (SELECT book_id FROM ours)),
+           (SELECT coalesce(sum(reserved), 0) FROM ours),
+           (SELECT count(*) FROM ours s WHERE reserved <> (SELECT coalesce(sum(quantity), 0)
               FROM stock_reservations r WHERE r.book_id = s.book_id AND r.status = 'reserved'))"
 }
 
@@ -143,8 +162,8 @@ for run in $(seq 1 "$runs"); do
   log "run $run: $reservations reservations over $books books on a"
   load_rows "$(url_of "$a")"
   read -r before_books before_rows before_cancelled before_reserved _ < <(rows_of "$(url_of "$a")")
-  psql "$(url_of "$a")" -AtqX -c "SELECT order_id || ' ' || book_id FROM stock_reservations" |
-    sort >"$work/keys-a"
+  psql "$(url_of "$a")" -AtqX -c "SELECT order_id || ' ' || book_id FROM stock_reservations
+    WHERE message_id LIKE 'bench-move-%'" | sort >"$work/keys-a"
 
   published=0
   if [ "$load" != 0 ]; then
@@ -193,7 +212,8 @@ for run in $(seq 1 "$runs"); do
 
   # What the move left: b holds it all, active at epoch 2; a holds nothing of it.
   read -r after_books after_rows after_cancelled after_reserved unbalanced < <(rows_of "$(url_of "$b")")
-  read -r _ left _ < <(rows_of "$(url_of "$a")")
+  read -r left_books left _ < <(rows_of "$(url_of "$a")")
+  others_left=$(psql "$(url_of "$a")" -AtqX -c "SELECT count(*) FROM stock_reservations WHERE message_id LIKE 'bench-other-%'")
   owner_b=$(psql "$(url_of "$b")" -AtqX -c "SELECT shard || ' ' || epoch || ' ' || state FROM partition_owner WHERE partition_id = $partition")
   owner_a=$(psql "$(url_of "$a")" -AtqX -c "SELECT count(*) FROM partition_owner")
   missing=$(psql "$(url_of "$b")" -AtqX -c "SELECT order_id || ' ' || book_id FROM stock_reservations" |
@@ -206,11 +226,11 @@ for run in $(seq 1 "$runs"); do
     FROM stock_reservations WHERE message_id NOT LIKE 'bench-move-%'")
   dead=$(stream_messages DLQ)
   check=ok
-  if [ "$owner_b" != "b 2 active" ] || [ "$owner_a" != 0 ] || [ "$left" != 0 ] || [ "$missing" != 0 ] ||
+  if [ "$owner_b" != "b 2 active" ] || [ "$owner_a" != 0 ] || [ "$left" != 0 ] || [ "$left_books" != 0 ] || [ "$others_left" != "$other" ] || [ "$missing" != 0 ] ||
     [ "$after_books" != "$before_books" ] || [ "$after_cancelled" != "$before_cancelled" ] ||
     [ "$after_rows" != $((before_rows + published)) ] ||
     [ "$after_reserved" != $((before_reserved + published)) ] || [ "$unbalanced" != 0 ] || [ "$dead" != 0 ]; then
-    check="FAILED: b's owner row '$owner_b', a's owner rows $owner_a, a's reservations $left, \
+    check="FAILED: b's owner row '$owner_b', a's owner rows $owner_a, a's reservations $left (other partitions' $others_left of $other), \
 missing on b $missing, books $before_books -> $after_books, reservations $before_rows + $published -> $after_rows, \
 cancellations $before_cancelled -> $after_cancelled, reserved $before_reserved + $published -> $after_reserved, \
 books out of balance $unbalanced, dead letters $dead"
@@ -246,7 +266,7 @@ books out of balance $unbalanced, dead letters $dead"
 done
 
 echo
-echo "shard move of partition $partition (P = $partitions): $reservations reservations over $books books; seconds; load ${load} placements/s"
+echo "shard move of partition $partition (P = $partitions): $reservations reservations over $books books, shard a holding $other of other partitions; seconds; load ${load} placements/s"
 echo
 echo "| run | total | begin | pause | fence | copy | drain | hand over | activate | resume | remove | done | fence -> active | paused -> resumed | placements meanwhile | longest a placement waited | load average, 1 min (before -> after) | check |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
