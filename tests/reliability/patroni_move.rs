@@ -5,20 +5,23 @@
 //! cancellation), put there by SQL. `inventory shard move --partition P --to b` moves it to
 //! shard b, whose database lives on the Patroni pair (tests/src/patroni.rs) and which the mover
 //! reaches only through HAProxy. Once the copy's transaction is open on b's leader (the move's
-//! advisory lock held there), b's leader host is killed (its Patroni and PostgreSQL SIGKILLed): Patroni promotes
-//! the synchronous standby once the leader's lease expires, HAProxy follows it, and the mover,
-//! which retries a failing database for up to two minutes, goes on. Should it stop all the
-//! same, the same command run again must finish the move (it resumes from the record).
+//! advisory lock held there), b's leader host is killed (its Patroni and PostgreSQL
+//! SIGKILLed): Patroni promotes the synchronous standby once the leader's lease expires,
+//! HAProxy follows it, and the mover, which retries a failing database for up to two minutes,
+//! goes on. Should it stop after those two minutes, the same command run again must finish the
+//! move (it resumes from the record); a mover that stops sooner fails the test.
+//!
+//! Placements arrive all along: [`PLACEMENTS`] of the partition's books, 20 a second from 2 s
+//! before the mover starts, served by `serve --shard a` on a and `serve --shard b` on b through
+//! HAProxy, each started again whenever it exits (as a supervisor would: an instance stops when
+//! its shard's partitions change, and one that cannot reach its database at start exits).
 //!
 //! Afterwards: b's owner row active at the next epoch and a's gone; every reservation a held
-//! on b exactly once (same keys, quantities and statuses), and nothing left on a; each book's
-//! `reserved` on b the sum of its reserved reservations there, as it was on a; the line
-//! cancellations moved; the assignment names b; the move's record says done. Printed: the
-//! mover's lines timed from the kill, its retries, and whether it had to be run again.
-//!
-//! Left out: placements arriving meanwhile through `serve --shard` instances (the binary and
-//! integration tests move under placements on plain databases, `scripts/bench-move.sh` with
-//! `LOAD`).
+//! and every placement on b exactly once (same keys, quantities and statuses), and nothing left
+//! on a; each book's `reserved` on b the sum of its reserved reservations, what it was on a
+//! plus its placements; the line cancellations moved; the assignment names b; the move's
+//! record says done; no dead letter. Printed: the mover's lines timed from the kill, its
+//! retries, whether it had to be run again, and how often each instance was started.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead as _, BufReader, Read as _};
@@ -26,12 +29,14 @@ use std::num::NonZeroU32;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use inventory_domain::BookId;
 use inventory_domain::shard::partition_of;
+use inventory_domain::{BookId, Event, OrderId};
 use inventory_infra::jetstream::shards_bucket;
 use inventory_infra::shard_move::{MoveRecord, Step};
 use inventory_tests::binary::BinaryRun;
 use inventory_tests::patroni::{PatroniPair, connect};
+use inventory_tests::placed_for;
+use inventory_tests::workload::{self, Send, SendKind};
 use sea_orm::{ConnectionTrait as _, DatabaseConnection, DbBackend, Statement};
 use tokio::sync::mpsc;
 
@@ -39,6 +44,13 @@ const PARTITIONS: NonZeroU32 = NonZeroU32::new(4).unwrap();
 const PARTITION: u32 = 1;
 const BOOKS: usize = 20;
 const RESERVATIONS: usize = 30_000;
+/// Placements published over the move: [`PLACEMENT_CHUNK`] every [`PLACEMENT_PAUSE`], 20 a
+/// second for 15 s, from 2 s before the mover starts.
+const PLACEMENTS: usize = 300;
+const PLACEMENT_CHUNK: usize = 10;
+const PLACEMENT_PAUSE: Duration = Duration::from_millis(500);
+/// How long the placements may take to be reserved once the move is done.
+const SETTLE: Duration = Duration::from_secs(60);
 /// Patroni promotes within its TTL (10 s) of the kill; room for a loaded machine.
 const PROMOTION: Duration = Duration::from_secs(60);
 /// The mover retries for two minutes; room beyond that for its last attempt.
@@ -65,6 +77,27 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
     put_rows(&a.conn, &books).await;
     let held = Held::read(&a.conn).await;
     assert_eq!(held.reservations.len(), RESERVATIONS);
+
+    // The placements: `serve --shard a` on a, `serve --shard b` on b through HAProxy (started
+    // again whenever it exits, as its supervisor would: it stops when the assignment changes),
+    // and a producer putting [`PLACEMENTS`] on the partition's books over the move.
+    let logs = std::env::temp_dir().join(format!("patroni_move_{}", run.names.suffix));
+    std::fs::create_dir_all(&logs).unwrap();
+    let serve_a = Served::start(&run, "a", &a.url, &logs);
+    let serve_b = Served::start(&run, "b", &b.url, &logs);
+    let placements: Vec<Send> = (0..PLACEMENTS)
+        .map(|n| Send {
+            message: placed_for(OrderId::new_v7(), books[n % books.len()], 1),
+            kind: SendKind::Original,
+        })
+        .collect();
+    let producer = {
+        let (js, topology, sends) = (run_js(&run).await, run.names.topology(), placements.clone());
+        tokio::spawn(async move {
+            workload::publish(&js, &topology, &sends, 10, PLACEMENT_CHUNK, PLACEMENT_PAUSE).await;
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
 
     let mut mover = Mover::spawn(
         run.command(&["shard", "move", "--partition", &p, "--to", "b"]),
@@ -115,30 +148,61 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
         Some(again)
     };
     let moved_in = killed.elapsed();
-
-    // What the move left, read afresh on b's new leader.
+    producer.await.unwrap();
+    let placed: BTreeSet<(String, String, i32, String)> = placements
+        .iter()
+        .map(|send| match &send.message.event {
+            Event::Placed(placed) => (
+                placed.order_id.to_string(),
+                placed.book_id.to_string(),
+                1,
+                "reserved".to_owned(),
+            ),
+            _ => unreachable!("placements only"),
+        })
+        .collect();
     let b_now = connect(&b.url)
         .await
         .expect("b's database through HAProxy after the failover");
+    until_reserved(&b_now, &placed, &logs).await;
+    let restarts_b = serve_b.stop();
+    let restarts_a = serve_a.stop();
+
+    // What the move left, read afresh on b's new leader: what a held and every placement,
+    // each exactly once.
     assert_eq!(
         owner(&b_now).await,
         Some(("b".to_owned(), 2, "active".to_owned()))
     );
     assert_eq!(owner(&a.conn).await, None, "a's owner row is left");
     let on_b = Held::read(&b_now).await;
+    let expected: BTreeSet<_> = held.reservations.union(&placed).cloned().collect();
     assert_eq!(
         on_b.reservations.len(),
-        held.reservations.len(),
-        "reservations on b, against those a held"
+        expected.len(),
+        "reservations on b, against those a held and the placements"
     );
     assert!(
-        on_b.reservations == held.reservations,
-        "b's reservations are not a's: {} missing, {} not a's",
-        held.reservations.difference(&on_b.reservations).count(),
-        on_b.reservations.difference(&held.reservations).count()
+        on_b.reservations == expected,
+        "b's reservations are not a's and the placements': {} missing, {} unexpected",
+        expected.difference(&on_b.reservations).count(),
+        on_b.reservations.difference(&expected).count()
+    );
+    let orders: BTreeSet<&String> = on_b.reservations.iter().map(|r| &r.0).collect();
+    assert_eq!(
+        orders.len(),
+        on_b.reservations.len(),
+        "an order reserved twice"
     );
     assert_eq!(on_b.line_cancellations, held.line_cancellations);
-    assert_eq!(on_b.reserved, held.reserved, "each book's reserved on b");
+    let mut expected_reserved = held.reserved.clone();
+    for (_, book, quantity, _) in &placed {
+        *expected_reserved.get_mut(book).unwrap() += quantity;
+    }
+    assert_eq!(
+        on_b.reserved, expected_reserved,
+        "each book's reserved on b"
+    );
     assert_eq!(
         on_b.reserved,
         on_b.sum_of_reserved(),
@@ -159,6 +223,20 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
         "{of:?}"
     );
     assert_eq!(move_record(&run).await.step, Step::Done);
+    let dead = run_js(&run)
+        .await
+        .get_stream(&run.names.dlq_stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(dead, 0, "dead letters");
+    let exits_b = exit_reasons(&logs.join("serve-b.log"));
+    let exits_a = exit_reasons(&logs.join("serve-a.log"));
+    let _ = std::fs::remove_dir_all(&logs);
 
     let retries = first.stderr.matches("retrying the move's turn").count();
     let first_error = first
@@ -170,7 +248,10 @@ async fn a_partition_moves_onto_a_shard_whose_patroni_leader_is_killed_during_th
         "[patroni move] pair ready in {:.1} s; {RESERVATIONS} reservations of {BOOKS} books; \
          {old_leader} (b's leader) killed {:.2?} after the mover started, after its line {fenced:?}, {}; \
          Patroni promoted {new_leader} {promoted:.1?} after the kill; the move finished \
-         {moved_in:.1?} after the kill, {}; the whole test {:.1?}; its first retry: {first_error}\n{}",
+         {moved_in:.1?} after the kill, {}; {PLACEMENTS} placements each reserved once on b, \
+         serve --shard a started {restarts_a} time(s) (exits: {exits_a}), b {restarts_b} \
+         (exits: {exits_b}); the whole test {:.1?}; \
+         its first retry: {first_error}\n{}",
         pair.time_to_ready().as_secs_f64(),
         killed - mover.started,
         if copying {
@@ -358,6 +439,130 @@ async fn until_writable(url: &str) {
         }
         assert!(Instant::now() < deadline, "{url} never took writes");
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The errors an instance's log says it exited with, counted, the first 60 characters of each.
+fn exit_reasons(log: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for line in text.lines().filter(|line| line.starts_with("error: ")) {
+        *reasons
+            .entry(line.chars().skip(7).take(60).collect())
+            .or_default() += 1;
+    }
+    format!("{reasons:?}")
+}
+
+/// A JetStream context on the run's nats-server.
+async fn run_js(run: &BinaryRun) -> async_nats::jetstream::Context {
+    async_nats::jetstream::new(async_nats::connect(&run.nats_url).await.unwrap())
+}
+
+/// Waits until every placement has its reservation on b, within [`SETTLE`].
+async fn until_reserved(
+    b: &DatabaseConnection,
+    placed: &BTreeSet<(String, String, i32, String)>,
+    logs: &std::path::Path,
+) {
+    let ids = placed
+        .iter()
+        .map(|(order, ..)| format!("'{order}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let sql =
+        format!("SELECT count(*) AS n FROM stock_reservations WHERE order_id::text IN ({ids})");
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let n: i64 = query(b, &sql).await[0].try_get("", "n").unwrap();
+        if n >= placed.len() as i64 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} of {} placements reserved on b after {SETTLE:?}; the instances' logs are in {}",
+            placed.len(),
+            logs.display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `serve --shard NAME` on its database, started again whenever it exits, until stopped.
+struct Served {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    supervisor: Option<std::thread::JoinHandle<usize>>,
+}
+
+impl Served {
+    fn start(run: &BinaryRun, shard: &str, url: &str, logs: &std::path::Path) -> Self {
+        let mut command = run.command(&[
+            "serve",
+            "--shard",
+            shard,
+            "--max-deliver",
+            "100",
+            "--retry-delay",
+            "200ms",
+            "--max-retry-delay",
+            "2s",
+            "--db-pool-size",
+            "4",
+        ]);
+        command.env("DATABASE_URL", url).env("RUST_LOG", "info");
+        let log = logs.join(format!("serve-{shard}.log"));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping = stop.clone();
+        let supervisor = std::thread::spawn(move || {
+            let mut starts = 0;
+            while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                let out = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap();
+                let mut child = command
+                    .stdout(out.try_clone().unwrap())
+                    .stderr(out)
+                    .spawn()
+                    .expect("the inventory binary starts");
+                starts += 1;
+                loop {
+                    if child.try_wait().unwrap().is_some() {
+                        break;
+                    }
+                    if stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+                        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+                        let _ = child.wait();
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            starts
+        });
+        Self {
+            stop,
+            supervisor: Some(supervisor),
+        }
+    }
+
+    /// Stops it (SIGTERM): how many times it was started.
+    fn stop(mut self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.supervisor.take().map_or(0, |s| s.join().unwrap())
+    }
+}
+
+/// A failing test stops the instance too.
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(supervisor) = self.supervisor.take() {
+            let _ = supervisor.join();
+        }
     }
 }
 
