@@ -23,6 +23,9 @@
 //!   `serve --shard` instances reaching the pair through HAProxy, never restarted: every order
 //!   reserved exactly once on its book's shard, the other shard acking throughout; and the same
 //!   with the standby cut off, which loses reservations the failed shard acked.
+//! - `patroni_move`: `inventory shard move` of a partition onto a shard on the Patroni pair,
+//!   whose leader is killed during the copy: the move finishes (on its own, or run again) with
+//!   every reservation on the new shard exactly once.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
@@ -44,6 +47,7 @@ mod load;
 mod network;
 mod outages;
 mod patroni;
+mod patroni_move;
 mod patroni_service;
 mod relay_outage;
 mod stall;
