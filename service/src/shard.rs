@@ -17,12 +17,12 @@ use anyhow::{Context as _, bail};
 use clap::Subcommand;
 use inventory_domain::BookId;
 use inventory_domain::shard::{DEFAULT_PARTITIONS, partition_of};
-use inventory_infra::db::{self, DbTimeouts, SchemaPolicy};
+use inventory_infra::db;
 use inventory_infra::jetstream::{
     self, Claim, Context, InitSettings, Shards, Topology, partition_consumer, unroutable_consumer,
 };
 use inventory_infra::partition_owner::{PartitionOwners, Recorded};
-use inventory_infra::shard_move::{MoveRecord, ShardRows};
+use inventory_infra::shard_move::MoveRecord;
 use secrecy::{ExposeSecret as _, SecretString};
 use serde::Serialize;
 
@@ -275,23 +275,12 @@ pub async fn run(command: ShardCommand) -> anyhow::Result<bool> {
             let js = connect(&nats).await?;
             let topology = topology.topology();
             let shards = open(&js, &topology).await?;
-            let shard_rows = async |url: &SecretString, flag: &str| {
-                // The fence's watch for idle sessions, and the copy's read of the old shard
-                // beside its write here, each want a connection of their own.
-                let db = db::open(
-                    url.expose_secret(),
-                    COMMAND_POOL + 1,
-                    SchemaPolicy::Migrate,
-                    DbTimeouts::default(),
-                )
-                .await
-                .with_context(|| format!("opening the database of {flag}"))?;
-                anyhow::Ok(ShardRows::new(&db, shards.partitions()))
-            };
-            let databases = MoveDatabases {
-                from: shard_rows(&from_database_url, "--from-database-url").await?,
-                to: shard_rows(&to_database_url, "--to-database-url").await?,
-            };
+            let databases = MoveDatabases::open(
+                from_database_url.expose_secret(),
+                to_database_url.expose_secret(),
+                shards.partitions(),
+            )
+            .await?;
             let request = MoveRequest {
                 partition,
                 to,

@@ -10,12 +10,17 @@
 
 use std::time::{Duration, Instant};
 
+use std::num::NonZeroU32;
+
 use anyhow::{Context as _, anyhow};
-use backon::BackoffBuilder as _;
+use backon::{BackoffBuilder as _, Retryable as _};
+use inventory_infra::db::{self, DbTimeouts, SchemaPolicy};
 use inventory_infra::jetstream::{self, Context, Shards, Topology, partition_consumer};
 use inventory_infra::shard_move::{
     Action, MoveRecord, Next, RowsError, Seen, ShardRows, Step, Unpublished,
 };
+
+use crate::cli::COMMAND_POOL;
 
 /// What a move was asked for, besides where its databases are.
 pub struct MoveRequest {
@@ -35,6 +40,35 @@ pub struct MoveRequest {
 pub struct MoveDatabases {
     pub from: ShardRows,
     pub to: ShardRows,
+}
+
+impl MoveDatabases {
+    /// Opens both databases, their migrations applied, retrying as a turn of the move does: a
+    /// mover run again during a failover waits for the new primary rather than stop at once.
+    pub async fn open(from: &str, to: &str, partitions: NonZeroU32) -> anyhow::Result<Self> {
+        let open = async |url: &str, flag: &str| {
+            let opened = || {
+                // The fence's watch for idle sessions, and the copy's read of the old shard
+                // beside its write here, each want a connection of their own.
+                db::open(
+                    url,
+                    COMMAND_POOL + 1,
+                    SchemaPolicy::Migrate,
+                    DbTimeouts::default(),
+                )
+            };
+            let db = opened
+                .retry(RETRIES.with_total_delay(Some(RETRY_FOR)))
+                .notify(|error, _| tracing::warn!(%error, "opening the database of {flag}"))
+                .await
+                .with_context(|| format!("opening the database of {flag}"))?;
+            anyhow::Ok(ShardRows::new(&db, partitions))
+        };
+        Ok(Self {
+            from: open(from, "--from-database-url").await?,
+            to: open(to, "--to-database-url").await?,
+        })
+    }
 }
 
 /// How often a drain looks again at the old shard's outbox.
