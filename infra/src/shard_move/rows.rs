@@ -227,7 +227,9 @@ impl ShardRows {
         let mut txn = connection.begin().await?;
         no_statement_timeout(&mut txn).await?;
         move_lock(&mut txn, partition).await?;
-        if let Some(row) = owner_row(&mut txn, partition, OWNER_SQL).await?
+        // Locked until the copy commits: an activation (which takes no move lock) that came
+        // in between the check and the owner row's upsert below would be undone by it.
+        if let Some(row) = locked_owner_row(&mut txn, partition).await?
             && row.state == OwnerState::Active
         {
             return Err(RowsError::Refused(format!(
