@@ -23,8 +23,8 @@
 //! are where the last moves put them, their owner rows active there only, and no database holds
 //! a row of a partition it does not own.
 //!
-//! `MOVE_SOAK_ROUNDS` sets the number of rounds (4 by default: each moving partition goes
-//! there and back once, the second round contested).
+//! `MOVE_SOAK_ROUNDS` sets the number of rounds (8 by default: each moving partition goes
+//! there and back twice; every fourth round, from the second, is contested).
 
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
@@ -92,7 +92,7 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
     let rounds: usize = std::env::var("MOVE_SOAK_ROUNDS")
         .ok()
         .and_then(|rounds| rounds.parse().ok())
-        .unwrap_or(4);
+        .unwrap_or(8);
     let seed = seed("shard move under load");
     let mut random = SplitMix64::new(seed);
 
@@ -171,8 +171,13 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
             .map(|(shard, url, n)| Slot::start(&scenario, shard, url, n))
             .collect(),
     ));
+    let supervised = CancellationToken::new();
+    let supervisor = supervise(
+        Arc::downgrade(&scenario),
+        Arc::clone(&slots),
+        supervised.clone(),
+    );
     let stop = CancellationToken::new();
-    let supervisor = supervise(Arc::clone(&scenario), Arc::clone(&slots), stop.clone());
     let producer = tokio::spawn(produce(
         js.clone(),
         scenario.topology.clone(),
@@ -244,7 +249,6 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
     // The load stops; everything published must be decided and its events out.
     stop.cancel();
     let load = producer.await.unwrap();
-    let restarts = supervisor.await.unwrap();
     let consumers: Vec<String> = (0..PARTITIONS.get())
         .map(|partition| partition_consumer(&base, partition, PARTITIONS))
         .collect();
@@ -259,17 +263,26 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
     for db in [&a_db.conn, &b_db.conn] {
         wait_until_empty(db, "outbox", &scenario, SETTLE).await;
     }
+    supervised.cancel();
+    let restarts = supervisor.await.unwrap();
     let slots = std::mem::take(&mut *slots.lock().unwrap());
     crate::support::stop_all(
         &scenario,
         slots.into_iter().map(|slot| slot.instance).collect(),
     );
     let not_owned = scenario.log_lines_with("not owned here");
-    let redelivered = scenario
-        .lines_with(&["acked", "delivered="])
+    // Messages delivered more than once: an ack wait that ran out (a stopped or exiting
+    // instance), a nak (not owned, a statement timed out).
+    let redelivered: HashSet<String> = scenario
+        .lines_with(&["stream_seq=", "delivered="])
         .iter()
         .filter(|line| !line.contains("delivered=1 "))
-        .count();
+        .filter_map(|line| {
+            let at = line.find("stream_seq=")?;
+            Some(line[at..].split_whitespace().next()?.to_owned())
+        })
+        .collect();
+    let redelivered = redelivered.len();
 
     // Where each partition ended, in the bucket and the databases.
     let dbs: HashMap<&str, &DatabaseConnection> = [("a", &a_db.conn), ("b", &b_db.conn)].into();
@@ -462,19 +475,20 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
 
     eprintln!(
         "[shard move under load] seed {seed}, {rounds} rounds in {:.1?} ({:.1?} in all): {} moves, \
-         {} aborted; movers SIGKILLed {} times ({}), {} mover runs; {} instances SIGSTOPped, \
+         {} aborted; movers SIGKILLed {} times at each step ({} after the step's action and \
+         record), {} mover runs; {} instances SIGSTOPped, \
          the fence {} (idle sessions ended by it: {}); a second mover and an abort: {}; \
          {} instance restarts; {} messages published ({} orders over {} books, {} new-id \
          resends, {} same-id copies, {} line cancellations, {} of them sent first), {} on the \
-         moving partitions; {} deliveries not owned, {} acked on a redelivery; {} events \
+         moving partitions; {} deliveries not owned, {} messages delivered more than once; {} events \
          ({reserved_then_released} lines reserved then released, {cancelled_first} cancelled \
          first)",
         moves_done,
         started.elapsed(),
         figures.moves,
         figures.aborts,
-        figures.kills.len(),
-        figures.kills.join(", "),
+        figures.kills,
+        figures.killed_after_recording,
         figures.mover_runs,
         figures.stopped,
         figures.fence_waits.join(", "),
@@ -500,8 +514,9 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
 struct Figures {
     moves: usize,
     aborts: usize,
-    /// Each kill: the step it waited for, and the record's step after it.
-    kills: Vec<String>,
+    kills: usize,
+    /// Kills that came after the mover had recorded the next step.
+    killed_after_recording: usize,
     mover_runs: usize,
     stopped: usize,
     fence_waits: Vec<String>,
@@ -546,8 +561,9 @@ impl Slot {
 }
 
 /// The supervisor: every 100 ms, an instance that exited is started again; how many were.
+/// It holds the scenario weakly, so that a failing test's drop of it keeps the logs.
 fn supervise(
-    scenario: Arc<Scenario>,
+    scenario: std::sync::Weak<Scenario>,
     slots: Arc<Mutex<Vec<Slot>>>,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<usize> {
@@ -555,6 +571,9 @@ fn supervise(
         let mut restarts = 0;
         while !stop.is_cancelled() {
             tokio::time::sleep(Duration::from_millis(100)).await;
+            let Some(scenario) = scenario.upgrade() else {
+                break;
+            };
             for slot in slots.lock().unwrap().iter_mut() {
                 if !slot.instance.is_running() {
                     restarts += 1;
@@ -721,12 +740,25 @@ impl Mover<'_> {
 
     /// Runs the move again and SIGKILLs it once its record shows `target` (or a later step),
     /// written by this run.
-    async fn run_and_kill(&self, label: &str, target: Step, figures: &mut Figures) {
+    /// The kill comes 0 to 30 ms after the record shows the step (from `random`), so the
+    /// step's action is sometimes cut short, sometimes committed, sometimes recorded too.
+    async fn run_and_kill(
+        &self,
+        label: &str,
+        target: Step,
+        random: &mut SplitMix64,
+        figures: &mut Figures,
+    ) {
         let after = self.record().await.map_or(0, |(revision, _)| revision);
         let mut child = self.spawn(label);
         figures.mover_runs += 1;
-        if let Some(step) = self.kill_at(&mut child, after, target).await {
-            figures.kills.push(format!("{target}: {step}"));
+        let delay = Duration::from_millis(random.below(31));
+        if let Some(step) = self.kill_at(&mut child, after, target, delay).await {
+            figures.kills += 1;
+            let now = self.record().await.map(|(_, record)| record.step);
+            if now.is_some_and(|now| order(now) > order(step)) {
+                figures.killed_after_recording += 1;
+            }
         }
     }
 
@@ -741,8 +773,15 @@ impl Mover<'_> {
     }
 
     /// Waits until the record, written after revision `after`, is at `target` or past it, or
-    /// until `child` exits; SIGKILLs `child` then. The record's step seen, if it was killed.
-    async fn kill_at(&self, child: &mut Child, after: u64, target: Step) -> Option<Step> {
+    /// until `child` exits; SIGKILLs `child` `delay` after that. The record's step seen, if it
+    /// was killed.
+    async fn kill_at(
+        &self,
+        child: &mut Child,
+        after: u64,
+        target: Step,
+        delay: Duration,
+    ) -> Option<Step> {
         let mut watch = self
             .kv
             .watch(jetstream::move_key(self.partition))
@@ -755,6 +794,7 @@ impl Mover<'_> {
             if let Some((revision, record)) = &seen
                 && reached(*revision, record.step)
             {
+                tokio::time::sleep(delay).await;
                 let _ = child.kill();
                 let _ = child.wait();
                 return Some(record.step);
@@ -838,11 +878,13 @@ async fn killed_round(
             None
         };
         let fence_began = Instant::now();
-        mover.run_and_kill(&label, target, figures).await;
+        mover.run_and_kill(&label, target, random, figures).await;
         if target == Step::Fence {
             // The fence runs in the next mover (this one was killed as it began it), with the
             // instance stopped.
-            mover.run_and_kill(&label, Step::Copy, figures).await;
+            mover
+                .run_and_kill(&label, Step::Copy, random, figures)
+                .await;
             killed_at.insert(Step::Copy);
             let took = fence_began.elapsed();
             figures.fence_waits.push(format!("{took:.1?}"));
@@ -895,7 +937,7 @@ fn stop_an_instance(slots: &Mutex<Vec<Slot>>, shard: &str, random: &mut SplitMix
     Some(pid)
 }
 
-/// Two movers at once and an abort once the record shows the fence, the copy or the drain.
+/// Two movers at once and an abort started once the record shows the pause, the fence or the copy.
 /// Whether the partition moved (the abort came too late) or stayed.
 async fn contested_round(
     mover: &Mover<'_>,
@@ -904,7 +946,7 @@ async fn contested_round(
     figures: &mut Figures,
 ) -> bool {
     let start = mover.record().await.map_or(0, |(revision, _)| revision);
-    let target = [Step::Fence, Step::Copy, Step::Drain][usize::try_from(random.below(3)).unwrap()];
+    let target = [Step::Pause, Step::Fence, Step::Copy][usize::try_from(random.below(3)).unwrap()];
     let mut first = mover.spawn(&format!("mover-r{round}-1"));
     let mut second = mover.spawn(&format!("mover-r{round}-2"));
     figures.mover_runs += 2;
