@@ -27,6 +27,7 @@
 //! there and back twice; every fourth round, from the second, is contested).
 
 use std::collections::{HashMap, HashSet};
+use std::io::Read as _;
 use std::num::NonZeroU32;
 use std::process::{Child, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -262,6 +263,17 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
     .await;
     for db in [&a_db.conn, &b_db.conn] {
         wait_until_empty(db, "outbox", &scenario, SETTLE).await;
+    }
+    // The instances the last hand-over stopped are running again, and stay up.
+    let steady = Instant::now() + Duration::from_secs(30);
+    while !slots
+        .lock()
+        .unwrap()
+        .iter_mut()
+        .all(|slot| slot.instance.is_running() && slot.started.elapsed() > Duration::from_secs(2))
+    {
+        assert!(Instant::now() < steady, "the instances never steadied");
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     supervised.cancel();
     let restarts = supervisor.await.unwrap();
@@ -545,6 +557,7 @@ struct Slot {
     url: String,
     label: String,
     instance: Instance,
+    started: Instant,
 }
 
 impl Slot {
@@ -556,6 +569,7 @@ impl Slot {
             url,
             label,
             instance,
+            started: Instant::now(),
         }
     }
 }
@@ -577,6 +591,7 @@ fn supervise(
             for slot in slots.lock().unwrap().iter_mut() {
                 if !slot.instance.is_running() {
                     restarts += 1;
+                    slot.started = Instant::now();
                     slot.instance = scenario.spawn_with(
                         &slot.label,
                         &["--shard", slot.shard, "--database-url", &slot.url],
@@ -937,7 +952,9 @@ fn stop_an_instance(slots: &Mutex<Vec<Slot>>, shard: &str, random: &mut SplitMix
     Some(pid)
 }
 
-/// Two movers at once and an abort started once the record shows the pause, the fence or the copy.
+/// Two movers at once and an abort started once the record shows the pause, the fence, the copy
+/// or the drain. In every other contested round the two movers are SIGSTOPped then, whatever
+/// their action, until the abort has ended or 4 s have passed (it may wait for their locks).
 /// Whether the partition moved (the abort came too late) or stayed.
 async fn contested_round(
     mover: &Mover<'_>,
@@ -946,7 +963,8 @@ async fn contested_round(
     figures: &mut Figures,
 ) -> bool {
     let start = mover.record().await.map_or(0, |(revision, _)| revision);
-    let target = [Step::Pause, Step::Fence, Step::Copy][usize::try_from(random.below(3)).unwrap()];
+    let target = KILL_STEPS[usize::try_from(random.below(4)).unwrap()];
+    let freeze = round % 8 == 1;
     let mut first = mover.spawn(&format!("mover-r{round}-1"));
     let mut second = mover.spawn(&format!("mover-r{round}-2"));
     figures.mover_runs += 2;
@@ -964,17 +982,45 @@ async fn contested_round(
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let abort = mover
+    let movers = [&first, &second].map(|child| Pid::from_raw(i32::try_from(child.id()).unwrap()));
+    if freeze {
+        for pid in movers {
+            let _ = kill(pid, Signal::SIGSTOP);
+        }
+    }
+    let mut abort = mover
         .command(&format!("abort-r{round}"), true)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .output()
+        .spawn()
         .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&abort.stdout),
-        String::from_utf8_lossy(&abort.stderr)
-    );
+    if freeze {
+        let thawed = Instant::now() + STOPPED_FOR;
+        while Instant::now() < thawed && abort.try_wait().unwrap().is_none() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for pid in movers {
+            let _ = kill(pid, Signal::SIGCONT);
+        }
+    }
+    let status = ended(&mut abort, mover.scenario);
+    let mut said = String::new();
+    for out in [
+        abort
+            .stdout
+            .take()
+            .map(|out| Box::new(out) as Box<dyn std::io::Read>),
+        abort
+            .stderr
+            .take()
+            .map(|out| Box::new(out) as Box<dyn std::io::Read>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let mut out = out;
+        let _ = out.read_to_string(&mut said);
+    }
     for (which, child) in [("first", &mut first), ("second", &mut second)] {
         let status = ended(child, mover.scenario);
         assert!(
@@ -987,12 +1033,13 @@ async fn contested_round(
     let aborted = record.step == Step::Aborted;
     assert!(aborted || record.step == Step::Done, "{record:?}");
     assert_eq!(
-        abort.status.success(),
+        status.success(),
         aborted,
         "the abort's exit against the move's end ({record:?}): {said}"
     );
     figures.contested.push(format!(
-        "abort at {target}: {}",
+        "abort at {target}{}: {}",
+        if freeze { ", the movers stopped" } else { "" },
         if aborted { "aborted" } else { "too late" }
     ));
     !aborted
