@@ -8,23 +8,25 @@
 //! consumers' ack wait cut to 2 s, redeliveries. The test is the instances' supervisor: one
 //! that exits (`serve --shard` does when its partitions change) is started again.
 //!
-//! A round either kills the mover at each step in turn (SIGKILL once the move's record in the
-//! bucket shows the step, so the step's action may or may not have committed, then the same
-//! command again), with a serving instance of the old shard SIGSTOPped while the fence runs
-//! (SIGCONT 4 s later; `--idle-grace 2s`), and, in the first round, a session of the test's
-//! own idle in a transaction that holds a stock row of the partition, which the fence must end;
-//! or runs two movers at once and an `--abort` against them.
+//! A round either kills the mover at each step in turn (SIGKILL 0 to 30 ms after the move's
+//! record in the bucket shows the step, so the step's action may or may not have committed,
+//! then the same command again), with a serving instance of the old shard SIGSTOPped while the
+//! fence runs (SIGCONT 4 s later; `--idle-grace 2s`), and, in the first round, a session of the
+//! test's own idle in a transaction that holds a stock row of the partition, which the fence
+//! must end within 10 s; or runs two movers at once and an `--abort` against them, every other
+//! time with both movers SIGSTOPped until the abort is through.
 //!
 //! After the load drains: every (order, book) has one reservation row across both databases,
 //! `reserved` unless its line was cancelled (then `released`), on the shard that holds its
 //! partition; each book's `reserved` is the sum of its reserved rows there; each line's events
-//! are stored once (`stock.reserved`, then `stock.released` if cancelled after, or only
-//! `stock.released` if the cancellation came first); nothing is dead-lettered; the partitions
+//! are stored once (`stock.reserved`, then `stock.released` if cancelled after; none if the
+//! cancellation came first); nothing is dead-lettered; the partitions
 //! are where the last moves put them, their owner rows active there only, and no database holds
 //! a row of a partition it does not own.
 //!
-//! `MOVE_SOAK_ROUNDS` sets the number of rounds (8 by default: each moving partition goes
-//! there and back twice; every fourth round, from the second, is contested).
+//! `MOVE_SOAK_ROUNDS` sets the number of rounds (8 by default: partition 1 goes there and back
+//! twice, partition 2 as often unless an abort keeps it; every fourth round, from the second,
+//! is contested).
 
 use std::collections::{HashMap, HashSet};
 use std::io::Read as _;
@@ -749,8 +751,8 @@ impl Mover<'_> {
         self.scenario.command(label, &args)
     }
 
-    fn spawn(&self, label: &str) -> Child {
-        self.command(label, false).spawn().unwrap()
+    fn spawn(&self, label: &str) -> Reaped {
+        Reaped(self.command(label, false).spawn().unwrap())
     }
 
     /// Runs the move again and SIGKILLs it once its record shows `target` (or a later step),
@@ -792,7 +794,7 @@ impl Mover<'_> {
     /// was killed.
     async fn kill_at(
         &self,
-        child: &mut Child,
+        child: &mut Reaped,
         after: u64,
         target: Step,
         delay: Duration,
@@ -835,6 +837,30 @@ impl Mover<'_> {
                 () = tokio::time::sleep(Duration::from_millis(25)) => self.record().await,
             };
         }
+    }
+}
+
+/// A mover's process, SIGKILLed and reaped when dropped: a failing test leaves none behind.
+struct Reaped(Child);
+
+impl std::ops::Deref for Reaped {
+    type Target = Child;
+
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -993,6 +1019,7 @@ async fn contested_round(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Reaped)
         .unwrap();
     if freeze {
         let thawed = Instant::now() + STOPPED_FOR;
