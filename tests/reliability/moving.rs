@@ -248,6 +248,7 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let moves_done = started.elapsed();
+    let moves_ended = Instant::now();
 
     // The load stops; everything published must be decided and its events out.
     stop.cancel();
@@ -266,13 +267,13 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
     for db in [&a_db.conn, &b_db.conn] {
         wait_until_empty(db, "outbox", &scenario, SETTLE).await;
     }
-    // The instances the last hand-over stopped are running again, and stay up.
+    // The instances the last hand-over stops (as soon as their watch sees it, then a drain) are
+    // running again, and stay up.
     let steady = Instant::now() + Duration::from_secs(30);
-    while !slots
-        .lock()
-        .unwrap()
-        .iter_mut()
-        .all(|slot| slot.instance.is_running() && slot.started.elapsed() > Duration::from_secs(2))
+    while moves_ended.elapsed() < Duration::from_secs(3)
+        || !slots.lock().unwrap().iter_mut().all(|slot| {
+            slot.instance.is_running() && slot.started.elapsed() > Duration::from_secs(2)
+        })
     {
         assert!(Instant::now() < steady, "the instances never steadied");
         tokio::time::sleep(Duration::from_millis(200)).await;
