@@ -27,6 +27,9 @@
 //!   whose leader is killed during the copy: the move finishes (on its own, or run again) with
 //!   every reservation on the new shard exactly once.
 //! - `load`: 100,000 messages through one instance; throughput and memory.
+//! - `moving`: partitions moved back and forth between two shards under load, the mover
+//!   SIGKILLed at each step and run again, an instance of the old shard SIGSTOPped through the
+//!   fence, two movers and an abort at once: every line decided once, on the shard that holds it.
 //! - `relay_outage`: NATS away for over a minute under two `inventory relay` processes while
 //!   decisions keep being committed.
 //! - `stall`: the database silent for longer than the delivery cap allows, the instance
@@ -44,6 +47,7 @@ mod cluster;
 mod failover;
 mod kill9;
 mod load;
+mod moving;
 mod network;
 mod outages;
 mod patroni;

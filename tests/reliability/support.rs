@@ -316,7 +316,7 @@ impl Scenario {
 
     /// `inventory <args>` on the scenario's streams, database and NATS, its output appended
     /// to `<label>.log`.
-    fn command(&self, label: &str, args: &[String]) -> Command {
+    pub(crate) fn command(&self, label: &str, args: &[String]) -> Command {
         let log = self.logs.join(format!("{label}.log"));
         let file = File::options()
             .create(true)

@@ -94,10 +94,17 @@ const LOCKED_OWNER_SQL: &str =
 const LOCK_BOOKS_SQL: &str =
     "SELECT book_id FROM stock_items WHERE book_id = ANY($1) ORDER BY book_id FOR UPDATE";
 
-/// Sessions idle in a transaction for longer than $2 that block the session $1.
+/// Sessions idle in a transaction for longer than $2 that block the session $1, directly or
+/// through the sessions waiting between them: a statement queued for a row lock ahead of the
+/// fence is what `pg_blocking_pids` names for the fence, not the idle holder it waits for.
 const IDLE_BLOCKERS_SQL: &str = "\
+WITH RECURSIVE blockers(pid) AS (
+    SELECT unnest(pg_blocking_pids($1))
+  UNION
+    SELECT unnest(pg_blocking_pids(blockers.pid)) FROM blockers
+)
 SELECT pid FROM pg_stat_activity
-WHERE pid = ANY(pg_blocking_pids($1))
+WHERE pid IN (SELECT pid FROM blockers)
   AND state IN ('idle in transaction', 'idle in transaction (aborted)')
   AND state_change < now() - $2 * interval '1 millisecond'";
 
@@ -229,7 +236,9 @@ impl ShardRows {
         let mut txn = connection.begin().await?;
         no_statement_timeout(&mut txn).await?;
         move_lock(&mut txn, partition).await?;
-        if let Some(row) = owner_row(&mut txn, partition, OWNER_SQL).await?
+        // Locked until the copy commits: an activation (which takes no move lock) that came
+        // in between the check and the owner row's upsert below would be undone by it.
+        if let Some(row) = locked_owner_row(&mut txn, partition).await?
             && row.state == OwnerState::Active
         {
             return Err(RowsError::Refused(format!(
