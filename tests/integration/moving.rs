@@ -391,6 +391,42 @@ async fn a_session_idle_in_a_transaction_that_blocks_the_fence_is_terminated() {
     );
 }
 
+/// The idle session can be out of the fence's sight: with a placement queued for the row it
+/// holds, PostgreSQL names that placement, not the idle session, as what blocks the fence. The
+/// fence follows the queue to the idle session and ends it, so the placement goes through,
+/// rather than waiting for its statement timeout (or for ever) while the fence waits on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fence_ends_an_idle_session_it_is_blocked_by_through_a_queued_placement() {
+    let shards = Shards::new().await;
+    let (rows_a, _) = shards.rows();
+    let (on_a, _) = shards.handlers();
+    let idle = hold_stock_row(&shards.a, shards.book).await;
+    let placement = placed_for(OrderId::new_v7(), shards.book, 1);
+    let queued = tokio::spawn(async move { on_a.handle(&placement).await });
+    shards.a.wait_for_lock_waiters(1).await;
+    let fence = tokio::spawn({
+        let partition = shards.partition;
+        async move { rows_a.fence(partition, 1, Duration::from_secs(1)).await }
+    });
+    let decided = tokio::time::timeout(Duration::from_secs(60), queued)
+        .await
+        .expect("the queued placement never went through")
+        .unwrap();
+    assert!(
+        reserved(&decided),
+        "the placement queued behind the idle session: {decided:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(60), fence)
+        .await
+        .expect("the fence never went through")
+        .unwrap()
+        .unwrap();
+    assert!(
+        idle.execute_unprepared("SELECT 1").await.is_err(),
+        "the idle session is still there"
+    );
+}
+
 /// Each action is conditional on what the move left: a copy is refused unless the old shard is
 /// fenced at the move's epoch, and refused once the partition is active on the new shard; an
 /// abort's unfence gives the old shard a new epoch, so a copy of the aborted move that comes
