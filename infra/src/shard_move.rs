@@ -33,7 +33,7 @@ use crate::jetstream::Owner;
 mod model;
 mod rows;
 
-pub use rows::{Moved, RowsError, ShardRows, Unpublished, state_name};
+pub use rows::{Moved, RowsError, ShardRows, Unpublished};
 
 /// A move under way, as its record holds it: `move.<partition>` in the assignment bucket, JSON.
 /// The assignment's readers take only `partition.<n>` keys, so a move record routes nothing.

@@ -187,7 +187,6 @@ async fn turn(
             return Ok(Turned::Again);
         }
     };
-    *under_way = true;
     let record = &stored.record;
     if let Some(to) = request.to.as_deref()
         && to != record.to
@@ -200,7 +199,12 @@ async fn turn(
         )
         .into());
     }
-    check_databases(databases, record).await?;
+    // Once a run (`begin` checked them for a move it began): the databases named do not change
+    // under it, and a drain's turns come every half second.
+    if !*under_way {
+        check_databases(databases, record).await?;
+    }
+    *under_way = true;
     if request.abort && !aborting(record.step) {
         let aborted = record.abort().map_err(anyhow::Error::from)?;
         if shards

@@ -94,6 +94,24 @@ const LOCKED_OWNER_SQL: &str =
 const LOCK_BOOKS_SQL: &str =
     "SELECT book_id FROM stock_items WHERE book_id = ANY($1) ORDER BY book_id FOR UPDATE";
 
+/// The owner row changes a move makes, each from what the move left ($2, the epoch it left)
+/// to the row it wants ($3, the epoch after), for [`change_owner`]. The fence: `active` to
+/// `fenced`.
+const FENCE_SQL: &str = "\
+UPDATE partition_owner SET state = 'fenced', epoch = $3, changed_at = now()
+WHERE partition_id = $1 AND epoch = $2 AND state = 'active'";
+
+/// The activation on the new shard: `incoming` to `active`.
+const ACTIVATE_SQL: &str = "\
+UPDATE partition_owner SET state = 'active', epoch = $3, changed_at = now()
+WHERE partition_id = $1 AND epoch = $2 AND state = 'incoming'";
+
+/// An abort's unfence on the old shard: `fenced`, or still `active` when the abort came before
+/// the fence, to `active` at the next epoch.
+const UNFENCE_SQL: &str = "\
+UPDATE partition_owner SET state = 'active', epoch = $3, changed_at = now()
+WHERE partition_id = $1 AND epoch = $2 AND state IN ('fenced', 'active')";
+
 /// Sessions idle in a transaction for longer than $2 that block the session $1, directly or
 /// through the sessions waiting between them: a statement queued for a row lock ahead of the
 /// fence is what `pg_blocking_pids` names for the fence, not the idle holder it waits for.
@@ -157,17 +175,11 @@ impl ShardRows {
                 .bind(&books)
                 .execute(&mut *txn)
                 .await?;
-            let fenced = sqlx::query(
-                "UPDATE partition_owner SET state = 'fenced', changed_at = now() \
-                 WHERE partition_id = $1 AND epoch = $2 AND state = 'active'",
-            )
-            .bind(partition_id(partition)?)
-            .bind(epoch)
-            .execute(&mut *txn)
-            .await?;
-            if fenced.rows_affected() == 0 {
-                expect_owner(&mut txn, partition, epoch, OwnerState::Fenced, "fence").await?;
-            }
+            let fenced = OwnerRow {
+                epoch,
+                state: OwnerState::Fenced,
+            };
+            change_owner(&mut txn, FENCE_SQL, partition, epoch, fenced, "fence").await?;
             txn.commit().await?;
             Ok::<_, RowsError>(())
         };
@@ -324,21 +336,12 @@ impl ShardRows {
 
     /// The new shard's owner row `incoming` at `epoch` becomes `active`: it decides from now.
     pub async fn activate(&self, partition: u32, epoch: i64) -> Result<(), RowsError> {
-        let mut connection = self.pool.acquire().await?;
-        let mut txn = connection.begin().await?;
-        let activated = sqlx::query(
-            "UPDATE partition_owner SET state = 'active', changed_at = now() \
-             WHERE partition_id = $1 AND epoch = $2 AND state = 'incoming'",
-        )
-        .bind(partition_id(partition)?)
-        .bind(epoch)
-        .execute(&mut *txn)
-        .await?;
-        if activated.rows_affected() == 0 {
-            expect_owner(&mut txn, partition, epoch, OwnerState::Active, "activation").await?;
-        }
-        txn.commit().await?;
-        Ok(())
+        let active = OwnerRow {
+            epoch,
+            state: OwnerState::Active,
+        };
+        self.change_owner(ACTIVATE_SQL, partition, epoch, active, "activation")
+            .await
     }
 
     /// The old shard's rows of the partition and its owner row deleted, if that row is
@@ -372,27 +375,26 @@ impl ShardRows {
         partition: u32,
         (epoch, new_epoch): (i64, i64),
     ) -> Result<(), RowsError> {
+        let active = OwnerRow {
+            epoch: new_epoch,
+            state: OwnerState::Active,
+        };
+        self.change_owner(UNFENCE_SQL, partition, epoch, active, "the unfence")
+            .await
+    }
+
+    /// [`change_owner`] in a transaction of its own.
+    async fn change_owner(
+        &self,
+        sql: &'static str,
+        partition: u32,
+        epoch: i64,
+        to: OwnerRow,
+        action: &str,
+    ) -> Result<(), RowsError> {
         let mut connection = self.pool.acquire().await?;
         let mut txn = connection.begin().await?;
-        let unfenced = sqlx::query(
-            "UPDATE partition_owner SET state = 'active', epoch = $3, changed_at = now() \
-             WHERE partition_id = $1 AND epoch = $2 AND state IN ('fenced', 'active')",
-        )
-        .bind(partition_id(partition)?)
-        .bind(epoch)
-        .bind(new_epoch)
-        .execute(&mut *txn)
-        .await?;
-        if unfenced.rows_affected() == 0 {
-            expect_owner(
-                &mut txn,
-                partition,
-                new_epoch,
-                OwnerState::Active,
-                "the unfence",
-            )
-            .await?;
-        }
+        change_owner(&mut txn, sql, partition, epoch, to, action).await?;
         txn.commit().await?;
         Ok(())
     }
@@ -621,6 +623,28 @@ async fn locked_owner_row(
     owner_row(connection, partition, LOCKED_OWNER_SQL).await
 }
 
+/// One of the owner row changes above (`sql`), from `epoch` to `to`: changed now, or already
+/// `to` (a repeat of the action), else refused with what the row is.
+async fn change_owner(
+    connection: &mut PgConnection,
+    sql: &'static str,
+    partition: u32,
+    epoch: i64,
+    to: OwnerRow,
+    action: &str,
+) -> Result<(), RowsError> {
+    let changed = sqlx::query(sql)
+        .bind(partition_id(partition)?)
+        .bind(epoch)
+        .bind(to.epoch)
+        .execute(&mut *connection)
+        .await?;
+    if changed.rows_affected() == 0 {
+        expect_owner(connection, partition, to.epoch, to.state, action).await?;
+    }
+    Ok(())
+}
+
 /// The owner row must be `state` at `epoch` for `action` to go on.
 async fn expect_owner(
     connection: &mut PgConnection,
@@ -658,7 +682,7 @@ fn owner_state(state: &str) -> Result<OwnerState, RowsError> {
     }
 }
 
-pub fn state_name(state: OwnerState) -> &'static str {
+fn state_name(state: OwnerState) -> &'static str {
     match state {
         OwnerState::Active => "active",
         OwnerState::Fenced => "fenced",
