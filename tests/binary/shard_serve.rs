@@ -259,7 +259,7 @@ async fn an_instance_whose_database_does_not_own_its_partitions_decides_and_dead
         .map(|book| jetstream::partition_consumer(SERVE_CONSUMER, partition_of(*book, P), P))
         .collect();
     for name in &consumers {
-        deliver_and_nak(&stream, name, 3).await;
+        deliver_and_nak(&stream, name, placements_of(&books, name), 3).await;
     }
     let delivered = || async {
         let mut delivered = 0;
@@ -342,23 +342,46 @@ async fn delivery_count(stream: &async_nats::jetstream::stream::Stream, name: &s
         .consumer_sequence
 }
 
-/// Has the durable consumer `name` deliver each of its messages `times` times, nak'ing each at
-/// once: as instances that could not decide them would.
-async fn deliver_and_nak(stream: &async_nats::jetstream::stream::Stream, name: &str, times: usize) {
+/// Has the durable consumer `name` deliver each of its `count` messages exactly `times` times,
+/// nak'ing each below `times` at once (as instances that could not decide them would) and the
+/// rest at the end. The server handles a nak and the next pull request on separate queues, so a
+/// pull can find a nak'ed message not yet back: rounds of one pull each would miss deliveries.
+/// Holding a message that reached `times` until the end is what keeps it from a further one.
+async fn deliver_and_nak(
+    stream: &async_nats::jetstream::stream::Stream,
+    name: &str,
+    count: u64,
+    times: i64,
+) {
     use async_nats::jetstream::AckKind;
     let consumer: async_nats::jetstream::consumer::PullConsumer =
         stream.get_consumer(name).await.unwrap();
-    for _ in 0..times {
-        let mut batch = consumer
-            .fetch()
-            .max_messages(100)
-            .expires(Duration::from_secs(1))
-            .messages()
-            .await
-            .unwrap();
-        while let Some(Ok(message)) = batch.next().await {
-            message.ack_with(AckKind::Nak(None)).await.unwrap();
+    let mut held = Vec::new();
+    let deliveries = async {
+        while (held.len() as u64) < count {
+            let mut batch = consumer
+                .fetch()
+                .max_messages(100)
+                .expires(Duration::from_secs(1))
+                .messages()
+                .await
+                .unwrap();
+            while let Some(message) = batch.next().await {
+                let message = message.unwrap();
+                if message.info().unwrap().delivered < times {
+                    message.ack_with(AckKind::Nak(None)).await.unwrap();
+                } else {
+                    held.push(message);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    };
+    tokio::time::timeout(Duration::from_secs(30), deliveries)
+        .await
+        .unwrap_or_else(|_| panic!("{name}: {count} messages not delivered {times} times"));
+    for message in held {
+        message.ack_with(AckKind::Nak(None)).await.unwrap();
     }
 }
 
