@@ -22,7 +22,9 @@ pub fn stock_item_from(model: stock_items::Model) -> StockItem {
 pub enum DataError {
     #[error("stored {column} {value} is not valid")]
     Unreadable { column: &'static str, value: String },
-    /// Used only for rows nothing in this crate deletes: only a person can have removed it.
+    /// Used only for rows nothing in this crate deletes while they are its database's to decide
+    /// (a move removes a partition's rows once another database owns it): only a person can
+    /// have removed it.
     #[error("no {table} row, although inserting it conflicted on its key")]
     Vanished { table: &'static str },
     #[error("{column} {value} does not fit its column")]

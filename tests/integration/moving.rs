@@ -12,7 +12,7 @@ use inventory_benches::produce::Produce as _;
 use inventory_domain::shard::{DEFAULT_PARTITIONS, partition_of};
 use inventory_domain::{BookId, Effect, Message, OrderId, Outcome};
 use inventory_infra::shard_move::{OwnerRow, OwnerState, RowsError, ShardRows};
-use inventory_infra::{CrashPoint, HandleError, MessageHandler, NaturalKey};
+use inventory_infra::{CrashPoint, DataError, HandleError, MessageHandler, NaturalKey};
 use inventory_tests::{Backend, TestDb, placed_for};
 use sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 
@@ -187,6 +187,76 @@ async fn a_fence_waits_for_a_placement_ahead_of_it_and_the_copy_holds_its_decisi
         count(&shards.b, "SELECT count(*) FROM stock_reservations").await,
         2
     );
+}
+
+/// A placement whose insert found its key taken by a copy that committed while it waited, and
+/// whose partition then moved away before it read the key again (the old shard's rows removed
+/// after the hand-over): not owned, for the new shard to answer, never a dead letter. With the
+/// partition still owned, a key gone in between is one a person removed: unusable data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_whose_key_moved_away_after_its_insert_conflicted_is_not_owned() {
+    let shards = Shards::new().await;
+    let (on_a, _) = shards.handlers();
+
+    let order = OrderId::new_v7();
+    let removed_by_hand = format!("DELETE FROM stock_reservations WHERE order_id = '{order}'");
+    let gone = key_taken_then(&shards, &on_a, order, &removed_by_hand).await;
+    assert!(
+        matches!(gone, Err(HandleError::Data(DataError::Vanished { .. }))),
+        "{gone:?}"
+    );
+
+    let order = OrderId::new_v7();
+    let moved_away = format!(
+        "DELETE FROM stock_reservations WHERE order_id = '{order}'; \
+         DELETE FROM partition_owner WHERE partition_id = {}",
+        shards.partition
+    );
+    let moved = key_taken_then(&shards, &on_a, order, &moved_away).await;
+    assert!(not_owned(&moved), "{moved:?}");
+}
+
+/// A placement of `order` on shard `a`, queued at its stock row while a copy of its key
+/// commits, so that its insert conflicts; `meanwhile` runs as its statement ends, before it
+/// reads the key again: queued for the reservations table behind the statement, it is granted
+/// the table when the statement commits, ahead of the read that follows.
+async fn key_taken_then(
+    shards: &Shards,
+    handler: &NaturalKey,
+    order: OrderId,
+    meanwhile: &str,
+) -> Result<Outcome, HandleError> {
+    let holder = hold_stock_row(&shards.a, shards.book).await;
+    holder
+        .execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "INSERT INTO stock_reservations (order_id, book_id, quantity, status, message_id, \
+             created_at) VALUES ($1, $2, 1, 'reserved', 'a copy', now())",
+            [order.as_uuid().into(), shards.book.as_uuid().into()],
+        ))
+        .await
+        .unwrap();
+    let in_flight = tokio::spawn({
+        let (handler, placement) = (handler.clone(), placed_for(order, shards.book, 1));
+        async move { handler.handle(&placement).await }
+    });
+    shards.a.wait_for_lock_waiters(1).await;
+    let later = shards.a.conn.begin().await.unwrap();
+    let meanwhile = tokio::spawn({
+        let meanwhile = meanwhile.to_owned();
+        async move {
+            later
+                .execute_unprepared("LOCK TABLE stock_reservations IN ACCESS EXCLUSIVE MODE")
+                .await
+                .unwrap();
+            later.execute_unprepared(&meanwhile).await.unwrap();
+            later.commit().await.unwrap();
+        }
+    });
+    shards.a.wait_for_lock_waiters(2).await;
+    holder.commit().await.unwrap();
+    meanwhile.await.unwrap();
+    in_flight.await.unwrap()
 }
 
 /// A batch queued behind the fence: granted its locks once the partition is fenced, it decides

@@ -486,7 +486,12 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
         .await
         .unwrap()
         .dead_letters;
-    assert_eq!(dlq, 0, "dead letters");
+    assert_eq!(
+        dlq,
+        0,
+        "dead letters: {:#?}",
+        inventory_tests::outbox::stored(&js, &topology.dlq_stream).await
+    );
     assert!(state.settled(), "{state:?}");
 
     eprintln!(

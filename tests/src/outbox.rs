@@ -85,12 +85,13 @@ pub async fn insert(
     }
 }
 
-/// A message in a stream: its subject, `Nats-Msg-Id` and body.
+/// A message in a stream: its subject, `Nats-Msg-Id`, headers and body.
 #[derive(Debug, Clone)]
 pub struct Stored {
     pub stream_sequence: u64,
     pub subject: String,
     pub message_id: String,
+    pub headers: std::collections::BTreeMap<String, String>,
     pub body: bytes::Bytes,
 }
 
@@ -111,6 +112,7 @@ pub async fn stored(js: &Context, stream: &str) -> Vec<Stored> {
             stream_sequence: sequence,
             subject: message.subject.to_string(),
             message_id: headers.get("Nats-Msg-Id").cloned().unwrap_or_default(),
+            headers,
             body: message.payload,
         });
     }

@@ -324,18 +324,9 @@ impl PgNaturalKey {
 
     /// Whether this database owns `book`'s partition: always, unsharded.
     pub(super) async fn owns(&self, book: BookId) -> Result<bool, HandleError> {
-        let Some(partitions) = self.partitions else {
-            return Ok(true);
-        };
-        let partition = shard_partition(book, partitions)?;
-        self.with_connection(async |connection| {
-            sqlx::query_scalar(OWNS_SQL)
-                .bind(partition)
-                .fetch_one(&mut *connection)
-                .await
-                .map_err(HandleError::from_sqlx)
-        })
-        .await
+        let partitions = self.partitions;
+        self.with_connection(async |connection| owns(connection, partitions, book).await)
+            .await
     }
 
     /// One placement, through the statement alone.
@@ -523,10 +514,36 @@ async fn decide_alone(
         .fetch_optional(&mut *connection)
         .await
         .map_err(HandleError::from_sqlx)?;
-    let existing = existing.ok_or(DataError::Vanished {
-        table: "stock_reservations",
-    })?;
-    Ok(second_request(quantity_from(existing)?, placed.quantity))
+    match existing {
+        Some(existing) => Ok(second_request(quantity_from(existing)?, placed.quantity)),
+        // The key was there when the insert conflicted. A move removes a partition's rows from
+        // its old shard after the hand-over: the new owner holds the key now, and decides.
+        None if !owns(connection, partitions, placed.book_id).await? => {
+            Err(HandleError::NotOwned {
+                book: placed.book_id,
+            })
+        }
+        None => Err(DataError::Vanished {
+            table: "stock_reservations",
+        }
+        .into()),
+    }
+}
+
+/// Whether this database owns `book`'s partition: always, unsharded.
+async fn owns(
+    connection: &mut PgConnection,
+    partitions: Option<NonZeroU32>,
+    book: BookId,
+) -> Result<bool, HandleError> {
+    let Some(partitions) = partitions else {
+        return Ok(true);
+    };
+    sqlx::query_scalar(OWNS_SQL)
+        .bind(shard_partition(book, partitions)?)
+        .fetch_one(&mut *connection)
+        .await
+        .map_err(HandleError::from_sqlx)
 }
 
 /// A cancellation in one transaction, its locks in the order of every path: the stock rows of
