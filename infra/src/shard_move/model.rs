@@ -5,7 +5,9 @@
 //! ([`MoveRecord::abort`]), and the stream delivering copies of placements and line
 //! cancellations. The decisions are the move's own code; the statements and compare-and-sets
 //! they lead to are simulated here, each as one atomic step, conditional as [`Action`]'s docs
-//! say.
+//! say. A placement is one statement too, unless its insert finds its key taken by a copy that
+//! committed while it waited for its locks: then it reads the key again in a second statement,
+//! a step of its own that anything may come before.
 //!
 //! The world, in its worst case: every message is delivered more than once, each copy to either
 //! shard at any time (an instance of the shard the assignment names, or one whose view of it
@@ -18,8 +20,8 @@
 //! most one decision per (order, book) across the shards; on the shard that decides, each
 //! book's `reserved` is the sum of its reservations; a line cancellation that came before any
 //! placement of the line wins, across the move; every event is published once, in order per
-//! (order, book); no decision is lost (it stays on a shard that holds the partition); the shard
-//! that decides is the one the assignment names. And within bounds: every run that comes to an
+//! (order, book); nothing is dead-lettered; no decision is lost (it stays on a shard that holds
+//! the partition); the shard that decides is the one the assignment names. And within bounds: every run that comes to an
 //! end ends with the move done or aborted, the assignment's shard deciding and the other shard
 //! holding nothing of the partition.
 //!
@@ -69,6 +71,9 @@ enum Bug {
     RemoveBeforeHandOver,
     /// An abort is taken at any step, and goes on unwinding after a hand-over.
     AbortAfterHandOver,
+    /// A placement's second read of a key its insert found taken takes a key gone since for
+    /// unusable data, without asking whether the partition moved away meanwhile.
+    RereadWithoutOwnership,
 }
 
 /// What the model runs: the world's bounds and the faults.
@@ -175,6 +180,11 @@ struct State {
     placed: BTreeSet<Line>,
     /// Lines whose cancellation was recorded before any placement of them was decided.
     cancelled_first: BTreeSet<Line>,
+    /// Placements on a shard whose insert found their key taken by a copy that committed while
+    /// they waited, between their statement and their second read of the key.
+    rereads: BTreeSet<(Line, usize)>,
+    /// Lines of placements dead-lettered.
+    dead_lettered: BTreeSet<Line>,
     crashes: u8,
     aborts: u8,
 }
@@ -183,6 +193,17 @@ struct State {
 enum Transition {
     Deliver {
         message: usize,
+        shard: usize,
+    },
+    /// A copy of a placement whose key another copy took while it waited for its locks: its
+    /// statement decides nothing, and it reads the key again after.
+    Conflict {
+        message: usize,
+        shard: usize,
+    },
+    /// The second read of a conflicted placement's key.
+    Reread {
+        line: Line,
         shard: usize,
     },
     Publish {
@@ -476,6 +497,12 @@ impl Moving {
                     };
                     Some(format!("{what}->{}", SHARD_NAMES[shard]))
                 }
+                Transition::Conflict { message, shard } => {
+                    Some(format!("conflicted#{message}->{}", SHARD_NAMES[shard]))
+                }
+                Transition::Reread { line, shard } => {
+                    Some(format!("reread{line:?} on {}", SHARD_NAMES[shard]))
+                }
                 Transition::Publish { shard } => Some(format!("relay {}", SHARD_NAMES[shard])),
                 Transition::Read(_) => None,
                 Transition::Act(m) => match &state.movers[m] {
@@ -497,6 +524,18 @@ impl Moving {
 
     fn decider(state: &State) -> Option<usize> {
         state.shards.iter().position(Database::decides)
+    }
+
+    /// Whether a copy of `message` on `shard` can find its key taken by another copy that
+    /// committed while it waited: a placement whose key is there, on a shard that decides (the
+    /// statement asks for the partition before it inserts). Whether its probe, read before
+    /// the wait, saw the key is the interleaving's to choose: `Deliver` is the copy that saw it.
+    fn conflicts(&self, state: &State, message: usize, shard: usize) -> bool {
+        let db = &state.shards[shard];
+        match self.messages[message] {
+            Message::Placed { line, .. } => db.decides() && db.reservations.contains_key(&line),
+            Message::LineCancelled { .. } => false,
+        }
     }
 }
 
@@ -548,6 +587,8 @@ impl Model for Moving {
             decisions: 0,
             placed: BTreeSet::new(),
             cancelled_first: BTreeSet::new(),
+            rereads: BTreeSet::new(),
+            dead_lettered: BTreeSet::new(),
             crashes: self.crashes,
             aborts: self.aborts,
         }]
@@ -561,7 +602,18 @@ impl Model for Moving {
                     shard: FROM,
                 });
                 actions.push(Transition::Deliver { message, shard: TO });
+                for shard in [FROM, TO] {
+                    if self.conflicts(state, message, shard) {
+                        actions.push(Transition::Conflict { message, shard });
+                    }
+                }
             }
+        }
+        for (line, shard) in &state.rereads {
+            actions.push(Transition::Reread {
+                line: *line,
+                shard: *shard,
+            });
         }
         for shard in [FROM, TO] {
             if !state.shards[shard].outbox.is_empty() {
@@ -590,6 +642,23 @@ impl Model for Moving {
             Transition::Deliver { message, shard } => {
                 state.deliveries[message] -= 1;
                 Self::deliver(&mut state, self.messages[message], shard);
+            }
+            Transition::Conflict { message, shard } => {
+                state.deliveries[message] -= 1;
+                if let Message::Placed { line, .. } = self.messages[message] {
+                    state.rereads.insert((line, shard));
+                }
+            }
+            Transition::Reread { line, shard } => {
+                state.rereads.remove(&(line, shard));
+                let db = &state.shards[shard];
+                // Gone where the partition is still decided, only a person can have removed it;
+                // gone where it moved away, it is the new shard's to answer: not owned, a nak.
+                let gone = !db.reservations.contains_key(&line);
+                let unusable = db.decides() || self.bug == Some(Bug::RereadWithoutOwnership);
+                if gone && unusable {
+                    state.dead_lettered.insert(line);
+                }
             }
             Transition::Publish { shard } => {
                 let event = state.shards[shard].outbox.remove(0);
@@ -716,6 +785,9 @@ impl Model for Moving {
                     })
                 },
             ),
+            Property::always("nothing dead-lettered", |_, state: &State| {
+                state.dead_lettered.is_empty()
+            }),
             Property::always("no decision lost", |_, state: &State| {
                 state.placed.iter().all(|line| {
                     state
@@ -873,6 +945,15 @@ fn an_abort_after_the_hand_over_lets_two_shards_decide() {
     }
     .with_bug(Bug::AbortAfterHandOver);
     assert_breaks(model, "at most one shard decides the partition");
+}
+
+/// A copy whose insert conflicted on the old shard reads its key again after the move removed
+/// it there: taken for a person's deletion, it is dead-lettered, though the new shard holds
+/// the key.
+#[test]
+fn a_second_read_that_does_not_ask_for_the_partition_dead_letters_a_moved_key() {
+    let model = Moving::design().with_bug(Bug::RereadWithoutOwnership);
+    assert_breaks(model, "nothing dead-lettered");
 }
 
 /// Every fault at once: two movers, a crash and an abort, a second order competing for the
