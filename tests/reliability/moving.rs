@@ -528,6 +528,10 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
         redelivered,
         events.len(),
     );
+    // Kept after a failure, with the instances' logs, to be read.
+    for db in [a_db, b_db] {
+        db.remove().await.unwrap();
+    }
 }
 
 /// What the rounds did, for the closing line.
