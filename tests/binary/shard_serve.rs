@@ -112,29 +112,17 @@ async fn reserved_books(db: &TestDb) -> BTreeSet<String> {
 
 /// The `Dlq-Reason` of every dead letter stored.
 async fn dead_letter_reasons(js: &jetstream::Context, run: &BinaryRun) -> Vec<String> {
-    let Ok(stream) = js.get_stream(&run.names.dlq_stream).await else {
-        return Vec::new();
-    };
-    let consumer = stream
-        .create_consumer(async_nats::jetstream::consumer::pull::Config::default())
+    inventory_tests::outbox::stored(js, &run.names.dlq_stream)
         .await
-        .unwrap();
-    let mut reasons = Vec::new();
-    let mut batch = consumer
-        .fetch()
-        .max_messages(100)
-        .expires(Duration::from_secs(1))
-        .messages()
-        .await
-        .unwrap();
-    while let Some(Ok(message)) = batch.next().await {
-        let reason = message
-            .headers
-            .as_ref()
-            .and_then(|headers| headers.get("Dlq-Reason"));
-        reasons.push(reason.map_or_else(String::new, |reason| reason.to_string()));
-    }
-    reasons
+        .into_iter()
+        .map(|letter| {
+            letter
+                .headers
+                .get("Dlq-Reason")
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
