@@ -118,8 +118,9 @@ pub enum ShardCommand {
         /// The database of the shard the partition goes to.
         #[arg(long, env = "INVENTORY_TO_DATABASE_URL", value_parser = secret, hide_env_values = true)]
         to_database_url: SecretString,
-        /// How long a session idle in a transaction may block the fence before the fence
-        /// terminates it (the role needs pg_signal_backend, or to be the session's).
+        /// How long a session idle in a transaction may block the fence (or the removal, or an
+        /// abort's drop of the copy) before the mover terminates it (the role needs
+        /// pg_signal_backend, or to be the session's).
         #[arg(long, default_value = shown(IDLE_GRACE), value_parser = humantime::parse_duration)]
         idle_grace: Duration,
         /// How long the partition's consumer stays paused at most (nats-server 2.11 or later):

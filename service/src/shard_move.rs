@@ -466,7 +466,10 @@ async fn act(
             }
         }
         Action::Remove => {
-            let removed = databases.from.remove(partition, epoch).await?;
+            let removed = databases
+                .from
+                .remove(partition, epoch, request.idle_grace)
+                .await?;
             format!(
                 "{} book(s), {} reservation(s), {} line cancellation(s) removed from {}",
                 removed.books, removed.reservations, removed.line_cancellations, record.from
@@ -492,7 +495,10 @@ async fn act(
             format!("{} active again at epoch {new_epoch}", record.from)
         }
         Action::DropCopy => {
-            let dropped = databases.to.drop_copy(partition).await?;
+            let dropped = databases
+                .to
+                .drop_copy(partition, request.idle_grace)
+                .await?;
             format!(
                 "the copy dropped from {}: {} book(s), {} reservation(s)",
                 record.to, dropped.books, dropped.reservations

@@ -169,7 +169,7 @@ async fn a_fence_waits_for_a_placement_ahead_of_it_and_the_copy_holds_its_decisi
             .handle(&placed_for(OrderId::new_v7(), shards.book, 1))
             .await
     ));
-    let removed = rows_a.remove(shards.partition, 1).await.unwrap();
+    let removed = rows_a.remove(shards.partition, 1, GRACE).await.unwrap();
     assert_eq!((removed.books, removed.reservations), (1, 1));
     assert!(not_owned(&on_a.handle(&placement).await));
     assert!(not_owned(&on_a.handle(&newcomer).await));
@@ -461,6 +461,38 @@ async fn a_session_idle_in_a_transaction_that_blocks_the_fence_is_terminated() {
     );
 }
 
+/// The removal and an abort's drop of the copy delete stock rows, which an idle session can
+/// hold as well as it can hold the fence's: each ends it past the grace, as the fence does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_idle_in_a_transaction_that_blocks_the_removal_or_the_drop_is_terminated() {
+    let grace = Duration::from_secs(1);
+    let bounded = Duration::from_secs(20);
+    let shards = Shards::new().await;
+    let (rows_a, rows_b) = shards.rows();
+    rows_a.fence(shards.partition, 1, GRACE).await.unwrap();
+    rows_b
+        .copy_from(&rows_a, shards.partition, (1, 2), "b")
+        .await
+        .unwrap();
+
+    let idle = hold_stock_row(&shards.b, shards.book).await;
+    let dropped = tokio::time::timeout(bounded, rows_b.drop_copy(shards.partition, grace))
+        .await
+        .expect("the drop waited on an idle session past its grace")
+        .unwrap();
+    assert_eq!(dropped.books, 1);
+    assert!(idle.execute_unprepared("SELECT 1").await.is_err());
+
+    shards.copy_and_activate().await;
+    let idle = hold_stock_row(&shards.a, shards.book).await;
+    let removed = tokio::time::timeout(bounded, rows_a.remove(shards.partition, 1, grace))
+        .await
+        .expect("the removal waited on an idle session past its grace")
+        .unwrap();
+    assert_eq!(removed.books, 1);
+    assert!(idle.execute_unprepared("SELECT 1").await.is_err());
+}
+
 /// The idle session can be out of the fence's sight: with a placement queued for the row it
 /// holds, PostgreSQL names that placement, not the idle session, as what blocks the fence. The
 /// fence follows the queue to the idle session and ends it, so the placement goes through,
@@ -534,7 +566,7 @@ async fn each_step_is_refused_unless_the_move_left_what_it_expects_and_repeats_s
     // The abort: unfenced at the next epoch, the copy dropped; then a late copy is refused.
     a.unfence(p, (1, 2)).await.unwrap();
     a.unfence(p, (1, 2)).await.unwrap();
-    b.drop_copy(p).await.unwrap();
+    b.drop_copy(p, GRACE).await.unwrap();
     let late = b.copy_from(&a, p, (1, 2), "b").await;
     assert!(matches!(late, Err(RowsError::Refused(_))), "{late:?}");
     assert_eq!(
@@ -571,10 +603,10 @@ async fn each_step_is_refused_unless_the_move_left_what_it_expects_and_repeats_s
     b.activate(p, 3).await.unwrap();
     let after = b.copy_from(&a, p, (2, 3), "b").await;
     assert!(matches!(after, Err(RowsError::Refused(_))), "{after:?}");
-    let dropped = b.drop_copy(p).await;
+    let dropped = b.drop_copy(p, GRACE).await;
     assert!(matches!(dropped, Err(RowsError::Refused(_))), "{dropped:?}");
-    a.remove(p, 2).await.unwrap();
-    a.remove(p, 2).await.unwrap();
+    a.remove(p, 2, GRACE).await.unwrap();
+    a.remove(p, 2, GRACE).await.unwrap();
     assert_eq!(shards.b.reserved(shards.book).await, 2);
     // The drain's count: the old shard's outbox still holds the two reservations' events (no
     // relay runs here).

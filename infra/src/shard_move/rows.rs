@@ -163,11 +163,7 @@ impl ShardRows {
         epoch: i64,
         idle_grace: Duration,
     ) -> Result<(), RowsError> {
-        let mut connection = self.pool.acquire().await?;
-        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut *connection)
-            .await?;
-        let fence = async {
+        self.ending_idle_blockers("the fence", idle_grace, async |connection| {
             let mut txn = connection.begin().await?;
             no_statement_timeout(&mut txn).await?;
             let books = self.books(&mut txn, partition).await?;
@@ -181,19 +177,41 @@ impl ShardRows {
             };
             change_owner(&mut txn, FENCE_SQL, partition, epoch, fenced, "fence").await?;
             txn.commit().await?;
-            Ok::<_, RowsError>(())
-        };
-        tokio::pin!(fence);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Runs `work` (`what`, for the log) on a connection of its own, terminating each session
+    /// idle in a transaction that has blocked it for longer than `idle_grace`, checked every
+    /// half second: a client stopped mid-transaction would otherwise hold the move for ever.
+    async fn ending_idle_blockers<T>(
+        &self,
+        what: &str,
+        idle_grace: Duration,
+        work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, RowsError>,
+    ) -> Result<T, RowsError> {
+        let mut connection = self.pool.acquire().await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *connection)
+            .await?;
+        let work = work(&mut connection);
+        tokio::pin!(work);
         let mut watch = tokio::time::interval(Duration::from_millis(500));
         loop {
             tokio::select! {
-                fenced = &mut fence => return fenced,
-                _ = watch.tick() => self.end_idle_blockers(pid, idle_grace).await?,
+                done = &mut work => return done,
+                _ = watch.tick() => self.end_idle_blockers(what, pid, idle_grace).await?,
             }
         }
     }
 
-    async fn end_idle_blockers(&self, pid: i32, grace: Duration) -> Result<(), RowsError> {
+    async fn end_idle_blockers(
+        &self,
+        what: &str,
+        pid: i32,
+        grace: Duration,
+    ) -> Result<(), RowsError> {
         let idle: Vec<i32> = sqlx::query_scalar(IDLE_BLOCKERS_SQL)
             .bind(pid)
             .bind(f64::from(
@@ -205,7 +223,7 @@ impl ShardRows {
             tracing::warn!(
                 pid = blocker,
                 ?grace,
-                "a session idle in a transaction blocks the fence: terminating it"
+                "a session idle in a transaction blocks {what}: terminating it"
             );
             sqlx::query("SELECT pg_terminate_backend($1)")
                 .bind(blocker)
@@ -345,27 +363,35 @@ impl ShardRows {
     }
 
     /// The old shard's rows of the partition and its owner row deleted, if that row is
-    /// `fenced` at `epoch`; gone already, nothing to do.
-    pub async fn remove(&self, partition: u32, epoch: i64) -> Result<Moved, RowsError> {
-        let mut connection = self.pool.acquire().await?;
-        let mut txn = connection.begin().await?;
-        no_statement_timeout(&mut txn).await?;
-        let Some(row) = locked_owner_row(&mut txn, partition).await? else {
-            return Ok(Moved::default());
-        };
-        if row
-            != (OwnerRow {
-                epoch,
-                state: OwnerState::Fenced,
-            })
-        {
-            return Err(refused("the removal", partition, row, epoch));
-        }
-        let books = self.books(&mut txn, partition).await?;
-        let removed = delete_books(&mut txn, &books).await?;
-        delete_owner(&mut txn, partition).await?;
-        txn.commit().await?;
-        Ok(removed)
+    /// `fenced` at `epoch`; gone already, nothing to do. Idle sessions that block it are ended
+    /// as the fence ends them.
+    pub async fn remove(
+        &self,
+        partition: u32,
+        epoch: i64,
+        idle_grace: Duration,
+    ) -> Result<Moved, RowsError> {
+        self.ending_idle_blockers("the removal", idle_grace, async |connection| {
+            let mut txn = connection.begin().await?;
+            no_statement_timeout(&mut txn).await?;
+            let Some(row) = locked_owner_row(&mut txn, partition).await? else {
+                return Ok(Moved::default());
+            };
+            if row
+                != (OwnerRow {
+                    epoch,
+                    state: OwnerState::Fenced,
+                })
+            {
+                return Err(refused("the removal", partition, row, epoch));
+            }
+            let books = self.books(&mut txn, partition).await?;
+            let removed = delete_books(&mut txn, &books).await?;
+            delete_owner(&mut txn, partition).await?;
+            txn.commit().await?;
+            Ok(removed)
+        })
+        .await
     }
 
     /// An abort's unfence on the old shard: its owner row at `epoch` (`fenced`, or still
@@ -400,25 +426,32 @@ impl ShardRows {
     }
 
     /// An abort's drop of the copy on the new shard: the partition's rows and owner row
-    /// deleted, unless it is `active` here.
-    pub async fn drop_copy(&self, partition: u32) -> Result<Moved, RowsError> {
-        let mut connection = self.pool.acquire().await?;
-        let mut txn = connection.begin().await?;
-        no_statement_timeout(&mut txn).await?;
-        move_lock(&mut txn, partition).await?;
-        if let Some(row) = locked_owner_row(&mut txn, partition).await?
-            && row.state == OwnerState::Active
-        {
-            return Err(RowsError::Refused(format!(
-                "the drop: partition {partition} is active on the new shard (epoch {})",
-                row.epoch
-            )));
-        }
-        let books = self.books(&mut txn, partition).await?;
-        let dropped = delete_books(&mut txn, &books).await?;
-        delete_owner(&mut txn, partition).await?;
-        txn.commit().await?;
-        Ok(dropped)
+    /// deleted, unless it is `active` here. Idle sessions that block it are ended as the fence
+    /// ends them.
+    pub async fn drop_copy(
+        &self,
+        partition: u32,
+        idle_grace: Duration,
+    ) -> Result<Moved, RowsError> {
+        self.ending_idle_blockers("the drop", idle_grace, async |connection| {
+            let mut txn = connection.begin().await?;
+            no_statement_timeout(&mut txn).await?;
+            move_lock(&mut txn, partition).await?;
+            if let Some(row) = locked_owner_row(&mut txn, partition).await?
+                && row.state == OwnerState::Active
+            {
+                return Err(RowsError::Refused(format!(
+                    "the drop: partition {partition} is active on the new shard (epoch {})",
+                    row.epoch
+                )));
+            }
+            let books = self.books(&mut txn, partition).await?;
+            let dropped = delete_books(&mut txn, &books).await?;
+            delete_owner(&mut txn, partition).await?;
+            txn.commit().await?;
+            Ok(dropped)
+        })
+        .await
     }
 
     /// The partition's books among those this database holds rows of, in order.
