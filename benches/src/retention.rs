@@ -153,7 +153,7 @@ pub fn purge_every(
     settings: PurgeSettings,
     metrics: Option<PurgeMetrics>,
     stop: CancellationToken,
-) -> anyhow::Result<impl Future<Output = ()> + Send + 'static> {
+) -> anyhow::Result<impl Future<Output = anyhow::Result<()>> + Send + 'static> {
     let retention =
         chrono::Duration::from_std(settings.retention).context("--inbox-retention is too large")?;
     Ok(async move {
@@ -164,7 +164,7 @@ pub fn purge_every(
             let batch = settings.batch_size.max(1);
             let purge = purge_completed(&db, &consumer, cutoff, batch, false);
             let Some(purged) = ticks.unless_stopped(purge).await else {
-                return;
+                break;
             };
             match purged {
                 Ok(report) if report.skipped_locked => {
@@ -201,6 +201,7 @@ pub fn purge_every(
                 }
             }
         }
+        Ok(())
     })
 }
 

@@ -95,7 +95,10 @@ pub async fn serve(
     readiness: Readiness,
     stuck_after: Duration,
     stop: CancellationToken,
-) -> anyhow::Result<(SocketAddr, impl Future<Output = ()> + Send + 'static)> {
+) -> anyhow::Result<(
+    SocketAddr,
+    impl Future<Output = anyhow::Result<()>> + Send + 'static,
+)> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the metrics address {addr}"))?;
@@ -112,12 +115,10 @@ pub async fn serve(
             stuck_after,
         });
     let server = async move {
-        let served = axum::serve(listener, app)
+        axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
-            .await;
-        if let Err(error) = served {
-            tracing::error!(%error, "metrics server stopped");
-        }
+            .await
+            .context("serving /metrics")
     };
     tracing::info!(addr = %bound, "serving /metrics, /livez, /readyz and /healthz");
     Ok((bound, server))

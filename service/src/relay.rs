@@ -154,7 +154,11 @@ pub(crate) fn spawn(relay: Relay, background: &mut Background) {
         holder = relay.holder(),
         "relaying the outbox"
     );
-    background.spawn(RELAY, relay.run(background.after_main()));
+    let stop = background.after_main();
+    background.spawn(RELAY, async move {
+        relay.run(stop).await;
+        Ok(())
+    });
 }
 
 /// `inventory relay`: publishes the outbox until SIGINT or SIGTERM. Ok(true) when it stopped

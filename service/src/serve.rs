@@ -276,11 +276,11 @@ async fn watch_dead_letters(
     replay_allowance: Duration,
     metrics: Metrics,
     stop: CancellationToken,
-) {
+) -> anyhow::Result<()> {
     let mut ticks = Every::new(DEAD_LETTER_INTERVAL, stop);
     while ticks.tick().await {
         let Some(read) = ticks.unless_stopped(letters.waiting(&consumer)).await else {
-            return;
+            break;
         };
         match read {
             Ok(waiting) => {
@@ -300,6 +300,7 @@ async fn watch_dead_letters(
             Err(error) => tracing::debug!(%error, "reading the dead letters"),
         }
     }
+    Ok(())
 }
 
 /// `inventory serve`: the natural key until a signal. Ok(true) when it drained cleanly.
@@ -690,11 +691,7 @@ pub async fn start_with<S: Served>(args: ServeArgs, served: S) -> anyhow::Result
     if let Some(shard) = shard {
         tracing::info!(shard = %shard.name, partitions = ?shard.assigned, "serving a shard");
         let stop = background.graceful();
-        background.spawn("shard-watcher", async move {
-            if let Err(error) = watch_assignment(shard, stop).await {
-                tracing::error!(%error, "the shard's assignment");
-            }
-        });
+        background.spawn("shard-watcher", watch_assignment(shard, stop));
     }
     readiness.ready(client.clone(), &db);
     // The relay and the background tasks must run as long as the lanes: one that ends stops

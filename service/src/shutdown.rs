@@ -6,8 +6,8 @@
 //!   root cancels the child, so whatever waits on the graceful stop also sees the immediate one.
 //! - [`Background`]: every task a command runs beside its main work (the health server, the
 //!   relay, the watchers, the study's purge) is spawned on its one `JoinSet`, under a name. Each
-//!   one's end is looked at: one that ends before the first signal, or panics at any time, fails
-//!   the process. (A `JoinSet` rather than a `TaskTracker`: the tracker does not say how a task
+//!   one's end is looked at: one that ends before the first signal, or fails or panics at any
+//!   time, fails the process, with what it said. (A `JoinSet` rather than a `TaskTracker`: the tracker does not say how a task
 //!   ended.)
 //! - `Background::finish`: the exit path of both commands: the main work ends (or a task
 //!   fails, which stops it), then the tasks stop, then the NATS connection drains, each within
@@ -94,7 +94,7 @@ pub struct Background {
     /// Cancelled once the main work ended: what must outlive it (the relay's last pass, the
     /// health server) stops on this rather than on the first signal.
     after_main: CancellationToken,
-    tasks: JoinSet<()>,
+    tasks: JoinSet<anyhow::Result<()>>,
     names: HashMap<Id, &'static str>,
 }
 
@@ -131,9 +131,13 @@ impl Background {
         self.shutdown.graceful.clone()
     }
 
-    /// Runs `task` until it stops on one of the tokens above; `name` is what the logs and
-    /// `inventory_task_failures_total` call it.
-    pub fn spawn(&mut self, name: &'static str, task: impl Future<Output = ()> + Send + 'static) {
+    /// Runs `task` until it stops on one of the tokens above, or fails; `name` is what the
+    /// logs and `inventory_task_failures_total` call it.
+    pub fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = anyhow::Result<()>> + Send + 'static,
+    ) {
         let id = self.tasks.spawn(task).id();
         self.names.insert(id, name);
     }
@@ -142,13 +146,13 @@ impl Background {
         self.names.get(&id).copied().unwrap_or("task")
     }
 
-    /// Resolves when a task ends before the first signal, or panics: its name, and why; never
-    /// while all run.
+    /// Resolves when a task ends before the first signal, or fails, or panics: its name, and
+    /// why; never while all run.
     async fn ended_early(&mut self) -> (&'static str, String) {
         loop {
             match self.tasks.join_next_with_id().await {
-                Some(Ok(_)) if self.shutdown.graceful.is_cancelled() => {}
-                Some(Ok((id, ()))) => return (self.name(id), early_end(Ok(()))),
+                Some(Ok((_, Ok(())))) if self.shutdown.graceful.is_cancelled() => {}
+                Some(Ok((id, ended))) => return (self.name(id), early_end(Ok(ended))),
                 Some(Err(error)) => return (self.name(error.id()), early_end(Err(error))),
                 None => std::future::pending::<()>().await,
             }
@@ -197,7 +201,10 @@ impl Background {
         loop {
             tokio::select! {
                 ended = self.tasks.join_next_with_id() => match ended {
-                    Some(Ok(_)) => {}
+                    Some(Ok((_, Ok(())))) => {}
+                    Some(Ok((id, failed))) => {
+                        failures.push(format!("{} {}", self.name(id), early_end(Ok(failed))));
+                    }
                     Some(Err(error)) => {
                         let name = self.name(error.id());
                         failures.push(format!("{name} {}", early_end(Err(error))));
@@ -215,6 +222,9 @@ impl Background {
                 Err(error) => {
                     let name = self.name(error.id());
                     failures.push(format!("{name} {}", early_end(Err(error))));
+                }
+                Ok((id, failed @ Err(_))) => {
+                    failures.push(format!("{} {}", self.name(id), early_end(Ok(failed))));
                 }
                 Ok(_) => {}
             }
@@ -247,9 +257,10 @@ async fn drain(client: &jetstream::Client, immediate: &CancellationToken) -> boo
 
 /// Why a task of the service (a lane, the relay) ended while it should have run, from what its
 /// join handle gave.
-pub(crate) fn early_end(ended: Result<(), JoinError>) -> String {
+pub(crate) fn early_end(ended: Result<anyhow::Result<()>, JoinError>) -> String {
     match ended {
-        Ok(()) => "returned while the service ran".to_owned(),
+        Ok(Ok(())) => "returned while the service ran".to_owned(),
+        Ok(Err(error)) => format!("failed: {error:#}"),
         Err(error) => match error.try_into_panic() {
             Ok(panic) => format!("panicked: {}", panic_text(panic.as_ref())),
             Err(error) => format!("was cancelled: {error}"),
@@ -271,9 +282,10 @@ mod tests {
     use super::*;
 
     /// Runs until `stop`, then ends, or panics.
-    async fn until(stop: CancellationToken, panics: bool) {
+    async fn until(stop: CancellationToken, panics: bool) -> anyhow::Result<()> {
         stop.cancelled().await;
         assert!(!panics, "a bug met while stopping");
+        Ok(())
     }
 
     /// A shutdown with no timeout to speak of: the tests cancel its tokens themselves.
@@ -294,6 +306,33 @@ mod tests {
             failures[0].starts_with("the panicking one panicked: a bug met while stopping"),
             "{failures:?}"
         );
+        assert!(abandoned.is_empty(), "{abandoned:?}");
+    }
+
+    /// What a failed task said is the failure's reason, before the first signal and while
+    /// stopping alike.
+    #[tokio::test]
+    async fn a_task_that_fails_is_reported_with_what_it_said() {
+        let shutdown = shutdown();
+        let mut background = Background::new(&shutdown);
+        background.spawn("the watcher", async {
+            anyhow::bail!("the partitions changed")
+        });
+        let why = tokio::time::timeout(Duration::from_secs(5), background.ended_early())
+            .await
+            .expect("reported at once");
+        assert_eq!(
+            why,
+            ("the watcher", "failed: the partitions changed".to_owned())
+        );
+
+        let stop = background.after_main();
+        background.spawn("the relay", async move {
+            stop.cancelled().await;
+            anyhow::bail!("its last pass failed")
+        });
+        let (failures, abandoned) = background.stop().await;
+        assert_eq!(failures, ["the relay failed: its last pass failed"]);
         assert!(abandoned.is_empty(), "{abandoned:?}");
     }
 
@@ -318,7 +357,7 @@ mod tests {
     async fn a_task_that_ends_before_the_first_signal_is_reported_and_one_after_is_not() {
         let shutdown = shutdown();
         let mut background = Background::new(&shutdown);
-        background.spawn("the purge", async {});
+        background.spawn("the purge", async { Ok(()) });
         let why = tokio::time::timeout(Duration::from_secs(5), background.ended_early())
             .await
             .expect("reported at once");

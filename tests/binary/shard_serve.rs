@@ -841,6 +841,54 @@ async fn three_shards_decide_what_one_database_decides() {
     }
 }
 
+/// An instance whose shard's partitions change stops (exit 1) for its supervisor to start it
+/// again on the new assignment, and says why in its error line, not only in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_shards_partitions_change_exits_1_saying_so() {
+    let Some((_server, run)) = sharded("an_instance_whose_partitions_change", "info").await else {
+        return;
+    };
+    let url = run.database_url.clone();
+    run_on(
+        &run,
+        &url,
+        &["shard", "assign", "--partitions", "0-3", "--to", "a"],
+    );
+    // Its log in a file, read while it runs: the assignment changes once it serves.
+    let log_path = std::env::temp_dir().join(format!(
+        "inventory-reassigned-{}.log",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let instance = run
+        .command(&[&SMALL[..], &["--shard", "a"]].concat())
+        .env("DATABASE_URL", &url)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    eventually("the instance serving its shard", || async {
+        log().contains("serving a shard")
+    })
+    .await;
+    run_on(
+        &run,
+        &url,
+        &["shard", "assign", "--partitions", "4", "--to", "a"],
+    );
+    let (status, _) = binary::ended(instance);
+    let log = log();
+    let _ = std::fs::remove_file(&log_path);
+    assert_eq!(status.code(), Some(1), "{log}");
+    // The process's error line, after the log's.
+    assert!(
+        log.lines().any(|line| line
+            == "error: shard-watcher failed: the partitions of shard a changed from [0, 1, 2, 3] \
+                to [0, 1, 2, 3, 4]: restart to serve them"),
+        "{log}"
+    );
+}
+
 /// An instance whose watch of the assignment breaks (no heartbeat for twice its interval: the
 /// server stalled, or the instance's own host) opens it again and serves on: a broken watch is
 /// no reason to restart the process.

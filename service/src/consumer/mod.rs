@@ -270,7 +270,7 @@ impl ConsumerRuntime {
         metrics: ConsumerMetrics,
         every: Duration,
         stop: CancellationToken,
-    ) -> impl Future<Output = ()> + Send + 'static {
+    ) -> impl Future<Output = anyhow::Result<()>> + Send + 'static {
         let mut consumer = self.consumer.clone();
         async move {
             let mut ticks = Every::new(every, stop);
@@ -280,6 +280,7 @@ impl ConsumerRuntime {
                     Err(error) => tracing::debug!(%error, "reading the consumer's lag"),
                 }
             }
+            Ok(())
         }
     }
 
