@@ -265,17 +265,10 @@ impl ShardRows {
         let mut connection = self.pool.acquire().await?;
         let mut txn = connection.begin().await?;
         no_statement_timeout(&mut txn).await?;
-        move_lock(&mut txn, partition).await?;
-        // Locked until the copy commits: an activation (which takes no move lock) that came
-        // in between the check and the owner row's upsert below would be undone by it.
-        if let Some(row) = locked_owner_row(&mut txn, partition).await?
-            && row.state == OwnerState::Active
-        {
-            return Err(RowsError::Refused(format!(
-                "the copy: partition {partition} is active on the new shard (epoch {})",
-                row.epoch
-            )));
-        }
+        // The owner row locked until the copy commits: an activation (which takes no move
+        // lock) that came in between the check and the owner row's upsert below would be undone
+        // by it.
+        lock_unless_active(&mut txn, partition, "the copy").await?;
         let rows = old.read_fenced(partition, epoch).await?;
         let mut stale = self.books(&mut txn, partition).await?;
         stale.extend(rows.stock.iter().map(|stock| stock.0));
@@ -436,15 +429,7 @@ impl ShardRows {
         self.ending_idle_blockers("the drop", idle_grace, async |connection| {
             let mut txn = connection.begin().await?;
             no_statement_timeout(&mut txn).await?;
-            move_lock(&mut txn, partition).await?;
-            if let Some(row) = locked_owner_row(&mut txn, partition).await?
-                && row.state == OwnerState::Active
-            {
-                return Err(RowsError::Refused(format!(
-                    "the drop: partition {partition} is active on the new shard (epoch {})",
-                    row.epoch
-                )));
-            }
+            lock_unless_active(&mut txn, partition, "the drop").await?;
             let books = self.books(&mut txn, partition).await?;
             let dropped = delete_books(&mut txn, &books).await?;
             delete_owner(&mut txn, partition).await?;
@@ -647,6 +632,25 @@ async fn owner_row(
         })
     })
     .transpose()
+}
+
+/// On the new shard: the move's lock, and the owner row locked until commit, refused where the
+/// partition is `active` (`what`, the copy or the drop, would undo the decisions made there).
+async fn lock_unless_active(
+    connection: &mut PgConnection,
+    partition: u32,
+    what: &str,
+) -> Result<(), RowsError> {
+    move_lock(connection, partition).await?;
+    if let Some(row) = locked_owner_row(connection, partition).await?
+        && row.state == OwnerState::Active
+    {
+        return Err(RowsError::Refused(format!(
+            "{what}: partition {partition} is active on the new shard (epoch {})",
+            row.epoch
+        )));
+    }
+    Ok(())
 }
 
 async fn locked_owner_row(
