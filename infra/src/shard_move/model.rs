@@ -28,12 +28,12 @@
 //! The bounds: one partition holding one book with one copy on hand; an order line's placement
 //! and its line cancellation, each delivered twice; one mover. The bounded checks are tests,
 //! the design's with one fault each (in a debug build, on a busy two-core machine):
-//! redeliveries alone, with a second order's placement competing for the copy (51,535 states,
-//! 10,977 unique, 0.5 s); that and a crash of the mover (129,415 states, 2 s); that and an
-//! abort (313,081, 4 s); a second mover (101,527, 1 s); a second mover and an abort, each
-//! message delivered once (154,166, 2 s). Each of the four deliberate bugs is found in under a
-//! second. The deeper run, two movers, a crash and an abort together with the competing order
-//! (21,693,294 states, 3,372,072 unique, 4.5 to 6 minutes), runs with
+//! redeliveries alone, with a second order's placement competing for the copy (114,013 states,
+//! 22,749 unique, 1 s); that and a crash of the mover (285,359 states, 2 s); that and an abort
+//! (661,741, 5 s); a second mover (152,569, 1 s); a second mover and an abort, each message
+//! delivered once (154,166, 1 s). Each of the five deliberate bugs is found in under a second.
+//! The deeper run, two movers, a crash and an abort together with the competing order
+//! (46,523,570 states, 6,803,228 unique, 4 minutes), runs with
 //! `cargo test -p inventory-infra --lib shard_move::model -- --ignored --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
