@@ -7,8 +7,8 @@
 //! - [`Background`]: every task a command runs beside its main work (the health server, the
 //!   relay, the watchers, the study's purge) is spawned on its one `JoinSet`, under a name. Each
 //!   one's end is looked at: one that ends before the first signal, or fails or panics at any
-//!   time, fails the process, with what it said. (A `JoinSet` rather than a `TaskTracker`: the tracker does not say how a task
-//!   ended.)
+//!   time, fails the process, with what it said. (A `JoinSet` rather than a `TaskTracker`: the
+//!   tracker does not say how a task ended.)
 //! - `Background::finish`: the exit path of both commands: the main work ends (or a task
 //!   fails, which stops it), then the tasks stop, then the NATS connection drains, each within
 //!   the immediate stop.
@@ -201,14 +201,7 @@ impl Background {
         loop {
             tokio::select! {
                 ended = self.tasks.join_next_with_id() => match ended {
-                    Some(Ok((_, Ok(())))) => {}
-                    Some(Ok((id, failed))) => {
-                        failures.push(format!("{} {}", self.name(id), early_end(Ok(failed))));
-                    }
-                    Some(Err(error)) => {
-                        let name = self.name(error.id());
-                        failures.push(format!("{name} {}", early_end(Err(error))));
-                    }
+                    Some(ended) => failures.extend(self.failure(ended)),
                     None => return (failures, Vec::new()),
                 },
                 () = self.shutdown.immediate.cancelled() => break,
@@ -219,17 +212,20 @@ impl Background {
         while let Some(ended) = self.tasks.join_next_with_id().await {
             match ended {
                 Err(error) if error.is_cancelled() => abandoned.push(self.name(error.id())),
-                Err(error) => {
-                    let name = self.name(error.id());
-                    failures.push(format!("{name} {}", early_end(Err(error))));
-                }
-                Ok((id, failed @ Err(_))) => {
-                    failures.push(format!("{} {}", self.name(id), early_end(Ok(failed))));
-                }
-                Ok(_) => {}
+                ended => failures.extend(self.failure(ended)),
             }
         }
         (failures, abandoned)
+    }
+
+    /// Why a task that ended while stopping failed (its name first), if it did.
+    fn failure(&self, ended: Result<(Id, anyhow::Result<()>), JoinError>) -> Option<String> {
+        let (id, ended) = match ended {
+            Ok((_, Ok(()))) => return None,
+            Ok((id, failed)) => (id, Ok(failed)),
+            Err(error) => (error.id(), Err(error)),
+        };
+        Some(format!("{} {}", self.name(id), early_end(ended)))
     }
 }
 
