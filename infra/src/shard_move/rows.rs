@@ -378,9 +378,7 @@ impl ShardRows {
             {
                 return Err(refused("the removal", partition, row, epoch));
             }
-            let books = self.books(&mut txn, partition).await?;
-            let removed = delete_books(&mut txn, &books).await?;
-            delete_owner(&mut txn, partition).await?;
+            let removed = self.delete_partition(&mut txn, partition).await?;
             txn.commit().await?;
             Ok(removed)
         })
@@ -430,13 +428,26 @@ impl ShardRows {
             let mut txn = connection.begin().await?;
             no_statement_timeout(&mut txn).await?;
             lock_unless_active(&mut txn, partition, "the drop").await?;
-            let books = self.books(&mut txn, partition).await?;
-            let dropped = delete_books(&mut txn, &books).await?;
-            delete_owner(&mut txn, partition).await?;
+            let dropped = self.delete_partition(&mut txn, partition).await?;
             txn.commit().await?;
             Ok(dropped)
         })
         .await
+    }
+
+    /// The partition's rows and its owner row deleted: what the removal and the drop end with.
+    async fn delete_partition(
+        &self,
+        txn: &mut Transaction<'_, Postgres>,
+        partition: u32,
+    ) -> Result<Moved, RowsError> {
+        let books = self.books(txn, partition).await?;
+        let deleted = delete_books(txn, &books).await?;
+        sqlx::query("DELETE FROM partition_owner WHERE partition_id = $1")
+            .bind(partition_id(partition)?)
+            .execute(&mut **txn)
+            .await?;
+        Ok(deleted)
     }
 
     /// The partition's books among those this database holds rows of, in order.
@@ -585,17 +596,6 @@ async fn delete_books(
         reservations: count(reservations),
         line_cancellations: count(line_cancellations),
     })
-}
-
-async fn delete_owner(
-    txn: &mut Transaction<'_, Postgres>,
-    partition: u32,
-) -> Result<(), RowsError> {
-    sqlx::query("DELETE FROM partition_owner WHERE partition_id = $1")
-        .bind(partition_id(partition)?)
-        .execute(&mut **txn)
-        .await?;
-    Ok(())
 }
 
 /// A move's statements wait for locks and copy whole partitions: the connection's
