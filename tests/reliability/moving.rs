@@ -42,8 +42,7 @@ use futures::StreamExt as _;
 use inventory_benches::produce::Produce as _;
 use inventory_benches::workload::SplitMix64;
 use inventory_domain::shard::partition_of;
-use inventory_domain::{BookId, Message, OrderId, StockItem};
-use inventory_infra::StockRepository;
+use inventory_domain::{BookId, Message, OrderId};
 use inventory_infra::db::DatabaseConnection;
 use inventory_infra::jetstream::{self, Shards, Topology, partition_consumer, shards_bucket};
 use inventory_infra::shard_move::{MoveRecord, Step};
@@ -55,7 +54,9 @@ use sea_orm::{ConnectionTrait as _, DbBackend, Statement, TransactionTrait as _}
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::support::{Instance, Scenario, fresh_with_books_where, seed, wait_until_empty};
+use crate::support::{
+    Instance, Scenario, fresh_with_books_where, seed, stock_books, wait_until_empty,
+};
 
 const PARTITIONS: NonZeroU32 = NonZeroU32::new(4).unwrap();
 /// The partitions that move, alternately; 0 stays on a and 3 on b.
@@ -118,13 +119,7 @@ async fn partitions_move_back_and_forth_under_load_with_movers_killed_at_every_s
             .take(BOOKS_PER_PARTITION)
             .collect();
         let db = if partition < 2 { &a_db } else { &b_db };
-        let stock = StockRepository::new(db.conn.clone());
-        for &book in &of_it {
-            stock
-                .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
-                .await
-                .unwrap();
-        }
+        stock_books(&db.conn, &of_it).await;
         books.insert(partition, of_it);
     }
     let all_books: Vec<BookId> = (0..PARTITIONS.get())

@@ -622,14 +622,19 @@ pub(crate) async fn fresh_with_books_where(
         .filter(|book| wanted(*book))
         .take(books)
         .collect();
-    let stock = StockRepository::new(fresh.conn.clone());
-    for &book in &ids {
+    stock_books(&fresh.conn, &ids).await;
+    (fresh, ids)
+}
+
+/// A million copies of each of `books` on hand in `conn`'s database: more than any test takes.
+pub(crate) async fn stock_books(conn: &DatabaseConnection, books: &[BookId]) {
+    let stock = StockRepository::new(conn.clone());
+    for &book in books {
         stock
             .put(&StockItem::new(book, "Dune", 1_000_000).unwrap())
             .await
             .unwrap();
     }
-    (fresh, ids)
 }
 
 /// Polls until `table` holds no row (parked ones included); fails after `limit`.
